@@ -1,0 +1,226 @@
+"""Lock keys: bind a call to its signature, encode it canonically, hash it.
+
+The same logical call must give the same key on the caller and on the worker,
+whatever the form of the call and whatever the serializer did to the values on
+the way. So:
+
+* arguments are bound to the function's signature and defaults applied:
+  ``f(1)``, ``f(1, b=2)`` and ``f(a=1, b=2)`` are one call;
+* values carry their type (``1`` and ``"1"`` differ, so do ``True`` and ``1``);
+* what JSON cannot tell apart is not told apart here either: a tuple is a list,
+  a dict's keys are compared as JSON writes them (``{1: x}`` == ``{"1": x}``);
+* UUID, datetime, date, time, Decimal and bytes have one form each, and kombu's
+  JSON serializer brings each back as the same type;
+* dicts and sets are ordered by their encoded members, so insertion order never
+  matters.
+
+Only a fixed-size digest reaches Redis: no raw argument appears in a key.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import inspect
+import uuid
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any, Callable, Optional, Sequence, Union
+
+from .exceptions import ConfigurationError, KeyEncodingError
+
+KeySpec = Union[None, str, Sequence[str], Callable[..., Any]]
+
+_DIGEST_SIZE = 16  # bytes; 32 hex characters in the key
+
+
+class _Unencodable(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _json_key(key: Any) -> str:
+    """A dict key as JSON would write it; what the worker will see."""
+    if isinstance(key, str):
+        return key
+    if key is True:
+        return "true"
+    if key is False:
+        return "false"
+    if key is None:
+        return "null"
+    if isinstance(key, int):
+        return str(int(key))
+    if isinstance(key, float):
+        return repr(key)
+    raise _Unencodable(f"a dict key of type {type(key).__name__}")
+
+
+def _encode(value: Any, out: list[str]) -> None:
+    # Order of checks matters: bool is an int, datetime is a date.
+    if value is None:
+        out.append("n")
+    elif value is True:
+        out.append("t")
+    elif value is False:
+        out.append("f")
+    elif isinstance(value, str):
+        out.append(f"s{len(value)}:{value}")
+    elif isinstance(value, int):
+        out.append(f"i{int(value)};")
+    elif isinstance(value, float):
+        out.append(f"d{value!r};")
+    elif isinstance(value, (list, tuple)):
+        out.append(f"l{len(value)}[")
+        for item in value:
+            _encode(item, out)
+        out.append("]")
+    elif isinstance(value, Mapping):
+        items = []
+        for k, v in value.items():
+            part: list[str] = []
+            _encode(v, part)
+            items.append((_json_key(k), "".join(part)))
+        items.sort()
+        out.append(f"m{len(items)}{{")
+        for k, v in items:
+            out.append(f"s{len(k)}:{k}")
+            out.append(v)
+        out.append("}")
+    elif isinstance(value, (set, frozenset)):
+        members = []
+        for item in value:
+            part = []
+            _encode(item, part)
+            members.append("".join(part))
+        members.sort()
+        out.append(f"e{len(members)}{{")
+        out.extend(members)
+        out.append("}")
+    elif isinstance(value, uuid.UUID):
+        out.append(f"u{value.hex};")
+    elif isinstance(value, dt.datetime):
+        out.append(f"T{value.isoformat()};")
+    elif isinstance(value, dt.date):
+        out.append(f"D{value.isoformat()};")
+    elif isinstance(value, dt.time):
+        out.append(f"H{value.isoformat()};")
+    elif isinstance(value, Decimal):
+        # 1.10 and 1.1 are one amount.
+        text = str(value.normalize()) if value.is_finite() else str(value)
+        out.append(f"x{text};")
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        out.append(f"y{len(raw)}:{raw.hex()}")
+    else:
+        raise _Unencodable(f"values of type {type(value).__name__} have no canonical form")
+
+
+def encode_value(value: Any) -> str:
+    """The canonical text of one value (raises ``_Unencodable``)."""
+    out: list[str] = []
+    _encode(value, out)
+    return "".join(out)
+
+
+def digest(parts: Sequence[str]) -> str:
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    for part in parts:
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.hexdigest()
+
+
+class LockKeys:
+    """Every Redis key of one lock, sharing one Redis Cluster hash tag.
+
+    ``base``  what users see as ``self.singleton.key``
+    ``lock``  hash: the owner record, with the lease as its TTL
+    ``fence`` string: the last fencing token granted for this key
+    ``fin``   string: task id whose execution finished while a copy waited
+    """
+
+    __slots__ = ("base", "fence", "fin", "lock")
+
+    def __init__(self, prefix: str, hexdigest: str) -> None:
+        self.base = f"{prefix}{{{hexdigest}}}"
+        self.lock = f"{self.base}:lock"
+        self.fence = f"{self.base}:fence"
+        self.fin = f"{self.base}:fin"
+
+    def __repr__(self) -> str:
+        return f"LockKeys({self.base!r})"
+
+
+class KeyBuilder:
+    """Builds the lock keys of one task; the signature is inspected once."""
+
+    def __init__(
+        self, task_name: str, func: Callable[..., Any], spec: KeySpec, prefix: str
+    ) -> None:
+        self.task_name = task_name
+        self.prefix = prefix
+        self._callable: Optional[Callable[..., Any]] = None
+        self._names: Optional[tuple[str, ...]] = None
+        try:
+            self.signature: Optional[inspect.Signature] = inspect.signature(func)
+        except (TypeError, ValueError):  # builtins and C functions
+            self.signature = None
+        if spec is None:
+            pass
+        elif callable(spec):
+            self._callable = spec
+        else:
+            names = (spec,) if isinstance(spec, str) else tuple(spec)
+            if not names or not all(isinstance(n, str) for n in names):
+                raise ConfigurationError(
+                    "singleton_key",
+                    f"task {task_name!r}: expected argument names, a function or None, "
+                    f"got {spec!r}",
+                )
+            params = self.signature.parameters if self.signature else {}
+            missing = [n for n in names if n not in params]
+            if missing:
+                raise ConfigurationError(
+                    "singleton_key",
+                    f"task {task_name!r} has no argument named {', '.join(map(repr, missing))} "
+                    f"(its arguments: {', '.join(params) or 'none'})",
+                )
+            self._names = names
+
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if self.signature is None:
+            return {"*args": list(args), "**kwargs": dict(kwargs)}
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise KeyEncodingError(self.task_name, "*", f"the call does not fit: {exc}") from None
+        bound.apply_defaults()
+        return bound.arguments
+
+    def keys(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKeys:
+        parts = [self.task_name]
+        if self._callable is not None:
+            try:
+                value = self._callable(*args, **kwargs)
+            except Exception as exc:
+                raise KeyEncodingError(
+                    self.task_name, "singleton_key", f"the key function raised {exc!r}"
+                ) from exc
+            try:
+                parts.append(encode_value(value))
+            except _Unencodable as exc:
+                raise KeyEncodingError(
+                    self.task_name, "singleton_key", f"the key function returned {exc.reason}"
+                ) from None
+            return LockKeys(self.prefix, digest(parts))
+        arguments = self._bind(args, kwargs)
+        names = self._names if self._names is not None else tuple(arguments)
+        for name in names:
+            try:
+                parts.append(f"{name}={encode_value(arguments[name])}")
+            except _Unencodable as exc:
+                raise KeyEncodingError(self.task_name, name, exc.reason) from None
+        return LockKeys(self.prefix, digest(parts))

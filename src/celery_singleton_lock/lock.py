@@ -1,0 +1,330 @@
+"""The lock engine: acquire, release, renew and hand off over redis-py.
+
+Every Redis call of the library goes through :class:`LockEngine`. The Lua
+scripts in ``lua/`` do compare-then-act on the execution id, so nobody frees or
+extends a lock that is no longer theirs; each is registered once and called by
+SHA (one round trip).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Optional, Sequence
+
+import redis
+from redis.commands.core import Script
+
+from .config import SingletonConfig
+from .exceptions import LockLostError
+from .keys import LockKeys
+
+logger = logging.getLogger("celery_singleton_lock")
+
+ACQUIRED, HELD, SAME_TASK, FINISHED = 1, 0, 2, 3
+FENCE_TTL_MS = 24 * 3600 * 1000
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _host_key() -> str:
+    """Identifies the pid namespace of this process: same key, same meaning of a pid."""
+    boot = _read("/proc/sys/kernel/random/boot_id") or socket.gethostname()
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = "0"
+    return f"{boot}:{ns}"
+
+
+HOST_KEY = _host_key()
+
+
+def pid_alive(pid: int) -> bool:
+    """True unless ``pid`` is surely gone (a zombie counts as gone)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = _read(f"/proc/{pid}/stat")
+    if stat:
+        # "pid (comm) S ...": the state follows the last parenthesis
+        state = stat.rsplit(")", 1)[-1].split()[:1]
+        if state and state[0] in ("Z", "X"):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Holder:
+    task_id: str
+    exec_id: str
+    host_key: str
+    pid: int
+    hostname: str
+
+    def provably_dead(self) -> bool:
+        """Its process ran in our pid namespace and no longer exists."""
+        return self.host_key == HOST_KEY and self.pid > 0 and not pid_alive(self.pid)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int
+    token: int = 0
+    holder: Optional[Holder] = None
+
+
+class SingletonLock:
+    """What a running task sees as ``self.singleton``.
+
+    ``key``     the lock's key (a hash: no argument value in it)
+    ``token``   fencing token, increasing with every grant of this key (0: no lock)
+    ``lost``    true once the lock is known or presumed no longer ours
+    ``check()`` raises :class:`LockLostError` when ``lost``
+    """
+
+    __slots__ = (
+        "_deadline",
+        "_lost_reason",
+        "exec_id",
+        "handed_off",
+        "held",
+        "key",
+        "keys",
+        "lease",
+        "task_id",
+        "task_name",
+        "token",
+    )
+
+    def __init__(
+        self,
+        keys: LockKeys,
+        *,
+        task_id: str = "",
+        task_name: str = "",
+        exec_id: str = "",
+        token: int = 0,
+        lease: float = 0.0,
+        started: float = 0.0,
+        held: bool = False,
+    ) -> None:
+        self.keys = keys
+        self.key = keys.base
+        self.task_id = task_id
+        self.task_name = task_name
+        self.exec_id = exec_id
+        self.token = token
+        self.lease = lease
+        self.held = held
+        self.handed_off = False
+        # The lease counts from before the request left: a conservative deadline.
+        self._deadline = started + lease if held else float("inf")
+        self._lost_reason: Optional[str] = None
+
+    @property
+    def lost(self) -> bool:
+        if self._lost_reason is not None:
+            return True
+        if self.held and time.monotonic() > self._deadline:
+            self.mark_lost("lease ran out before it could be renewed")
+            return True
+        return False
+
+    def check(self) -> None:
+        """Raise :class:`LockLostError` if this execution may no longer hold the lock."""
+        if self.lost:
+            raise LockLostError(self.key, self.token, self._lost_reason or "lost")
+
+    def renewed(self, sent_at: float) -> None:
+        if self._lost_reason is None:
+            self._deadline = sent_at + self.lease
+
+    def mark_lost(self, reason: str) -> None:
+        if self._lost_reason is None:
+            self._lost_reason = reason
+            logger.warning(
+                "Lost singleton lock %s (token %s) of %s[%s]: %s",
+                self.key, self.token, self.task_name, self.task_id, reason,
+            )
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost_reason else ("held" if self.held else "unlocked")
+        return f"<SingletonLock {self.key} token={self.token} {state}>"
+
+
+def _script(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+
+
+class LockEngine:
+    """All Redis work of one process for one app."""
+
+    def __init__(self, client: redis.Redis, config: SingletonConfig) -> None:
+        self.heartbeat: Optional[Any] = None  # set by heartbeat.heartbeat_for
+        self.client = client
+        self.config = config
+        self._acquire: Script = client.register_script(_script("acquire"))
+        self._release: Script = client.register_script(_script("release"))
+        self._renew: Script = client.register_script(_script("renew"))
+        self._handoff: Script = client.register_script(_script("handoff"))
+
+    @classmethod
+    def from_config(cls, config: SingletonConfig) -> LockEngine:
+        options: dict[str, Any] = {
+            "socket_timeout": 5.0,
+            "socket_connect_timeout": 5.0,
+            "health_check_interval": 30,
+        }
+        options.update(config.redis_options)
+        options["decode_responses"] = True
+        return cls(redis.Redis.from_url(config.redis_url, **options), config)
+
+    @staticmethod
+    def new_exec_id() -> str:
+        return uuid.uuid4().hex
+
+    def acquire(
+        self,
+        keys: LockKeys,
+        *,
+        task_id: str,
+        exec_id: str,
+        lease_ms: int,
+        hostname: str,
+        retries: int,
+        task_name: str,
+    ) -> Outcome:
+        reply = self._acquire(
+            keys=[keys.lock, keys.fence, keys.fin],
+            args=[
+                task_id, exec_id, lease_ms, hostname, HOST_KEY, os.getpid(),
+                retries, task_name, FENCE_TTL_MS,
+            ],
+        )
+        status = int(reply[0])
+        if status == ACQUIRED:
+            return Outcome(ACQUIRED, token=int(reply[1]))
+        if status == FINISHED:
+            return Outcome(FINISHED)
+        holder = Holder(
+            task_id=reply[1],
+            exec_id=reply[2],
+            host_key=reply[3],
+            pid=int(reply[4] or 0),
+            hostname=reply[5],
+        )
+        return Outcome(status, holder=holder)
+
+    def release(
+        self,
+        keys: LockKeys,
+        exec_id: str,
+        task_id: str,
+        *,
+        finished: bool = True,
+        always_record: bool = False,
+    ) -> bool:
+        fin_ms = int(self.config.finished_ttl * 1000)
+        reply = self._release(
+            keys=[keys.lock, keys.fin],
+            args=[exec_id, task_id, int(finished), fin_ms, int(always_record)],
+        )
+        return bool(reply)
+
+    def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[int]:
+        """Renew ``(lock key, exec id, lease ms)`` entries in one call."""
+        if not entries:
+            return []
+        args: list[Any] = []
+        for _, exec_id, lease_ms in entries:
+            args.append(exec_id)
+            args.append(lease_ms)
+        reply = self._renew(keys=[e[0] for e in entries], args=args)
+        return [int(x) for x in reply]
+
+    def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
+        return bool(self._handoff(keys=[keys.lock], args=[exec_id, next_retries, lease_ms]))
+
+    def owner(self, keys: LockKeys) -> dict[str, str]:
+        """The owner record, empty when the key is free."""
+        return self.client.hgetall(keys.lock)  # type: ignore[return-value]
+
+    def clear_dead_holder(self, keys: LockKeys, holder: Holder) -> bool:
+        """Free a lock whose holder process is provably gone from this host."""
+        if not holder.provably_dead():
+            return False
+        released = self.release(keys, holder.exec_id, holder.task_id, finished=False)
+        if released:
+            logger.warning(
+                "Released singleton lock %s of task %s: its process %s has died",
+                keys.base, holder.task_id, holder.pid,
+            )
+        return released
+
+    def reap(self, keys: LockKeys, task_id: str, wait: float = 3.0) -> bool:
+        """Free ``task_id``'s lock once its process on this host is gone.
+
+        Called by the main worker process when a child was killed or timed out;
+        waits up to ``wait`` seconds for the child to exit.
+        """
+        record = self.owner(keys)
+        if record.get("task") != task_id:
+            return False
+        holder = Holder(
+            task_id=task_id,
+            exec_id=record.get("exec", ""),
+            host_key=record.get("hostkey", ""),
+            pid=int(record.get("pid") or 0),
+            hostname=record.get("host", ""),
+        )
+        if holder.host_key != HOST_KEY:
+            return False
+        deadline = time.monotonic() + wait
+        while pid_alive(holder.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return self.clear_dead_holder(keys, holder)
+
+
+_engines: weakref.WeakKeyDictionary[Any, tuple[int, LockEngine]] = weakref.WeakKeyDictionary()
+_engines_lock = threading.Lock()
+
+
+def engine_for(app: Any) -> LockEngine:
+    """The engine of ``app`` in this process (a new one after fork)."""
+    from .config import get_config
+
+    pid = os.getpid()
+    entry = _engines.get(app)
+    if entry is None or entry[0] != pid:
+        with _engines_lock:
+            entry = _engines.get(app)
+            if entry is None or entry[0] != pid:
+                entry = (pid, LockEngine.from_config(get_config(app)))
+                _engines[app] = entry
+    return entry[1]
+
+
+def forget_engine(app: Any) -> None:
+    with _engines_lock:
+        _engines.pop(app, None)

@@ -1,0 +1,20 @@
+-- Release a lock if this execution still owns it.
+--
+-- KEYS[1] lock   KEYS[2] fin
+-- ARGV[1] execution id   ARGV[2] task id
+-- ARGV[3] '1' when the task finished (not for a dead owner being cleared)
+-- ARGV[4] fin TTL ms
+-- ARGV[5] '1' to record the finish even when no copy was seen (acks_late tasks)
+--
+-- Returns 1 released, 0 not ours (lease ran out or taken over)
+local lock, fin = KEYS[1], KEYS[2]
+local rec = redis.call('HMGET', lock, 'exec', 'copies')
+local ours = rec[1] == ARGV[1]
+if ARGV[3] == '1' and ((ours and rec[2]) or ARGV[5] == '1') then
+  redis.call('SET', fin, ARGV[2], 'PX', ARGV[4])
+end
+if not ours then
+  return 0
+end
+redis.call('DEL', lock)
+return 1

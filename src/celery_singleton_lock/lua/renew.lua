@@ -1,0 +1,20 @@
+-- Extend every lease one worker process holds, in one call.
+--
+-- KEYS[i]      lock of the i-th held lock
+-- ARGV[2i-1]   its execution id
+-- ARGV[2i]     its lease ms
+--
+-- Returns one integer per key: 1 renewed, 0 no longer ours, 2 handed to a retry
+local out = {}
+for i, lock in ipairs(KEYS) do
+  local rec = redis.call('HMGET', lock, 'exec', 'handoff')
+  if rec[1] ~= ARGV[2 * i - 1] then
+    out[i] = 0
+  elseif rec[2] then
+    out[i] = 2
+  else
+    redis.call('PEXPIRE', lock, ARGV[2 * i])
+    out[i] = 1
+  end
+end
+return out

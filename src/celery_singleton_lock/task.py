@@ -1,0 +1,254 @@
+"""SingletonTask: take the key's lock before the body runs, hold it while it runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import redis
+from celery import Task
+from celery.exceptions import Ignore, Retry
+
+from . import policies
+from .config import DUPLICATE_POLICIES, SingletonConfig, check_choice, check_ttl, get_config
+from .exceptions import ConfigurationError
+from .heartbeat import heartbeat_for
+from .keys import KeyBuilder, KeySpec, LockKeys
+from .lock import ACQUIRED, FINISHED, HELD, LockEngine, Outcome, SingletonLock, engine_for
+
+logger = logging.getLogger("celery_singleton_lock")
+
+_LOCK_ATTR = "_singleton_lock"
+_ENTERED_ATTR = "_singleton_entered"
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """A task's options merged over the app's settings; built once per task."""
+
+    config: SingletonConfig
+    builder: KeyBuilder
+    ttl: float
+    on_duplicate: str
+
+    @property
+    def retry_delay(self) -> float:
+        return self.config.retry_delay
+
+    @property
+    def retry_max_delay(self) -> float:
+        return self.config.retry_max_delay
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task of which at most one execution per key runs at a time.
+
+    Options (task decorator arguments or class attributes):
+
+    ``singleton_key``          argument names, a function of the task's arguments,
+                               or None for all arguments
+    ``singleton_on_duplicate`` ``"skip"``, ``"retry"`` or ``"raise"``
+    ``singleton_ttl``          lease in seconds, renewed while the task runs
+    """
+
+    singleton_key: KeySpec = None
+    singleton_on_duplicate: Optional[str] = None
+    singleton_ttl: Optional[float] = None
+
+    _singleton_settings_cache: Optional[TaskSettings] = None
+    _singleton_settings_mutex = threading.Lock()
+
+    @classmethod
+    def bind(cls, app: Any) -> Any:
+        from .bootsteps import SingletonStep
+
+        app.steps["worker"].add(SingletonStep)
+        return super().bind(app)
+
+    # -- settings ---------------------------------------------------------------
+
+    def singleton_settings(self) -> TaskSettings:
+        """Validated settings of this task (raises ConfigurationError naming the option)."""
+        settings = self._singleton_settings_cache
+        if settings is None:
+            with self._singleton_settings_mutex:
+                settings = self._singleton_settings_cache
+                if settings is None:
+                    settings = self._build_settings()
+                    self._singleton_settings_cache = settings
+        return settings
+
+    def _build_settings(self) -> TaskSettings:
+        config = get_config(self.app)
+        try:
+            ttl = config.ttl if self.singleton_ttl is None else check_ttl(
+                "singleton_ttl", self.singleton_ttl
+            )
+            on_duplicate = config.on_duplicate if self.singleton_on_duplicate is None else (
+                check_choice("singleton_on_duplicate", self.singleton_on_duplicate,
+                             DUPLICATE_POLICIES)
+            )
+        except ConfigurationError as exc:
+            raise ConfigurationError(exc.setting, f"task {self.name!r}: {exc}") from None
+        builder = KeyBuilder(self.name, self.run, self.singleton_key, config.key_prefix)
+        return TaskSettings(config=config, builder=builder, ttl=ttl, on_duplicate=on_duplicate)
+
+    def singleton_keys(self, *args: Any, **kwargs: Any) -> LockKeys:
+        """The lock keys a call with these arguments uses."""
+        return self.singleton_settings().builder.keys(args, kwargs)
+
+    # -- what the running task sees -------------------------------------------
+
+    @property
+    def singleton(self) -> SingletonLock:
+        """This execution's lock: ``.key``, ``.token``, ``.lost``, ``.check()``."""
+        req = self.request
+        lock: Optional[SingletonLock] = getattr(req, _LOCK_ATTR, None)
+        if lock is None:
+            keys = self.singleton_keys(*(req.args or ()), **(req.kwargs or {}))
+            lock = SingletonLock(keys, task_id=req.id or "", task_name=self.name)
+            setattr(req, _LOCK_ATTR, lock)
+        return lock
+
+    # -- execution --------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        req = self.request_stack.top
+        if req is None or req.called_directly or getattr(req, _ENTERED_ATTR, False):
+            # A plain function call (also from inside a running task): no lock.
+            return super().__call__(*args, **kwargs)
+        setattr(req, _ENTERED_ATTR, True)
+        if req.is_eager:
+            setattr(req, _LOCK_ATTR, SingletonLock(
+                self.singleton_keys(*args, **kwargs), task_id=req.id or "", task_name=self.name
+            ))
+            return self.run(*args, **kwargs)
+        return self._run_locked(req, args, kwargs)
+
+    def _run_locked(self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        settings = self.singleton_settings()
+        keys = settings.builder.keys(args, kwargs)
+        engine = engine_for(self.app)
+        exec_id = LockEngine.new_exec_id()
+        lease_ms = int(settings.ttl * 1000)
+        started = time.monotonic()
+        try:
+            outcome = self._acquire(engine, keys, req, exec_id, lease_ms)
+        except redis.RedisError as exc:
+            policy = policies.ON_BACKEND_ERROR[settings.config.on_backend_error]
+
+            def run_unlocked() -> Any:
+                setattr(req, _LOCK_ATTR, SingletonLock(keys, task_id=req.id, task_name=self.name))
+                return self.run(*args, **kwargs)
+
+            return policy(self, settings, keys, exc, run_unlocked, args, kwargs)
+
+        if outcome.status == FINISHED:
+            logger.info(
+                "Dropped redelivered %s[%s]: this task id already finished", self.name, req.id
+            )
+            raise Ignore()
+        if outcome.status != ACQUIRED:
+            assert outcome.holder is not None
+            if outcome.status == HELD:
+                return policies.ON_DUPLICATE[settings.on_duplicate](
+                    self, settings, keys, outcome.holder, args, kwargs
+                )
+            return policies.wait_for_original(self, settings, keys, outcome.holder, args, kwargs)
+
+        lock = SingletonLock(
+            keys, task_id=req.id, task_name=self.name, exec_id=exec_id,
+            token=outcome.token, lease=settings.ttl, started=started, held=True,
+        )
+        setattr(req, _LOCK_ATTR, lock)
+        logger.debug("Acquired singleton lock %s for %s[%s] token=%s",
+                     keys.base, self.name, req.id, lock.token)
+        heartbeat = heartbeat_for(engine)
+        heartbeat.add(lock)
+        try:
+            return self.run(*args, **kwargs)
+        except Retry as exc:
+            if not lock.handed_off:
+                self._hand_off(engine, lock, _delay_of(self, exc.when))
+            raise
+        finally:
+            heartbeat.discard(lock)
+            if not lock.handed_off:
+                self._release(engine, lock)
+
+    def _acquire(self, engine: LockEngine, keys: LockKeys, req: Any, exec_id: str,
+                 lease_ms: int) -> Outcome:
+        def attempt() -> Outcome:
+            return engine.acquire(
+                keys, task_id=req.id, exec_id=exec_id, lease_ms=lease_ms,
+                hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
+            )
+
+        outcome = attempt()
+        holder = outcome.holder
+        if holder is not None and engine.clear_dead_holder(keys, holder):
+            outcome = attempt()
+        return outcome
+
+    def _release(self, engine: LockEngine, lock: SingletonLock) -> None:
+        try:
+            released = engine.release(
+                lock.keys, lock.exec_id, lock.task_id, always_record=bool(self.acks_late)
+            )
+        except redis.RedisError as exc:
+            logger.error(
+                "Could not release singleton lock %s of %s[%s] (%r): it frees within %ss",
+                lock.key, self.name, lock.task_id, exc, lock.lease,
+            )
+            return
+        if not released:
+            lock.mark_lost("at release the lock was expired or held by another execution")
+
+    def _hand_off(self, engine: LockEngine, lock: SingletonLock, delay: float) -> None:
+        lease_ms = int((max(delay, 0.0) + lock.lease) * 1000)
+        try:
+            lock.handed_off = engine.hand_off(
+                lock.keys, lock.exec_id, (self.request.retries or 0) + 1, lease_ms
+            )
+        except redis.RedisError as exc:
+            logger.error("Could not keep singleton lock %s for the retry: %r", lock.key, exc)
+
+    def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
+              eta: Any = None, countdown: Any = None, max_retries: Any = None,
+              **options: Any) -> Any:
+        """Celery's retry; the key stays held for the retried execution."""
+        lock: Optional[SingletonLock] = getattr(self.request, _LOCK_ATTR, None)
+        handing_off = lock is not None and lock.held and not lock.handed_off
+        if handing_off:
+            assert lock is not None
+            if eta is not None:
+                delay = _delay_of(self, eta)
+            elif countdown is not None:
+                delay = float(countdown)
+            else:
+                delay = float(self.default_retry_delay or 0)
+            # Before the message leaves: a fast retry must find the key kept for it.
+            self._hand_off(engine_for(self.app), lock, delay)
+        try:
+            return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                                 countdown=countdown, max_retries=max_retries, **options)
+        except Retry:
+            raise
+        except BaseException:
+            if handing_off and lock is not None:
+                lock.handed_off = False  # no retry was sent: release as usual
+            raise
+
+
+def _delay_of(task: Task, when: Any) -> float:
+    if isinstance(when, dt.datetime):
+        now = task.app.now() if when.tzinfo is not None else dt.datetime.now()
+        return max((when - now).total_seconds(), 0.0)
+    if isinstance(when, (int, float)):
+        return float(when)
+    return float(task.default_retry_delay or 0)
+

@@ -1,0 +1,164 @@
+"""Real redis-server and real `celery worker` processes for the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class RedisServer:
+    """A redis-server of our own on a free loopback port; safe to FLUSHALL."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="slt-redis-")
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.port, db=db, decode_responses=True)
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for(self._ping, 10, what=f"redis-server on port {self.port}")
+        return self
+
+    def _ping(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Worker:
+    """`celery -A tests.workerapp worker` as a subprocess, as users run it."""
+
+    def __init__(self, redis_url: str, queue: str, *, pool: str = "prefork",
+                 concurrency: int = 2, conf: Optional[dict[str, Any]] = None,
+                 lock_url: Optional[str] = None, name: Optional[str] = None,
+                 extra_args: Optional[list[str]] = None) -> None:
+        self.queue = queue
+        self.name = name or f"{queue}-{os.getpid()}-{time.monotonic_ns()}@%h"
+        self.log = Path(tempfile.mkstemp(prefix=f"slt-worker-{queue}-", suffix=".log")[1])
+        self.env = dict(os.environ)
+        self.env.update({
+            "SLT_REDIS_URL": redis_url,
+            "SLT_LOCK_URL": lock_url or "",
+            "SLT_QUEUE": queue,
+            "SLT_CONF": json.dumps(conf or {}),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), self.env.get("PYTHONPATH", "")]),
+        })
+        self.cmd = [
+            sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "worker",
+            "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", self.name,
+            "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "-f", str(self.log), *(extra_args or []),
+        ]
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def start(self, wait: bool = True) -> Worker:
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, cwd=str(ROOT), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        if wait:
+            wait_for(lambda: "ready." in self.logs() or self.proc.poll() is not None,  # type: ignore[union-attr]
+                     30, what="worker ready")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited early:\n{self.output()}\n{self.logs()}")
+        return self
+
+    def logs(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def output(self) -> str:
+        if self.proc is None or self.proc.stdout is None:
+            return ""
+        if self.proc.poll() is None:
+            return ""
+        return self.proc.stdout.read().decode(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill_all(self) -> None:
+        """kill -9 the whole worker: main process and every child."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()

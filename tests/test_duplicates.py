@@ -1,0 +1,111 @@
+"""Duplicates on a real prefork worker: skip, retry, raise; one execution per key."""
+
+from __future__ import annotations
+
+import pytest
+from celery.exceptions import TimeoutError as CeleryTimeout
+
+from celery_singleton_lock import DuplicateTaskError, is_skipped
+
+pytestmark = pytest.mark.worker
+
+
+def test_repeated_callback_runs_once_and_duplicates_are_skipped(client_app, events, key):
+    """Five deliveries for one key while the first runs: one execution, four skips
+    whose result names the running task."""
+    hold = client_app.tasks["t.hold"]
+    first = hold.delay(key, 1.5, "first")
+    events_started = lambda: events.starts("first")  # noqa: E731
+    from tests.support import wait_for
+
+    wait_for(events_started, 10, what="first execution to start")
+    dups = [hold.delay(key, 0.0, f"dup{i}") for i in range(4)]
+    for d in dups:
+        result = d.get(timeout=10)
+        assert is_skipped(result), result
+        assert result["holder"] == first.id
+        assert result["skipped"] is True
+    assert first.get(timeout=10)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first"]
+
+
+def test_skip_answers_at_once_while_holder_still_runs(client_app, events, key):
+    """The caller of a skipped duplicate gets its answer before the holder ends."""
+    hold = client_app.tasks["t.hold"]
+    first = hold.delay(key, 4.0, "long")
+    from tests.support import wait_for
+
+    wait_for(lambda: events.starts("long"), 10, what="holder start")
+    dup = hold.delay(key, 0.0, "dup")
+    assert dup.get(timeout=3)["holder"] == first.id
+    assert not first.ready()
+    first.get(timeout=10)
+
+
+def test_different_keys_run_concurrently(client_app, events, key):
+    hold = client_app.tasks["t.hold"]
+    a = hold.delay(key + "a", 1.0, "a")
+    b = hold.delay(key + "b", 1.0, "b")
+    assert a.get(timeout=10)["tag"] == "a"
+    assert b.get(timeout=10)["tag"] == "b"
+    assert sorted(e["tag"] for e in events.starts()) == ["a", "b"]
+
+
+def test_key_is_free_again_after_success(client_app, events, key):
+    hold = client_app.tasks["t.hold"]
+    first = hold.delay(key, 0.0, "one").get(timeout=10)
+    second = hold.delay(key, 0.0, "two").get(timeout=10)
+    assert first["tag"] == "one" and second["tag"] == "two"
+    assert second["token"] > first["token"]
+
+
+def test_key_is_free_again_after_exception(client_app, events, key):
+    hold = client_app.tasks["t.hold"]
+    with pytest.raises(ValueError):
+        hold.delay(key, 0.0, "boom", True).get(timeout=10)
+    assert hold.delay(key, 0.0, "after").get(timeout=10)["tag"] == "after"
+
+
+def test_retry_policy_runs_duplicate_after_holder(client_app, events, key):
+    """`retry`: the duplicate waits and runs once the holder is done; never dropped,
+    never concurrent."""
+    task = client_app.tasks["t.hold_retry"]
+    first = task.delay(key, 1.5, "first")
+    from tests.support import wait_for
+
+    wait_for(lambda: events.starts("first"), 10, what="holder start")
+    dups = [task.delay(key, 0.2, f"dup{i}") for i in range(3)]
+    assert first.get(timeout=15)["tag"] == "first"
+    tags = sorted(d.get(timeout=30)["tag"] for d in dups)
+    assert tags == ["dup0", "dup1", "dup2"]
+    starts = events.starts()
+    assert len(starts) == 4
+    assert max(e["concurrent"] for e in starts) == 1
+
+
+def test_raise_policy_fails_with_duplicate_error_naming_holder(client_app, events, key):
+    task = client_app.tasks["t.hold_raise"]
+    first = task.delay(key, 1.5, "first")
+    from tests.support import wait_for
+
+    wait_for(lambda: events.starts("first"), 10, what="holder start")
+    dup = task.delay(key, 0.0, "dup")
+    with pytest.raises(DuplicateTaskError) as info:
+        dup.get(timeout=10)
+    assert info.value.holder == first.id
+    first.get(timeout=10)
+    assert [e["tag"] for e in events.starts()] == ["first"]
+
+
+def test_storm_of_duplicates_never_overlaps(client_app, events, key):
+    """Many deliveries over a few keys across three processes: never two at once per key."""
+    hold = client_app.tasks["t.hold"]
+    results = [hold.delay(f"{key}-{i % 3}", 0.05, f"s{i}") for i in range(60)]
+    for res in results:
+        try:
+            res.get(timeout=30)
+        except CeleryTimeout:  # pragma: no cover - reported by the assert below
+            pytest.fail("a delivery never got an answer")
+    starts = events.starts()
+    assert starts, "nothing ran"
+    assert max(e["concurrent"] for e in starts) == 1

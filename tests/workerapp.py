@@ -1,0 +1,143 @@
+"""The Celery app the test workers run (`celery -A tests.workerapp:app worker`).
+
+Configured from the environment so one module serves every worker the tests
+start. Tasks record what they do in Redis db 3 (list ``events``), so a test can
+see every start and end, the pid that ran it, its token and how many ran at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any, Optional
+
+import redis
+from celery import Celery
+
+from celery_singleton_lock import SingletonTask
+
+
+def recorder(redis_url: str) -> redis.Redis:
+    base = redis_url.rsplit("/", 1)[0]
+    return redis.Redis.from_url(f"{base}/3", decode_responses=True)
+
+
+def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = None,
+             conf: Optional[dict[str, Any]] = None) -> Celery:
+    base = redis_url.rsplit("/", 1)[0]
+    app = Celery("slt", broker=f"{base}/0", backend=f"{base}/1", set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        singleton_redis_url=lock_url or f"{base}/2",
+        singleton_ttl=2.0,
+        singleton_retry_delay=0.2,
+        singleton_retry_max_delay=1.0,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        result_expires=600,
+    )
+    app.conf.update(conf or {})
+    rec = recorder(redis_url)
+    task = functools.partial(app.task, shared=False)
+
+    def body(task: Any, key: str, seconds: float, tag: str, fail: bool = False) -> Any:
+        n = rec.incr(f"active:{key}")
+        start = {"ev": "start", "tag": tag, "id": task.request.id, "pid": os.getpid(),
+                 "token": task.singleton.token, "lockkey": task.singleton.key,
+                 "concurrent": n, "retries": task.request.retries}
+        rec.rpush("events", json.dumps(start))
+        try:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
+            if fail:
+                raise ValueError("task failed on purpose")
+            return {"tag": tag, "token": task.singleton.token, "lost": task.singleton.lost,
+                    "pid": os.getpid()}
+        finally:
+            rec.decr(f"active:{key}")
+            rec.rpush("events", json.dumps({
+                "ev": "end", "tag": tag, "id": task.request.id, "pid": os.getpid(),
+                "lost": task.singleton.lost, "token": task.singleton.token}))
+
+    @task(base=SingletonTask, bind=True, name="t.hold", singleton_key=("key",))
+    def hold(self: Any, key: str, seconds: float = 0.0, tag: str = "", fail: bool = False) -> Any:
+        return body(self, key, seconds, tag, fail)
+
+    @task(base=SingletonTask, bind=True, name="t.hold_retry", singleton_key=("key",),
+              singleton_on_duplicate="retry")
+    def hold_retry(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.hold_raise", singleton_key=("key",),
+              singleton_on_duplicate="raise")
+    def hold_raise(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.hold_late", singleton_key=("key",),
+              acks_late=True, reject_on_worker_lost=True)
+    def hold_late(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.hold_soft", singleton_key=("key",),
+              soft_time_limit=0.5)
+    def hold_soft(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.hold_hard", singleton_key=("key",),
+              time_limit=0.5)
+    def hold_hard(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.retrier", singleton_key=("key",),
+              max_retries=5)
+    def retrier(self: Any, key: str, attempts: int = 1, countdown: float = 0.5,
+                seconds: float = 0.0, tag: str = "") -> Any:
+        result = body(self, key, seconds, f"{tag}#{self.request.retries}")
+        if self.request.retries < attempts:
+            raise self.retry(countdown=countdown)
+        return result
+
+    @task(base=SingletonTask, bind=True, name="t.fenced", singleton_key=("key",))
+    def fenced(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        token = self.singleton.token
+        rec.rpush("events", json.dumps({"ev": "start", "tag": tag, "token": token,
+                                        "pid": os.getpid(), "id": self.request.id}))
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+        # What a careful writer does before touching the protected resource:
+        lost = self.singleton.lost
+        try:
+            self.singleton.check()
+            checked = "ok"
+        except Exception as exc:
+            checked = type(exc).__name__
+        return {"tag": tag, "token": token, "lost": lost, "check": checked}
+
+    @task(bind=True, name="t.plain")
+    def plain(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return {"tag": tag}
+
+    return app
+
+
+def _from_env() -> Celery:
+    url = os.environ.get("SLT_REDIS_URL", "redis://127.0.0.1:6379/0")
+    return make_app(
+        url,
+        os.environ.get("SLT_QUEUE", "celery"),
+        os.environ.get("SLT_LOCK_URL") or None,
+        json.loads(os.environ.get("SLT_CONF") or "{}"),
+    )
+
+
+def __getattr__(name: str) -> Celery:
+    # `celery -A tests.workerapp:app` asks for it; the tests' own process never does.
+    if name == "app":
+        app = _from_env()
+        globals()["app"] = app
+        return app
+    raise AttributeError(name)
