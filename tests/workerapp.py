@@ -117,6 +117,17 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
             checked = type(exc).__name__
         return {"tag": tag, "token": token, "lost": lost, "check": checked}
 
+    @task(base=SingletonTask, bind=True, name="t.hold_short", singleton_key=("key",),
+          singleton_ttl=0.4)
+    def hold_short(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    if os.environ.get("SLT_BAD_TASK_TTL"):
+        @task(base=SingletonTask, name="t.bad_ttl",
+              singleton_ttl=float(os.environ["SLT_BAD_TASK_TTL"]))
+        def bad_ttl() -> None:
+            return None
+
     @task(bind=True, name="t.plain")
     def plain(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return {"tag": tag}

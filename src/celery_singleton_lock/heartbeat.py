@@ -9,7 +9,6 @@ monotonic deadline makes it lost if no renewal succeeds in time.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Optional
@@ -31,7 +30,7 @@ class Heartbeat:
         self._mutex = threading.Lock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._pid = os.getpid()
+        self._sleeping: Optional[float] = None  # the renewer's current wait; None: idle
         self.rounds = 0
 
     def add(self, lock: SingletonLock) -> None:
@@ -42,7 +41,8 @@ class Heartbeat:
                     target=self._run, name="singleton-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif lock.lease / RENEW_FRACTION < self._interval_locked():
+            elif self._sleeping is None or lock.lease / RENEW_FRACTION < self._sleeping:
+                # the renewer sleeps longer than this lease allows: wake it to reschedule
                 self._wake.set()
 
     def discard(self, lock: SingletonLock) -> None:
@@ -53,17 +53,20 @@ class Heartbeat:
         with self._mutex:
             return list(self._held.values())
 
-    def _interval_locked(self) -> float:
+    def _interval_locked(self) -> Optional[float]:
         if not self._held:
-            return 1.0
+            return None
         return min(lock.lease for lock in self._held.values()) / RENEW_FRACTION
 
     def _run(self) -> None:
         while True:
             with self._mutex:
-                interval = self._interval_locked()
-            self._wake.wait(interval)
-            self._wake.clear()
+                self._sleeping = self._interval_locked()
+                self._wake.clear()
+            if self._wake.wait(self._sleeping):
+                # woken by a shorter lease: only the schedule changes (a wake
+                # never lengthens any lock's wait, so skipping this round is safe)
+                continue
             try:
                 self.renew_now()
             except Exception:  # never let the renewer die

@@ -1,0 +1,131 @@
+"""Every way an execution ends frees its key, on a real prefork worker.
+
+The worker here uses a 30 s lease, so a key freed within a few seconds was
+released by us, not by the lease running out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from tests.support import RedisServer, Worker, wait_for
+from tests.workerapp import make_app
+
+pytestmark = pytest.mark.worker
+
+LONG_TTL = {"singleton_ttl": 30.0}
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: RedisServer) -> Iterator[Worker]:
+    w = Worker(redis_server.url(), f"exit-{uuid.uuid4().hex[:8]}", concurrency=3,
+               conf=LONG_TTL).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def app(redis_server: RedisServer, worker: Worker) -> Any:
+    return make_app(redis_server.url(), worker.queue, conf=LONG_TTL)
+
+
+def lock_exists(app: Any, r: Any, task: str, key: str) -> bool:
+    return bool(r.exists(app.tasks[task].singleton_keys(key).lock))
+
+
+def started(events: Any, tag: str) -> dict[str, Any]:
+    found = wait_for(lambda: events.starts(tag), 15, what=f"{tag} to start")
+    return found[0]  # type: ignore[no-any-return]
+
+
+def test_lock_is_held_while_running_and_released_on_success(app, r, events, key):
+    res = app.tasks["t.hold"].delay(key, 1.0, "ok")
+    started(events, "ok")
+    assert lock_exists(app, r, "t.hold", key)
+    res.get(timeout=10)
+    assert not lock_exists(app, r, "t.hold", key)
+
+
+def test_revoke_terminate_releases_at_once(app, r, events, key):
+    """revoke(terminate=True): SIGTERM to the child; the key is free in seconds."""
+    res = app.tasks["t.hold"].delay(key, 20.0, "victim")
+    started(events, "victim")
+    assert lock_exists(app, r, "t.hold", key)
+    app.control.revoke(res.id, terminate=True)
+    wait_for(lambda: not lock_exists(app, r, "t.hold", key), 5, what="key freed")
+    assert app.tasks["t.hold"].delay(key, 0.0, "next").get(timeout=10)["tag"] == "next"
+
+
+def test_revoke_terminate_sigkill_released_by_main_process(app, r, events, key):
+    """With SIGKILL the child runs nothing: the main worker process frees the key."""
+    res = app.tasks["t.hold"].delay(key, 20.0, "victim9")
+    started(events, "victim9")
+    app.control.revoke(res.id, terminate=True, signal="SIGKILL")
+    wait_for(lambda: not lock_exists(app, r, "t.hold", key), 8, what="key freed")
+
+
+def test_soft_time_limit_releases(app, r, events, key):
+    res = app.tasks["t.hold_soft"].delay(key, 5.0, "soft")
+    started(events, "soft")
+    with pytest.raises(SoftTimeLimitExceeded):
+        res.get(timeout=10)
+    assert not lock_exists(app, r, "t.hold_soft", key)
+
+
+def test_hard_time_limit_releases(app, r, events, key):
+    res = app.tasks["t.hold_hard"].delay(key, 5.0, "hard")
+    started(events, "hard")
+    with pytest.raises(TimeLimitExceeded):
+        res.get(timeout=10)
+    wait_for(lambda: not lock_exists(app, r, "t.hold_hard", key), 8, what="key freed")
+
+
+def test_child_killed_with_sigkill_released_by_main_process(app, r, events, key):
+    """kill -9 of the child while the main process lives: freed long before the lease."""
+    res = app.tasks["t.hold"].delay(key, 20.0, "kill9")
+    pid = started(events, "kill9")["pid"]
+    assert lock_exists(app, r, "t.hold", key)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not lock_exists(app, r, "t.hold", key), 10, what="key freed")
+    assert time.monotonic() - t0 < 15  # the lease is 30 s
+    with pytest.raises(Exception, match="WorkerLost|exited prematurely"):
+        res.get(timeout=10)
+
+
+def test_warm_shutdown_finishes_task_and_releases(redis_server, r, events, key):
+    w = Worker(redis_server.url(), f"warm-{uuid.uuid4().hex[:8]}", concurrency=2,
+               conf=LONG_TTL).start()
+    try:
+        app = make_app(redis_server.url(), w.queue, conf=LONG_TTL)
+        res = app.tasks["t.hold"].delay(key, 2.0, "warm")
+        started(events, "warm")
+        w.signal(signal.SIGTERM)
+        assert res.get(timeout=20)["tag"] == "warm"
+        assert w.proc is not None and w.proc.wait(20) == 0
+        assert not lock_exists(app, r, "t.hold", key)
+    finally:
+        w.stop()
+
+
+def test_whole_worker_killed_frees_within_lease(redis_server, r, events, key):
+    """kill -9 of main and children: nothing runs, the lease (2 s) frees the key."""
+    w = Worker(redis_server.url(), f"dead-{uuid.uuid4().hex[:8]}", concurrency=1).start()
+    try:
+        app = make_app(redis_server.url(), w.queue)
+        app.tasks["t.hold"].delay(key, 30.0, "doomed")
+        started(events, "doomed")
+        w.kill_all()
+        t0 = time.monotonic()
+        assert lock_exists(app, r, "t.hold", key)
+        wait_for(lambda: not lock_exists(app, r, "t.hold", key), 5, what="lease to run out")
+        assert time.monotonic() - t0 <= 3.0
+    finally:
+        w.stop()

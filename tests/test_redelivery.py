@@ -1,0 +1,86 @@
+"""The same task id delivered twice: never concurrent, never lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from tests.support import RedisServer, Worker, wait_for
+from tests.workerapp import make_app
+
+pytestmark = pytest.mark.worker
+
+# Redelivered by the broker after 2 s without an ack; scanned for often.
+FAST_REDELIVERY = {
+    "singleton_ttl": 30.0,
+    "broker_transport_options": {
+        "visibility_timeout": 2,
+        "unacked_restore_interval": 0.5,
+        "unacked_restore_throttle": 1,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: RedisServer) -> Iterator[Worker]:
+    w = Worker(redis_server.url(), f"redeliver-{uuid.uuid4().hex[:8]}", concurrency=3,
+               conf=FAST_REDELIVERY).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def app(redis_server: RedisServer, worker: Worker) -> Any:
+    return make_app(redis_server.url(), worker.queue, conf=FAST_REDELIVERY)
+
+
+def test_visibility_timeout_copy_waits_for_original_then_is_dropped(app, worker, r, events,
+                                                                   key):
+    """acks_late task running past the visibility timeout: the broker delivers it
+    again with the same id while it runs; the copy neither runs alongside nor
+    runs after the original finished."""
+    res = app.tasks["t.hold_late"].delay(key, 6.0, "orig")
+    wait_for(lambda: events.starts("orig"), 10, what="original start")
+    assert res.get(timeout=30)["tag"] == "orig"
+    time.sleep(4)  # room for any copy still waiting to come back and (wrongly) run
+    starts = [e for e in events.starts() if e["id"] == res.id]
+    assert len(starts) == 1, starts
+    # the broker did deliver a copy while the original ran, and it waited
+    assert f"hold_late[{res.id}] waits for its running original" in worker.logs()
+    assert f"Dropped redelivered t.hold_late[{res.id}]" in worker.logs()
+    assert res.state == "SUCCESS"
+    assert not r.exists(app.tasks["t.hold_late"].singleton_keys(key).lock)
+
+
+def test_redelivery_after_child_killed_runs_at_once(app, r, events, key):
+    """acks_late + reject_on_worker_lost, child killed: Celery fires no signal and
+    requeues the same id; the copy finds the lock of a dead process and runs,
+    without waiting for the 30 s lease."""
+    res = app.tasks["t.hold_late"].delay(key, 3.0, "lost")
+    first = wait_for(lambda: events.starts("lost"), 10, what="first start")[0]
+    t0 = time.monotonic()
+    os.kill(first["pid"], signal.SIGKILL)
+    assert res.get(timeout=30)["tag"] == "lost"
+    starts = [e for e in events.starts("lost") if e["id"] == res.id]
+    assert len(starts) == 2
+    assert starts[1]["pid"] != first["pid"]
+    assert starts[1]["token"] > first["token"]
+    assert time.monotonic() - t0 < 20
+    assert not r.exists(app.tasks["t.hold_late"].singleton_keys(key).lock)
+
+
+def test_same_id_sent_again_after_finish_is_dropped(app, r, events, key):
+    """A late copy of a finished acks_late task does not run a second time and
+    leaves the stored result alone."""
+    task = app.tasks["t.hold_late"]
+    res = task.delay(key, 0.0, "done")
+    assert res.get(timeout=10)["tag"] == "done"
+    task.apply_async((key, 0.0, "done-again"), task_id=res.id)
+    time.sleep(2)
+    assert [e["tag"] for e in events.starts() if e["id"] == res.id] == ["done"]
+    assert app.AsyncResult(res.id).get(timeout=5)["tag"] == "done"
