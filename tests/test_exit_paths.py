@@ -96,7 +96,7 @@ def test_child_killed_with_sigkill_released_by_main_process(app, r, events, key)
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not lock_exists(app, r, "t.hold", key), 10, what="key freed")
     assert time.monotonic() - t0 < 15  # the lease is 30 s
-    with pytest.raises(Exception, match="WorkerLost|exited prematurely"):
+    with pytest.raises(Exception, match=r"WorkerLost|exited prematurely"):
         res.get(timeout=10)
 
 

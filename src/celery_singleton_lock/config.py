@@ -93,7 +93,9 @@ class SingletonConfig:
                 BACKEND_ERROR_POLICIES,
             ),
             retry_delay=check_ttl("singleton_retry_delay", get("singleton_retry_delay")),
-            retry_max_delay=check_ttl("singleton_retry_max_delay", get("singleton_retry_max_delay")),
+            retry_max_delay=check_ttl(
+                "singleton_retry_max_delay", get("singleton_retry_max_delay")
+            ),
             finished_ttl=check_ttl("singleton_finished_ttl", get("singleton_finished_ttl")),
             redis_options=dict(options),
         )
