@@ -27,6 +27,10 @@ def app_with(**conf: Any) -> Celery:
     ("singleton_ttl", -5, "must be greater than 0"),
     ("singleton_ttl", "30", "expected a number of seconds"),
     ("singleton_redis_url", "http://x", "expected a redis://"),
+    ("singleton_scope", "forever", "unknown scope 'forever'; expected one of: run, queue"),
+    ("singleton_done_ttl", -1, "must be greater than 0"),
+    ("singleton_done_ttl", "1h", "expected a number of seconds"),
+    ("singleton_queue_ttl", 0, "must be greater than 0"),
 ])
 def test_bad_setting_names_itself(setting, value, message):
     with pytest.raises(ConfigurationError) as info:
@@ -61,6 +65,28 @@ def test_bad_task_option_names_task_and_option():
     assert "task 'shop.refund'" in str(info.value)
 
 
+def test_bad_task_scope_names_task_and_option():
+    app = app_with()
+
+    @app.task(base=SingletonTask, name="shop.report", singleton_scope="queued", shared=False)
+    def report(day: str) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError) as info:
+        validate_app(app)
+    assert info.value.setting == "singleton_scope"
+    assert "task 'shop.report'" in str(info.value)
+    assert "expected one of: run, queue, queue_and_run" in str(info.value)
+
+
+def test_scope_settings_are_read_with_defaults():
+    cfg = get_config(app_with())
+    assert (cfg.scope, cfg.done_ttl, cfg.queue_ttl) == ("run", 0.0, 300.0)
+    cfg = get_config(app_with(singleton_scope="queue_and_run", singleton_done_ttl=3600,
+                              singleton_queue_ttl=60))
+    assert (cfg.scope, cfg.done_ttl, cfg.queue_ttl) == ("queue_and_run", 3600.0, 60.0)
+
+
 def run_worker(redis_server: RedisServer, conf: dict[str, Any],
                env: Optional[dict[str, str]] = None) -> tuple[int, str]:
     w = Worker(redis_server.url(), f"cfg-{uuid.uuid4().hex[:6]}", pool="solo", conf=conf)
@@ -82,6 +108,7 @@ def run_worker(redis_server: RedisServer, conf: dict[str, Any],
     ({"broker_url": "amqp://guest:guest@127.0.0.1:1//", "singleton_redis_url": None}, None,
      "singleton_redis_url"),
     ({}, {"SLT_BAD_TASK_TTL": "-1"}, "singleton_ttl"),
+    ({"singleton_scope": "until_done"}, None, "singleton_scope"),
 ])
 def test_worker_refuses_to_start(redis_server, conf, env, setting):
     code, output = run_worker(redis_server, conf, env)

@@ -122,6 +122,47 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
     def hold_short(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return body(self, key, seconds, tag)
 
+    # -- scopes and the done window -------------------------------------------
+    for scope in ("queue", "queue_and_run"):
+        for policy in ("skip", "retry", "raise"):
+            suffix = "" if policy == "skip" else f"_{policy}"
+
+            @task(base=SingletonTask, bind=True, name=f"t.{scope}{suffix}", singleton_key=("key",),
+                  singleton_scope=scope, singleton_on_duplicate=policy)
+            def scoped(self: Any, key: str, seconds: float = 0.0, tag: str = "",
+                       fail: bool = False) -> Any:
+                return body(self, key, seconds, tag, fail)
+
+        @task(base=SingletonTask, bind=True, name=f"t.{scope}_retrier", singleton_key=("key",),
+              singleton_scope=scope, max_retries=5)
+        def scoped_retrier(self: Any, key: str, attempts: int = 1, countdown: float = 0.5,
+                           seconds: float = 0.0, tag: str = "") -> Any:
+            result = body(self, key, seconds, f"{tag}#{self.request.retries}")
+            if self.request.retries < attempts:
+                raise self.retry(countdown=countdown)
+            return result
+
+        @task(base=SingletonTask, bind=True, name=f"t.{scope}_done", singleton_key=("key",),
+              singleton_scope=scope, singleton_done_ttl=3)
+        def scoped_done(self: Any, key: str, seconds: float = 0.0, tag: str = "",
+                        fail: bool = False) -> Any:
+            return body(self, key, seconds, tag, fail)
+
+    @task(base=SingletonTask, bind=True, name="t.run_done", singleton_key=("key",),
+          singleton_done_ttl=3)
+    def run_done(self: Any, key: str, seconds: float = 0.0, tag: str = "",
+                 fail: bool = False) -> Any:
+        return body(self, key, seconds, tag, fail)
+
+    @task(base=SingletonTask, bind=True, name="t.run_done_long", singleton_key=("key",),
+          singleton_done_ttl=120)
+    def run_done_long(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.collect", singleton_scope="queue_and_run")
+    def collect(self: Any, results: list[Any]) -> Any:
+        return results
+
     if os.environ.get("SLT_BAD_TASK_TTL"):
         @task(base=SingletonTask, name="t.bad_ttl",
               singleton_ttl=float(os.environ["SLT_BAD_TASK_TTL"]))

@@ -15,12 +15,14 @@ from .exceptions import (
 )
 from .lock import SingletonLock
 from .policies import is_skipped
+from .results import DeduplicatedResult, is_deduplicated
 from .task import SingletonTask
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",
+    "DeduplicatedResult",
     "DuplicateTaskError",
     "KeyEncodingError",
     "LockBackendError",
@@ -31,6 +33,7 @@ __all__ = [
     "SingletonTask",
     "__version__",
     "get_config",
+    "is_deduplicated",
     "is_skipped",
 ]
 

@@ -37,6 +37,9 @@ class SingletonStep(bootsteps.Step):  # type: ignore[misc]
         except ConfigurationError as exc:
             logger.critical("celery-singleton-lock: %s", exc)
             raise SystemExit(f"celery-singleton-lock configuration error: {exc}") from None
+        from .signals import watch_revoke_command
+
+        watch_revoke_command()
 
     def info(self, parent: Any) -> dict[str, Any]:
         config = get_config(parent.app)

@@ -11,6 +11,7 @@ from .exceptions import ConfigurationError
 
 DUPLICATE_POLICIES = ("skip", "retry", "raise")
 BACKEND_ERROR_POLICIES = ("retry", "run", "raise")
+SCOPES = ("run", "queue", "queue_and_run")
 
 DEFAULTS: dict[str, Any] = {
     "singleton_redis_url": None,  # None: the broker URL when it is Redis
@@ -21,6 +22,9 @@ DEFAULTS: dict[str, Any] = {
     "singleton_retry_delay": 1.0,
     "singleton_retry_max_delay": 30.0,
     "singleton_finished_ttl": 3600.0,
+    "singleton_scope": "run",
+    "singleton_done_ttl": 0,  # 0 or None: off
+    "singleton_queue_ttl": 300.0,
     "singleton_redis_options": {},
 }
 
@@ -35,10 +39,18 @@ def check_ttl(setting: str, value: Any) -> float:
     return float(value)
 
 
-def check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
+def check_optional_ttl(setting: str, value: Any) -> float:
+    """A number of seconds, or 0 / None for off."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return 0.0
+    return check_ttl(setting, value)
+
+
+def check_choice(setting: str, value: Any, choices: tuple[str, ...],
+                 what: str = "policy") -> str:
     if value not in choices:
         raise ConfigurationError(
-            setting, f"unknown policy {value!r}; expected one of: {', '.join(choices)}"
+            setting, f"unknown {what} {value!r}; expected one of: {', '.join(choices)}"
         )
     return str(value)
 
@@ -53,6 +65,9 @@ class SingletonConfig:
     retry_delay: float = 1.0
     retry_max_delay: float = 30.0
     finished_ttl: float = 3600.0
+    scope: str = "run"
+    done_ttl: float = 0.0
+    queue_ttl: float = 300.0
     redis_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -62,6 +77,8 @@ class SingletonConfig:
         def get(name: str) -> Any:
             value = conf.get(name)
             return DEFAULTS[name] if value is None else value
+
+        done_ttl = conf.get("singleton_done_ttl")
 
         url = get("singleton_redis_url") or _redis_broker_url(conf.get("broker_url"))
         if not url:
@@ -97,6 +114,9 @@ class SingletonConfig:
                 "singleton_retry_max_delay", get("singleton_retry_max_delay")
             ),
             finished_ttl=check_ttl("singleton_finished_ttl", get("singleton_finished_ttl")),
+            scope=check_choice("singleton_scope", get("singleton_scope"), SCOPES, "scope"),
+            done_ttl=check_optional_ttl("singleton_done_ttl", done_ttl),
+            queue_ttl=check_ttl("singleton_queue_ttl", get("singleton_queue_ttl")),
             redis_options=dict(options),
         )
 

@@ -140,15 +140,19 @@ class LockKeys:
     ``lock``  hash: the owner record, with the lease as its TTL
     ``fence`` string: the last fencing token granted for this key
     ``fin``   string: task id whose execution finished while a copy waited
+    ``queued`` string: task id that took the key when it was sent
+    ``done``  string: task id whose success keeps the key done (``singleton_done_ttl``)
     """
 
-    __slots__ = ("base", "fence", "fin", "lock")
+    __slots__ = ("base", "done", "fence", "fin", "lock", "queued")
 
     def __init__(self, prefix: str, hexdigest: str) -> None:
         self.base = f"{prefix}{{{hexdigest}}}"
         self.lock = f"{self.base}:lock"
         self.fence = f"{self.base}:fence"
         self.fin = f"{self.base}:fin"
+        self.queued = f"{self.base}:queued"
+        self.done = f"{self.base}:done"
 
     def __repr__(self) -> str:
         return f"LockKeys({self.base!r})"

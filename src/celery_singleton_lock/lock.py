@@ -28,7 +28,7 @@ from .keys import LockKeys
 
 logger = logging.getLogger("celery_singleton_lock")
 
-ACQUIRED, HELD, SAME_TASK, FINISHED = 1, 0, 2, 3
+ACQUIRED, HELD, SAME_TASK, FINISHED, DONE = 1, 0, 2, 3, 4
 FENCE_TTL_MS = 24 * 3600 * 1000
 
 
@@ -186,6 +186,8 @@ class LockEngine:
         self._release: Script = client.register_script(_script("release"))
         self._renew: Script = client.register_script(_script("renew"))
         self._handoff: Script = client.register_script(_script("handoff"))
+        self._enqueue: Script = client.register_script(_script("enqueue"))
+        self._unqueue: Script = client.register_script(_script("unqueue"))
 
     @classmethod
     def from_config(cls, config: SingletonConfig) -> LockEngine:
@@ -212,12 +214,19 @@ class LockEngine:
         hostname: str,
         retries: int,
         task_name: str,
+        scope: str = "run",
+        comes_back: bool = False,
     ) -> Outcome:
+        """Take the lock for an execution that starts now.
+
+        ``comes_back``: a refused execution will be sent again (policy retry), so
+        a key it took at send time stays its own meanwhile.
+        """
         reply = self._acquire(
-            keys=[keys.lock, keys.fence, keys.fin],
+            keys=[keys.lock, keys.fence, keys.fin, keys.queued, keys.done],
             args=[
                 task_id, exec_id, lease_ms, hostname, HOST_KEY, os.getpid(),
-                retries, task_name, FENCE_TTL_MS,
+                retries, task_name, FENCE_TTL_MS, scope, int(comes_back),
             ],
         )
         status = int(reply[0])
@@ -225,6 +234,8 @@ class LockEngine:
             return Outcome(ACQUIRED, token=int(reply[1]))
         if status == FINISHED:
             return Outcome(FINISHED)
+        if status == DONE:
+            return Outcome(DONE, holder=Holder(reply[1], "", "", 0, ""))
         holder = Holder(
             task_id=reply[1],
             exec_id=reply[2],
@@ -242,13 +253,33 @@ class LockEngine:
         *,
         finished: bool = True,
         always_record: bool = False,
+        done_ttl: float = 0.0,
     ) -> bool:
+        """Free the lock if ``exec_id`` still owns it.
+
+        ``done_ttl`` > 0: the task succeeded and its key stays done that long.
+        """
         fin_ms = int(self.config.finished_ttl * 1000)
         reply = self._release(
-            keys=[keys.lock, keys.fin],
-            args=[exec_id, task_id, int(finished), fin_ms, int(always_record)],
+            keys=[keys.lock, keys.fin, keys.done],
+            args=[exec_id, task_id, int(finished), fin_ms, int(always_record),
+                  int(done_ttl * 1000)],
         )
         return bool(reply)
+
+    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Outcome:
+        """Take the key for a task about to be sent; ACQUIRED, HELD or DONE."""
+        reply = self._enqueue(
+            keys=[keys.queued, keys.lock, keys.done], args=[task_id, scope, max(ttl_ms, 1)]
+        )
+        status = int(reply[0])
+        if status == ACQUIRED:
+            return Outcome(ACQUIRED)
+        return Outcome(status, holder=Holder(reply[1], "", "", 0, ""))
+
+    def unqueue(self, keys: LockKeys, task_id: str) -> bool:
+        """Free a key taken at send time, if ``task_id`` still has it."""
+        return bool(self._unqueue(keys=[keys.queued], args=[task_id]))
 
     def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[int]:
         """Renew ``(lock key, exec id, lease ms)`` entries in one call."""

@@ -68,6 +68,15 @@ def _wait(task: SingletonTask, settings: TaskSettings, args: Sequence[Any],
 
 # -- duplicates -------------------------------------------------------------
 
+def skip_done(task: SingletonTask, keys: LockKeys, holder: Holder) -> Any:
+    """Within ``singleton_done_ttl`` of a success every duplicate is skipped."""
+    logger.info(
+        "Skipped duplicate %s[%s]: %s was done by %s",
+        task.name, task.request.id, keys.base, holder.task_id,
+    )
+    return skip_result(keys.base, holder.task_id, reason="done")
+
+
 def _dup_skip(task: SingletonTask, settings: TaskSettings, keys: LockKeys, holder: Holder,
               args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     logger.info(

@@ -20,6 +20,32 @@ from celery import signals
 logger = logging.getLogger("celery_singleton_lock")
 
 
+def _in_thread(name: str, work: Any) -> None:
+    threading.Thread(target=work, name=name, daemon=True).start()
+
+
+def free_queued_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
+    """Free the send-time key of a task that will now never start (revoked, expired)."""
+    from .lock import engine_for
+    from .task import SingletonTask
+
+    if not isinstance(task, SingletonTask) or not task_id:
+        return
+
+    def free() -> None:
+        try:
+            if task.singleton_settings().scope == "run":
+                return
+            keys = task.singleton_keys(*(args or ()), **(kwargs or {}))
+            if engine_for(task.app).unqueue(keys, task_id):
+                logger.info("Freed the key %s of revoked %s[%s]", keys.base, task.name, task_id)
+        except Exception as exc:
+            logger.warning("Could not free the send-time key of %s[%s]: %r",
+                           task.name, task_id, exc)
+
+    _in_thread("singleton-unqueue", free)
+
+
 def _reap_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
     from .lock import engine_for
     from .task import SingletonTask
@@ -35,7 +61,7 @@ def _reap_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
             logger.warning("Could not free the singleton lock of %s[%s]: %r",
                            task.name, task_id, exc)
 
-    threading.Thread(target=reap, name="singleton-reaper", daemon=True).start()
+    _in_thread("singleton-reaper", reap)
 
 
 def on_task_failure(sender: Any = None, task_id: str = "", exception: Any = None,
@@ -46,8 +72,40 @@ def on_task_failure(sender: Any = None, task_id: str = "", exception: Any = None
 
 def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,
                     **_: Any) -> None:
-    if terminated and request is not None:
+    if request is None:
+        return
+    if terminated:
         _reap_later(sender, request.id, request.args, request.kwargs)
+    else:
+        free_queued_later(sender, request.id, request.args, request.kwargs)
+
+
+def watch_revoke_command() -> None:
+    """Free queued keys as soon as a revoke reaches this worker.
+
+    Celery fires ``task_revoked`` for a message it holds for a later ETA only
+    when that ETA comes; the key of a revoked task must free now. The ``revoke``
+    remote control command is wrapped once per process: it runs as before, then
+    frees the send-time keys of the revoked tasks this worker holds unstarted.
+    """
+    from celery.worker import control
+    from celery.worker import state as worker_state
+
+    original = control.Panel.data.get("revoke")
+    if original is None or getattr(original, "_singleton_watched", False):
+        return
+
+    def revoke(state: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = original(state, task_id, *args, **kwargs)
+        ids = task_id if isinstance(task_id, (list, tuple, set)) else [task_id]
+        for tid in ids:
+            request = worker_state.requests.get(tid)
+            if request is not None and request not in worker_state.active_requests:
+                free_queued_later(request.task, tid, request.args, request.kwargs)
+        return reply
+
+    revoke._singleton_watched = True  # type: ignore[attr-defined]
+    control.Panel.data["revoke"] = revoke
 
 
 def connect() -> None:

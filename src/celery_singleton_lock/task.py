@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
@@ -12,13 +13,23 @@ from typing import Any, Optional
 import redis
 from celery import Task
 from celery.exceptions import Ignore, Retry
+from kombu.utils.uuid import uuid
 
 from . import policies
-from .config import DUPLICATE_POLICIES, SingletonConfig, check_choice, check_ttl, get_config
-from .exceptions import ConfigurationError
+from .config import (
+    DUPLICATE_POLICIES,
+    SCOPES,
+    SingletonConfig,
+    check_choice,
+    check_optional_ttl,
+    check_ttl,
+    get_config,
+)
+from .exceptions import ConfigurationError, DuplicateTaskError, LockBackendError
 from .heartbeat import heartbeat_for
 from .keys import KeyBuilder, KeySpec, LockKeys
-from .lock import ACQUIRED, FINISHED, HELD, LockEngine, Outcome, SingletonLock, engine_for
+from .lock import ACQUIRED, DONE, FINISHED, HELD, LockEngine, Outcome, SingletonLock, engine_for
+from .results import DeduplicatedResult
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -34,6 +45,8 @@ class TaskSettings:
     builder: KeyBuilder
     ttl: float
     on_duplicate: str
+    scope: str = "run"
+    done_ttl: float = 0.0
 
     @property
     def retry_delay(self) -> float:
@@ -53,11 +66,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                                or None for all arguments
     ``singleton_on_duplicate`` ``"skip"``, ``"retry"`` or ``"raise"``
     ``singleton_ttl``          lease in seconds, renewed while the task runs
+    ``singleton_scope``        ``"run"``, ``"queue"`` or ``"queue_and_run"``
+    ``singleton_done_ttl``     seconds a success keeps its key done (0 or None: off)
     """
 
     singleton_key: KeySpec = None
     singleton_on_duplicate: Optional[str] = None
     singleton_ttl: Optional[float] = None
+    singleton_scope: Optional[str] = None
+    singleton_done_ttl: Optional[float] = None
 
     _singleton_settings_cache: Optional[TaskSettings] = None
     _singleton_settings_mutex = threading.Lock()
@@ -92,10 +109,17 @@ class SingletonTask(Task):  # type: ignore[misc]
                 check_choice("singleton_on_duplicate", self.singleton_on_duplicate,
                              DUPLICATE_POLICIES)
             )
+            scope = config.scope if self.singleton_scope is None else check_choice(
+                "singleton_scope", self.singleton_scope, SCOPES, "scope"
+            )
+            done_ttl = config.done_ttl if self.singleton_done_ttl is None else (
+                check_optional_ttl("singleton_done_ttl", self.singleton_done_ttl)
+            )
         except ConfigurationError as exc:
             raise ConfigurationError(exc.setting, f"task {self.name!r}: {exc}") from None
         builder = KeyBuilder(self.name, self.run, self.singleton_key, config.key_prefix)
-        return TaskSettings(config=config, builder=builder, ttl=ttl, on_duplicate=on_duplicate)
+        return TaskSettings(config=config, builder=builder, ttl=ttl, on_duplicate=on_duplicate,
+                            scope=scope, done_ttl=done_ttl)
 
     def singleton_keys(self, *args: Any, **kwargs: Any) -> LockKeys:
         """The lock keys a call with these arguments uses."""
@@ -113,6 +137,63 @@ class SingletonTask(Task):  # type: ignore[misc]
             lock = SingletonLock(keys, task_id=req.id or "", task_name=self.name)
             setattr(req, _LOCK_ATTR, lock)
         return lock
+
+    # -- sending ----------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: Optional[str] = None,
+                    **options: Any) -> Any:
+        """Celery's apply_async; under the queue scopes the key is taken here.
+
+        When the key is already taken, no message is sent and the result of the
+        task holding it comes back: a :class:`DeduplicatedResult`.
+        """
+        settings = self.singleton_settings()
+        if (
+            settings.scope == "run"
+            or self.app.conf.task_always_eager
+            or (task_id is not None and task_id == self.request.id)  # its own retry or wait
+        ):
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        task_id = task_id or uuid()
+        keys = settings.builder.keys(args or (), kwargs or {})
+        engine = engine_for(self.app)
+        marker_ms = int((_send_delay(self, options) + settings.config.queue_ttl) * 1000)
+        try:
+            outcome = engine.enqueue(keys, task_id, settings.scope, marker_ms)
+        except redis.RedisError as exc:
+            if settings.config.on_backend_error == "raise":
+                raise LockBackendError(keys.base, repr(exc)) from exc
+            logger.warning("Lock backend unavailable when sending %s[%s] (%r): sent without "
+                           "its key; the lock is still taken when it runs", self.name, task_id, exc)
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        if outcome.status != ACQUIRED:
+            assert outcome.holder is not None
+            holder = outcome.holder.task_id
+            in_canvas = "chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
+            if in_canvas:
+                # Refusing would leave a chain or chord waiting for ever: the
+                # worker gives this member the result a duplicate gets.
+                pass
+            elif outcome.status == DONE:
+                logger.info("Not sent %s[%s]: %s was done by %s",
+                            self.name, task_id, keys.base, holder)
+                return DeduplicatedResult(holder, key=keys.base, reason="done",
+                                          refused_id=task_id, task=self)
+            elif settings.on_duplicate == "raise":
+                raise DuplicateTaskError(self.name, keys.base, holder)
+            elif settings.on_duplicate == "skip":
+                logger.info("Not sent %s[%s]: %s is taken by %s",
+                            self.name, task_id, keys.base, holder)
+                return DeduplicatedResult(holder, key=keys.base, reason="duplicate",
+                                          refused_id=task_id, task=self)
+            # "retry": sent all the same; it waits for the key when it starts
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        except BaseException:
+            with contextlib.suppress(redis.RedisError):  # else it expires on its own
+                engine.unqueue(keys, task_id)
+            raise
 
     # -- execution --------------------------------------------------------------
 
@@ -152,6 +233,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "Dropped redelivered %s[%s]: this task id already finished", self.name, req.id
             )
             raise Ignore()
+        if outcome.status == DONE:
+            assert outcome.holder is not None
+            return policies.skip_done(self, keys, outcome.holder)
         if outcome.status != ACQUIRED:
             assert outcome.holder is not None
             if outcome.status == HELD:
@@ -169,8 +253,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                      keys.base, self.name, req.id, lock.token)
         heartbeat = heartbeat_for(engine)
         heartbeat.add(lock)
+        succeeded = False
         try:
-            return self.run(*args, **kwargs)
+            result = self.run(*args, **kwargs)
+            succeeded = True
+            return result
         except Retry as exc:
             if not lock.handed_off:
                 self._hand_off(engine, lock, _delay_of(self, exc.when))
@@ -178,14 +265,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             heartbeat.discard(lock)
             if not lock.handed_off:
-                self._release(engine, lock)
+                self._release(engine, lock, settings.done_ttl if succeeded else 0.0)
 
     def _acquire(self, engine: LockEngine, keys: LockKeys, req: Any, exec_id: str,
                  lease_ms: int) -> Outcome:
+        settings = self.singleton_settings()
+
         def attempt() -> Outcome:
             return engine.acquire(
                 keys, task_id=req.id, exec_id=exec_id, lease_ms=lease_ms,
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
+                scope=settings.scope, comes_back=settings.on_duplicate == "retry",
             )
 
         outcome = attempt()
@@ -194,10 +284,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             outcome = attempt()
         return outcome
 
-    def _release(self, engine: LockEngine, lock: SingletonLock) -> None:
+    def _release(self, engine: LockEngine, lock: SingletonLock, done_ttl: float = 0.0) -> None:
         try:
             released = engine.release(
-                lock.keys, lock.exec_id, lock.task_id, always_record=bool(self.acks_late)
+                lock.keys, lock.exec_id, lock.task_id, always_record=bool(self.acks_late),
+                done_ttl=done_ttl,
             )
         except redis.RedisError as exc:
             logger.error(
@@ -242,6 +333,25 @@ class SingletonTask(Task):  # type: ignore[misc]
             if handing_off and lock is not None:
                 lock.handed_off = False  # no retry was sent: release as usual
             raise
+
+
+_CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
+
+
+def _send_delay(task: Task, options: dict[str, Any]) -> float:
+    """Seconds until a message sent with these options may start."""
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        try:
+            eta = dt.datetime.fromisoformat(eta)
+        except ValueError:
+            eta = None
+    if isinstance(eta, dt.datetime):
+        return _delay_of(task, eta)
+    countdown = options.get("countdown")
+    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
+        return max(float(countdown), 0.0)
+    return 0.0
 
 
 def _delay_of(task: Task, when: Any) -> float:

@@ -1,22 +1,28 @@
--- Take a singleton lock, or say who holds it.
+-- Take a singleton lock when an execution starts, or say why not.
 --
--- KEYS[1] lock   hash: the owner record; its TTL is the lease
--- KEYS[2] fence  string: last fencing token granted for this key
--- KEYS[3] fin    string: id of a task that finished while a copy of it waited
+-- KEYS[1] lock    hash: the owner record; its TTL is the lease
+-- KEYS[2] fence   string: last fencing token granted for this key
+-- KEYS[3] fin     string: id of a task that finished while a copy of it waited
+-- KEYS[4] queued  string: id of the task that took the key when it was sent
+-- KEYS[5] done    string: id of the task whose success keeps the key done
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] worker hostname
 -- ARGV[5] host key         ARGV[6] pid
 -- ARGV[7] retries of the request   ARGV[8] task name
 -- ARGV[9] fence counter TTL ms
+-- ARGV[10] scope: 'run', 'queue' or 'queue_and_run'
+-- ARGV[11] '1' when a refused execution comes back later (policy retry):
+--          its own queued marker is kept for it
 --
 -- Returns
 --   {1, token}                               granted
---   {0, task, exec, host key, pid, host}     held by another task
+--   {0, task, exec, host key, pid, host}     held by another task (running or queued)
 --   {2, task, exec, host key, pid, host}     held by another execution of this same task id
 --   {3, task}                                this task id already finished
-local lock, fence, fin = KEYS[1], KEYS[2], KEYS[3]
+--   {4, task}                                done: another task succeeded within done_ttl
+local lock, fence, fin, queued, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, exec_id, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local retries = ARGV[7]
+local retries, scope = ARGV[7], ARGV[10]
 
 local function grant()
   local t = redis.call('TIME')
@@ -35,14 +41,20 @@ local function grant()
   return {1, token}
 end
 
-local holder = redis.call('HMGET', lock, 'task', 'exec', 'hostkey', 'pid', 'host', 'handoff')
-if not holder[1] then
-  if redis.call('GET', fin) == task_id then
-    return {3, task_id}
+-- The marker this task left when it was sent: the key passes from it to the
+-- execution in this same script, so no duplicate slips in between.
+local own_queued = false
+if scope ~= 'run' then
+  own_queued = redis.call('GET', queued) == task_id
+end
+local function refused(reply)
+  if own_queued and ARGV[11] ~= '1' then
+    redis.call('DEL', queued)
   end
-  return grant()
+  return reply
 end
 
+local holder = redis.call('HMGET', lock, 'task', 'exec', 'hostkey', 'pid', 'host', 'handoff')
 if holder[1] == task_id then
   if holder[6] == retries then
     -- the retried execution takes back the key its earlier attempt kept for it
@@ -56,4 +68,30 @@ if holder[1] == task_id then
   redis.call('HSET', lock, 'copies', '1')
   return {2, holder[1], holder[2], holder[3] or '', holder[4] or '', holder[5] or ''}
 end
-return {0, holder[1], holder[2], holder[3] or '', holder[4] or '', holder[5] or ''}
+
+local done_by = redis.call('GET', done)
+if done_by then
+  if own_queued then redis.call('DEL', queued) end
+  if done_by == task_id then return {3, task_id} end
+  return {4, done_by}
+end
+
+if holder[1] then
+  return refused({0, holder[1], holder[2], holder[3] or '', holder[4] or '', holder[5] or ''})
+end
+if redis.call('GET', fin) == task_id then
+  if own_queued then redis.call('DEL', queued) end
+  return {3, task_id}
+end
+if scope == 'queue_and_run' and not own_queued then
+  local other = redis.call('GET', queued)
+  if other then
+    -- sent while another was queued, past the send-time check (a canvas
+    -- member, a plain send_task): the queued one owns the key
+    return {0, other, '', '', '0', ''}
+  end
+end
+if own_queued then
+  redis.call('DEL', queued)
+end
+return grant()

@@ -1,0 +1,36 @@
+"""What a caller gets back when a send is deduplicated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.result import AsyncResult
+
+
+class DeduplicatedResult(AsyncResult):  # type: ignore[misc]
+    """The result of the task that holds the key, returned instead of sending.
+
+    Its ``id`` is the holder's task id, so ``.get()`` waits for and returns the
+    holder's result. ``deduplicated`` is True; ``holder`` is that task id,
+    ``refused_id`` the id the refused send would have had, ``key`` the lock key
+    and ``reason`` either ``"duplicate"`` (queued or running) or ``"done"``
+    (succeeded within ``singleton_done_ttl``).
+    """
+
+    deduplicated = True
+
+    def __init__(self, holder: str, *, key: str, reason: str, refused_id: str,
+                 task: Any) -> None:
+        super().__init__(holder, backend=task.backend, task_name=task.name, app=task.app)
+        self.holder = holder
+        self.key = key
+        self.reason = reason
+        self.refused_id = refused_id
+
+    def __repr__(self) -> str:
+        return f"<DeduplicatedResult: {self.id} ({self.reason}, refused {self.refused_id})>"
+
+
+def is_deduplicated(result: Any) -> bool:
+    """True when ``apply_async``/``delay`` sent nothing because the key was taken."""
+    return getattr(result, "deduplicated", False) is True

@@ -1,0 +1,258 @@
+"""Scopes on a real prefork worker: dedupe at send ("queue"), hold from send to
+finish ("queue_and_run"), the done window, and canvases with duplicate members."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from celery import chain, chord, group
+from celery.result import AsyncResult
+
+from celery_singleton_lock import DuplicateTaskError, is_deduplicated, is_skipped
+from tests.support import Worker, wait_for
+from tests.workerapp import make_app
+
+pytestmark = pytest.mark.worker
+
+
+def never_sent(app: Any, task_id: str) -> bool:
+    """No message with this id ever reached a worker or the result backend."""
+    return AsyncResult(task_id, app=app).state == "PENDING"
+
+
+def test_queue_scope_refuses_a_duplicate_while_one_is_queued(client_app, events, key, r):
+    t = client_app.tasks["t.queue"]
+    first = t.apply_async((key, 0.2, "first"), countdown=1.5)
+    dups = [t.delay(key, 0.0, f"dup{i}") for i in range(4)]
+    for d in dups:
+        assert is_deduplicated(d)
+        assert d.id == first.id and d.holder == first.id and d.reason == "duplicate"
+        assert d.refused_id != first.id
+    # The refused sends return the holder's own result.
+    assert dups[0].get(timeout=10)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first"]
+    assert all(never_sent(client_app, d.refused_id) for d in dups)
+    assert not is_deduplicated(first)
+
+
+def test_queue_scope_frees_the_key_when_the_queued_one_starts(client_app, events, key):
+    t = client_app.tasks["t.queue"]
+    first = t.delay(key, 1.5, "first")
+    wait_for(lambda: events.starts("first"), 10, what="first start")
+    second = t.delay(key, 0.0, "second")
+    # Sent, since the key freed at start; the run lock still keeps it from
+    # running beside the first.
+    assert not is_deduplicated(second)
+    result = second.get(timeout=10)
+    assert is_skipped(result) and result["holder"] == first.id
+    first.get(timeout=10)
+
+
+def test_queue_and_run_refuses_while_queued_and_while_running(client_app, events, key):
+    t = client_app.tasks["t.queue_and_run"]
+    first = t.apply_async((key, 1.5, "first"), countdown=0.5)
+    queued_dup = t.delay(key, 0.0, "dup-queued")
+    assert is_deduplicated(queued_dup) and queued_dup.id == first.id
+    wait_for(lambda: events.starts("first"), 10, what="first start")
+    running_dup = t.delay(key, 0.0, "dup-running")
+    assert is_deduplicated(running_dup) and running_dup.id == first.id
+    assert running_dup.get(timeout=10)["tag"] == "first"
+    # Finished: the key is free again.
+    after = t.delay(key, 0.0, "after")
+    assert not is_deduplicated(after)
+    assert after.get(timeout=10)["tag"] == "after"
+    assert [e["tag"] for e in events.starts()] == ["first", "after"]
+
+
+def test_queue_and_run_hands_the_key_to_the_execution_without_a_gap(client_app, events, key):
+    """Sends hammer the key while the first waits, starts, runs and ends: every one
+    of them is refused with the first's id until the first has finished."""
+    t = client_app.tasks["t.queue_and_run"]
+    first = t.apply_async((key, 0.8, "first"), countdown=0.5)
+    refused: list[str] = []
+    sent: list[tuple[float, Any]] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            res = t.delay(key, 0.0, "dup")
+            if is_deduplicated(res):
+                refused.append(res.id)
+            else:
+                sent.append((time.monotonic(), res))
+                return
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    first.get(timeout=15)
+    finished_at = time.monotonic()
+    thread.join(10)
+    stop.set()
+    assert len(refused) > 20
+    assert set(refused) == {first.id}
+    # The first send that got through came only after the first run ended.
+    assert len(sent) == 1 and sent[0][0] >= finished_at - 0.5
+    sent[0][1].get(timeout=10)
+    starts = events.starts()
+    assert [e["tag"] for e in starts] == ["first", "dup"]
+    assert all(e["concurrent"] == 1 for e in starts)
+
+
+def test_queue_scope_raise_and_retry_policies_at_send(client_app, events, key):
+    raiser = client_app.tasks["t.queue_and_run_raise"]
+    first = raiser.apply_async((key, 0.5, "first"), countdown=0.3)
+    with pytest.raises(DuplicateTaskError) as info:
+        raiser.delay(key, 0.0, "dup")
+    assert first.id in str(info.value)
+    first.get(timeout=10)
+
+    waiter = client_app.tasks["t.queue_and_run_retry"]
+    holder = waiter.delay(key + "w", 1.0, "holder")
+    wait_for(lambda: events.starts("holder"), 10, what="holder start")
+    late = waiter.delay(key + "w", 0.0, "late")
+    assert not is_deduplicated(late)  # "retry" never drops: it is sent and waits
+    assert late.get(timeout=15)["tag"] == "late"
+    holder.get(timeout=10)
+    ends = {e["tag"]: e for e in events.all() if e["ev"] == "end"}
+    late_start = [e for e in events.all() if e["ev"] == "start" and e["tag"] == "late"]
+    assert len(late_start) == 1 and late_start[0]["concurrent"] == 1
+    assert "holder" in ends
+
+
+def test_far_eta_keeps_the_key_and_revoke_frees_it(client_app, events, key, r):
+    t = client_app.tasks["t.queue"]
+    far = t.apply_async((key, 0.0, "far"), countdown=120)
+    lock_key = t.singleton_keys(key, 0.0, "far").queued
+    assert r.get(lock_key) == far.id
+    # Lasts past the ETA, however far, plus the queue grace.
+    assert r.pttl(lock_key) > 120_000
+    assert is_deduplicated(t.delay(key, 0.0, "dup"))
+    far.revoke()
+    wait_for(lambda: r.get(lock_key) is None, 10, what="revoked task's key to free")
+    again = t.delay(key, 0.0, "again")
+    assert not is_deduplicated(again)
+    assert again.get(timeout=10)["tag"] == "again"
+    assert [e["tag"] for e in events.starts()] == ["again"]
+
+
+def test_lost_queued_message_frees_its_key_within_the_queue_ttl(redis_server, r, key):
+    """A purged queue leaves no key behind for longer than singleton_queue_ttl."""
+    app = make_app(redis_server.url(), f"nobody-{key}", conf={"singleton_queue_ttl": 1.0})
+    t = app.tasks["t.queue_and_run"]
+    lost = t.delay(key, 0.0, "lost")
+    assert is_deduplicated(t.delay(key, 0.0, "dup"))
+    with app.connection_for_write() as conn:
+        purged = app.amqp.queues[f"nobody-{key}"].bind(conn.default_channel).purge()
+    assert purged == 1
+    assert r.get(t.singleton_keys(key).queued) == lost.id
+    started = time.monotonic()
+    wait_for(lambda: not is_deduplicated(t.delay(key, 0.0, "next")), 5,
+             what="the orphaned key to free")
+    assert time.monotonic() - started < 2.5
+
+
+@pytest.mark.parametrize("scope", ["queue", "queue_and_run"])
+def test_retries_keep_the_key_under_queue_scopes(client_app, events, key, scope):
+    t = client_app.tasks[f"t.{scope}_retrier"]
+    first = t.delay(key, 1, 1.5, 0.0, "r")
+    wait_for(lambda: events.ends("r#0"), 10, what="first attempt")
+    dup = t.delay(key, 1, 0.0, 0.0, "dup")
+    if scope == "queue_and_run":
+        assert is_deduplicated(dup) and dup.id == first.id
+    else:
+        # sent, but the key kept for the retry makes it a duplicate when it starts
+        result = dup.get(timeout=10)
+        assert is_skipped(result) and result["holder"] == first.id
+    assert first.get(timeout=15)["tag"] == "r#1"
+    assert [e["tag"] for e in events.starts()] == ["r#0", "r#1"]
+
+
+@pytest.mark.parametrize("name", ["t.hold", "t.queue", "t.queue_and_run"])
+def test_chord_with_duplicate_members_completes(client_app, events, key, name):
+    t = client_app.tasks[name]
+    collect = client_app.tasks["t.collect"]
+    result = chord([t.s(key, 1.0, "m1"), t.s(key, 1.0, "m2"), t.s(key + "x", 0.1, "other")],
+                   collect.s()).apply_async()
+    members = result.get(timeout=20)
+    assert len(members) == 3
+    skipped = [m for m in members if is_skipped(m)]
+    ran = [m for m in members if not is_skipped(m)]
+    assert len(skipped) == 1 and sorted(m["tag"] for m in ran) in (["m1", "other"],
+                                                                   ["m2", "other"])
+    assert len([e for e in events.starts() if e["tag"] in ("m1", "m2")]) == 1
+
+
+def test_chord_body_whose_key_is_taken_still_answers(client_app, events, key):
+    """The body of a chord is sent by the worker; refusing it would hang the chord."""
+    t = client_app.tasks["t.plain"]
+    collect = client_app.tasks["t.collect"]
+    expected = [{"tag": "a"}, {"tag": "b"}]
+    holder = collect.apply_async((expected,), countdown=3)
+    result = chord([t.s(key, 0.0, "a"), t.s(key, 0.0, "b")], collect.s()).apply_async()
+    body = result.get(timeout=15)
+    assert is_skipped(body) and body["holder"] == holder.id
+    assert holder.get(timeout=10) == expected
+
+
+@pytest.mark.parametrize("name", ["t.hold", "t.queue_and_run"])
+def test_group_and_chain_with_duplicate_members_complete(client_app, events, key, name):
+    t = client_app.tasks[name]
+    g = group(t.s(key, 0.8, "g1"), t.s(key, 0.8, "g2")).apply_async()
+    results = g.get(timeout=20)
+    assert sum(1 for x in results if is_skipped(x)) == 1
+    # A chain whose second link meets the key its first link still holds is
+    # not left hanging either.
+    holder = t.delay(key + "c", 1.5, "c-holder")
+    wait_for(lambda: events.starts("c-holder"), 10, what="chain key holder start")
+    res = chain(client_app.tasks["t.plain"].s(key, 0.0, "p"),
+                t.si(key + "c", 0.0, "c-dup")).apply_async()
+    last = res.get(timeout=15)
+    assert is_skipped(last) and last["holder"] == holder.id
+    holder.get(timeout=10)
+
+
+@pytest.mark.parametrize("name", ["t.run_done", "t.queue_done", "t.queue_and_run_done"])
+def test_done_window_skips_repeats_and_points_to_the_run_that_did_the_work(
+        client_app, events, key, name):
+    t = client_app.tasks[name]
+    failed = t.delay(key, 0.0, "fails", True)
+    with pytest.raises(ValueError):
+        failed.get(timeout=10)
+    # A failure does not mark the key done: the next call runs.
+    work = t.delay(key, 0.0, "work")
+    assert work.get(timeout=10)["tag"] == "work"
+    repeat = t.delay(key, 0.0, "repeat")
+    if name == "t.run_done":
+        result = repeat.get(timeout=10)
+        assert is_skipped(result)
+        assert result["holder"] == work.id and result["reason"] == "done"
+    else:
+        # refused at send: the caller gets the result of the run that did the work
+        assert is_deduplicated(repeat) and repeat.reason == "done"
+        assert repeat.id == work.id and repeat.get(timeout=5)["tag"] == "work"
+    assert [e["tag"] for e in events.starts()] == ["fails", "work"]
+    # The window closes (3 s here): the next call runs again.
+    time.sleep(3.2)
+    assert t.delay(key, 0.0, "later").get(timeout=10)["tag"] == "later"
+
+
+def test_done_window_survives_a_worker_restart(redis_server, events, key):
+    queue = f"restart-{key}"
+    app = make_app(redis_server.url(), queue)
+    t = app.tasks["t.run_done_long"]
+    w1 = Worker(redis_server.url(), queue, pool="solo").start()
+    try:
+        work = t.delay(key, 0.0, "work")
+        assert work.get(timeout=10)["tag"] == "work"
+    finally:
+        w1.stop()
+    w2 = Worker(redis_server.url(), queue, pool="solo").start()
+    try:
+        result = t.delay(key, 0.0, "after-restart").get(timeout=10)
+    finally:
+        w2.stop()
+    assert is_skipped(result) and result["holder"] == work.id and result["reason"] == "done"
+    assert [e["tag"] for e in events.starts()] == ["work"]
