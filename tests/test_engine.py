@@ -1,0 +1,247 @@
+"""The lock engine and its scripts against a real redis-server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from celery_singleton_lock import LockLostError, SingletonConfig
+from celery_singleton_lock.heartbeat import Heartbeat
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.lock import (
+    ACQUIRED,
+    DONE,
+    FINISHED,
+    HELD,
+    SAME_TASK,
+    LockEngine,
+    SingletonLock,
+)
+from tests.support import ROOT, wait_for
+
+
+@pytest.fixture
+def engine(redis_server, r) -> LockEngine:
+    config = SingletonConfig(redis_url=redis_server.url(2), finished_ttl=60)
+    return LockEngine.from_config(config)
+
+
+def new_keys() -> LockKeys:
+    return LockKeys("singleton:", uuid.uuid4().hex)
+
+
+def take(engine: LockEngine, keys: LockKeys, task_id: str = "", exec_id: str = "",
+         lease_ms: int = 5000, retries: int = 0, **kw: Any) -> Any:
+    return engine.acquire(keys, task_id=task_id or uuid.uuid4().hex,
+                          exec_id=exec_id or uuid.uuid4().hex, lease_ms=lease_ms,
+                          hostname="w1@host", retries=retries, task_name="t.x", **kw)
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_grant_records_the_owner_and_a_second_task_sees_it(engine, r):
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a")
+    assert got.status == ACQUIRED and got.token > 0
+    owner = r.hgetall(keys.lock)
+    assert owner["task"] == "task-a" and owner["exec"] == "exec-a"
+    assert owner["host"] == "w1@host" and int(owner["pid"]) == os.getpid()
+    assert int(owner["token"]) == got.token and int(owner["at"]) > 0
+    other = take(engine, keys, "task-b")
+    assert other.status == HELD
+    assert other.holder.task_id == "task-a" and other.holder.exec_id == "exec-a"
+    assert other.holder.pid == os.getpid() and other.holder.hostname == "w1@host"
+    assert 4000 < r.pttl(keys.lock) <= 5000
+
+
+def test_release_is_owner_checked(engine, r):
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    assert engine.release(keys, "exec-other", "task-a") is False
+    assert r.exists(keys.lock)
+    assert engine.release(keys, "exec-a", "task-a") is True
+    assert not r.exists(keys.lock)
+    assert take(engine, keys, "task-b").status == ACQUIRED
+
+
+def test_same_task_copy_waits_and_is_dropped_once_the_original_finished(engine, r):
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    copy = take(engine, keys, "task-a", "exec-copy")
+    assert copy.status == SAME_TASK and copy.holder.exec_id == "exec-a"
+    assert r.hget(keys.lock, "copies") == "1"
+    engine.release(keys, "exec-a", "task-a")
+    assert r.get(keys.fin) == "task-a"
+    assert take(engine, keys, "task-a", "exec-copy").status == FINISHED
+    # another task id is not affected by the marker
+    assert take(engine, keys, "task-b").status == ACQUIRED
+
+
+def test_finish_is_recorded_without_a_copy_only_when_asked(engine, r):
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    engine.release(keys, "exec-a", "task-a")
+    assert r.get(keys.fin) is None
+    take(engine, keys, "task-b", "exec-b")
+    engine.release(keys, "exec-b", "task-b", always_record=True)
+    assert r.get(keys.fin) == "task-b"
+
+
+def test_tokens_increase_with_every_grant_even_when_the_counter_is_gone(engine, r):
+    keys = new_keys()
+    tokens = []
+    for i in range(30):
+        got = take(engine, keys, f"t{i}", f"e{i}")
+        tokens.append(got.token)
+        engine.release(keys, f"e{i}", f"t{i}")
+        if i == 15:
+            r.delete(keys.fence)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+def test_an_expired_lease_lets_another_task_in(engine, r):
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a", lease_ms=150)
+    assert take(engine, keys, "task-b").status == HELD
+    time.sleep(0.25)
+    assert take(engine, keys, "task-b", "exec-b").status == ACQUIRED
+    # the old owner cannot release the new one
+    assert engine.release(keys, "exec-a", "task-a") is False
+    assert r.hget(keys.lock, "exec") == "exec-b"
+
+
+def test_hand_off_keeps_the_key_for_the_retry_only(engine, r):
+    keys = new_keys()
+    first = take(engine, keys, "task-a", "exec-a", retries=0)
+    assert engine.hand_off(keys, "exec-a", 1, 3000) is True
+    assert engine.hand_off(keys, "exec-nope", 1, 3000) is False
+    assert engine.renew([(keys.lock, "exec-a", 5000)]) == [2]
+    assert take(engine, keys, "task-b").status == HELD
+    retried = take(engine, keys, "task-a", "exec-a2", retries=1)
+    assert retried.status == ACQUIRED and retried.token > first.token
+    assert r.hget(keys.lock, "exec") == "exec-a2"
+
+
+@pytest.mark.parametrize("n", [1, 100, 2000])
+def test_renewal_of_n_locks_is_one_call(engine, r, n):
+    held = []
+    for i in range(n):
+        keys = new_keys()
+        take(engine, keys, f"t{i}", f"e{i}", lease_ms=1000)
+        held.append((keys.lock, f"e{i}", 60_000))
+    stranger = new_keys()
+    take(engine, stranger, "other", "e-other", lease_ms=1000)
+    before = evalsha_calls(r)
+    results = engine.renew([*held, (stranger.lock, "e-not-mine", 60_000)])
+    assert evalsha_calls(r) - before == 1
+    assert results == [1] * n + [0]
+    assert min(r.pttl(k) for k, _, _ in held[:50]) > 50_000
+    assert r.pttl(stranger.lock) <= 1000
+
+
+def test_heartbeat_keeps_a_short_lease_alive_for_many_leases(engine, r):
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=300)
+    lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=got.token,
+                         lease=0.3, started=time.monotonic(), held=True)
+    hb = Heartbeat(engine)
+    hb.add(lock)
+    try:
+        time.sleep(1.8)  # six leases
+        assert r.hget(keys.lock, "exec") == "exec-a"
+        assert not lock.lost
+        assert hb.rounds >= 4
+    finally:
+        hb.discard(lock)
+
+
+def test_heartbeat_marks_a_taken_over_lock_lost(engine, r):
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=600)
+    lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=got.token,
+                         lease=0.6, started=time.monotonic(), held=True)
+    hb = Heartbeat(engine)
+    hb.add(lock)
+    try:
+        r.hset(keys.lock, "exec", "someone-else")
+        wait_for(lambda: lock.lost, 2, what="the lock to be seen lost")
+        with pytest.raises(LockLostError) as info:
+            lock.check()
+        assert info.value.token == got.token and "another execution" in str(info.value)
+    finally:
+        hb.discard(lock)
+
+
+def test_a_passed_deadline_is_lost_without_asking_redis(engine, r):
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=1, lease=0.5,
+                         started=time.monotonic() - 1.0, held=True)
+    before = r.info("stats")["total_commands_processed"]
+    assert lock.lost
+    with pytest.raises(LockLostError):
+        lock.check()
+    # only our own INFO reached the server
+    assert r.info("stats")["total_commands_processed"] - before <= 2
+
+
+def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
+    keys = new_keys()
+    code = (
+        "import sys; from celery_singleton_lock import SingletonConfig;"
+        "from celery_singleton_lock.keys import LockKeys;"
+        "from celery_singleton_lock.lock import LockEngine;"
+        f"e = LockEngine.from_config(SingletonConfig(redis_url={redis_server.url(2)!r}));"
+        f"k = LockKeys('singleton:', {keys.base.split('{')[1][:-1]!r});"
+        "o = e.acquire(k, task_id='dead', exec_id='x', lease_ms=60000, hostname='h',"
+        " retries=0, task_name='t');"
+        "sys.exit(0 if o.status == 1 else 3)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=30)
+    held = take(engine, keys, "task-b")
+    assert held.status == HELD and held.holder.task_id == "dead"
+    assert engine.clear_dead_holder(keys, held.holder) is True
+    assert take(engine, keys, "task-b").status == ACQUIRED
+    # our own process is alive: its lock stays
+    assert engine.clear_dead_holder(keys, take(engine, keys, "task-c").holder) is False
+
+
+def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
+    keys = new_keys()
+    assert engine.enqueue(keys, "q1", "queue_and_run", 5000).status == ACQUIRED
+    refused = engine.enqueue(keys, "q2", "queue_and_run", 5000)
+    assert refused.status == HELD and refused.holder.task_id == "q1"
+    # a message that skipped the send-time check meets the queued one's key
+    assert take(engine, keys, "q2", scope="queue_and_run").status == HELD
+    assert take(engine, keys, "q1", "e1", scope="queue_and_run").status == ACQUIRED
+    assert r.get(keys.queued) is None
+    # running now: still refused at send
+    assert engine.enqueue(keys, "q3", "queue_and_run", 5000).holder.task_id == "q1"
+    # under "queue" the key is free again once the queued one started
+    assert engine.enqueue(keys, "q3", "queue", 5000).status == ACQUIRED
+    assert engine.unqueue(keys, "q-other") is False
+    assert engine.unqueue(keys, "q3") is True
+
+
+def test_done_marker_counts_success_only(engine, r):
+    keys = new_keys()
+    take(engine, keys, "a", "ea")
+    engine.release(keys, "ea", "a")  # failed: no done_ttl
+    assert r.get(keys.done) is None
+    take(engine, keys, "b", "eb")
+    engine.release(keys, "eb", "b", done_ttl=5)
+    assert r.get(keys.done) == "b" and 4000 < r.pttl(keys.done) <= 5000
+    done = take(engine, keys, "c")
+    assert done.status == DONE and done.holder.task_id == "b"
+    assert take(engine, keys, "b").status == FINISHED
+    assert engine.enqueue(keys, "d", "queue", 5000).status == DONE

@@ -1,0 +1,205 @@
+"""Keys: one call, one key, whatever its form and whatever JSON did to it on the way."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kombu.serialization import dumps, loads
+
+from celery_singleton_lock import ConfigurationError, KeyEncodingError
+from celery_singleton_lock.keys import KeyBuilder, LockKeys
+
+PREFIX = "singleton:"
+KEY_RE = re.compile(r"^singleton:\{[0-9a-f]{32}\}$")
+
+
+def charge(order_id: Any, amount: Any = 10, *, currency: Any = "EUR") -> None:
+    return None
+
+
+def key_of(func: Any = charge, spec: Any = None, *args: Any, **kwargs: Any) -> str:
+    return KeyBuilder("shop.charge", func, spec, PREFIX).keys(args, kwargs).base
+
+
+def k(*args: Any, **kwargs: Any) -> str:
+    return key_of(charge, None, *args, **kwargs)
+
+
+# -- binding ------------------------------------------------------------------
+
+def test_positional_keyword_and_defaulted_forms_are_one_key():
+    forms = {k(1), k(1, 10), k(1, amount=10), k(order_id=1, amount=10),
+             k(1, currency="EUR"), k(amount=10, order_id=1, currency="EUR")}
+    assert len(forms) == 1
+
+
+def test_any_different_value_is_another_key():
+    assert len({k(1), k(1, 11), k(2), k(1, currency="USD")}) == 4
+
+
+def test_the_task_name_is_part_of_the_key():
+    a = KeyBuilder("shop.charge", charge, None, PREFIX).keys((1,), {}).base
+    b = KeyBuilder("shop.refund", charge, None, PREFIX).keys((1,), {}).base
+    assert a != b
+
+
+def test_var_args_and_var_kwargs_are_bound_too():
+    def f(a: Any, *rest: Any, **extra: Any) -> None:
+        return None
+
+    assert key_of(f, None, 1, 2, x=3, y=4) == key_of(f, None, 1, 2, y=4, x=3)
+    assert key_of(f, None, 1, 2) != key_of(f, None, 1, 2, x=3)
+    assert key_of(f, None, 1, 2, 3) != key_of(f, None, 1, 2)
+
+
+def test_a_call_that_does_not_fit_is_a_clear_error():
+    with pytest.raises(KeyEncodingError, match=r"shop\.charge"):
+        k(1, 2, 3, 4)
+
+
+# -- singleton_key --------------------------------------------------------------
+
+def test_key_on_a_subset_of_arguments_ignores_the_rest():
+    assert key_of(charge, ("order_id",), 1, 10) == key_of(charge, ("order_id",), 1, 99)
+    assert key_of(charge, "order_id", 1, 10) == key_of(charge, ("order_id",), order_id=1)
+    assert key_of(charge, ("order_id",), 1) != key_of(charge, ("order_id",), 2)
+    # A defaulted argument named in the subset counts with its default.
+    assert key_of(charge, ("amount",), 1) == key_of(charge, ("amount",), 2, 10)
+
+
+def test_key_function_decides_the_key():
+    def by_customer(order_id: Any, amount: Any = 0, **_: Any) -> Any:
+        return order_id // 100
+
+    assert key_of(charge, by_customer, 101) == key_of(charge, by_customer, 199, 5)
+    assert key_of(charge, by_customer, 101) != key_of(charge, by_customer, 201)
+
+
+def test_unknown_argument_name_is_a_configuration_error_naming_it():
+    with pytest.raises(ConfigurationError) as info:
+        KeyBuilder("shop.charge", charge, ("order", "amount"), PREFIX)
+    assert info.value.setting == "singleton_key"
+    text = str(info.value)
+    assert "shop.charge" in text and "'order'" in text and "order_id" in text
+
+
+@pytest.mark.parametrize("spec", [(), (1,), ["order_id", 2]])
+def test_bad_key_spec_is_a_configuration_error(spec):
+    with pytest.raises(ConfigurationError) as info:
+        KeyBuilder("shop.charge", charge, spec, PREFIX)
+    assert info.value.setting == "singleton_key"
+
+
+def test_key_function_that_raises_names_the_task():
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise LookupError("no such customer")
+
+    with pytest.raises(KeyEncodingError) as info:
+        key_of(charge, broken, 1)
+    assert "shop.charge" in str(info.value) and "singleton_key" in str(info.value)
+
+
+# -- canonical values -------------------------------------------------------------
+
+@pytest.mark.parametrize("a,b", [
+    (1, "1"), (1, 1.5), (True, 1), (False, 0), (None, "None"), (None, 0), ("", None),
+    ([1, 2], [2, 1]), ({"a": 1}, {"a": "1"}), (b"ab", "ab"), (Decimal("1.1"), 1.1),
+    (uuid.UUID(int=1), str(uuid.UUID(int=1))), (dt.date(2026, 1, 2), "2026-01-02"),
+    ({1, 2}, [1, 2]), ([], {}), ("a:b", ["a", "b"]),
+])
+def test_values_of_different_types_differ(a, b):
+    assert k(a) != k(b)
+
+
+@pytest.mark.parametrize("a,b", [
+    ((1, 2), [1, 2]),
+    ({"x": 1, "y": 2}, {"y": 2, "x": 1}),
+    ({1: "a"}, {"1": "a"}),
+    (Decimal("1.10"), Decimal("1.1")),
+    ({3, 1, 2}, {2, 3, 1}),
+    ({"nested": (1, {"b": 2, "a": 1})}, {"nested": [1, {"a": 1, "b": 2}]}),
+])
+def test_values_that_are_one_call_are_one_key(a, b):
+    assert k(a) == k(b)
+
+
+def test_datetimes_uuids_times_and_bytes_have_one_form():
+    u = uuid.uuid4()
+    assert k(u) == k(uuid.UUID(str(u)))
+    naive = dt.datetime(2026, 11, 22, 10, 30)
+    aware = naive.replace(tzinfo=dt.timezone.utc)
+    assert k(naive) != k(aware)
+    assert k(aware) == k(dt.datetime(2026, 11, 22, 10, 30, tzinfo=dt.timezone.utc))
+    assert k(dt.time(10, 30)) != k(dt.time(10, 31))
+    assert k(b"\x00\xff") == k(bytearray(b"\x00\xff")) != k(b"\x00\xfe")
+
+
+# -- the caller and the worker agree ----------------------------------------------
+
+def json_round_trip(value: Any) -> Any:
+    content_type, encoding, data = dumps(value, serializer="json")
+    return loads(data, content_type, encoding)
+
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.text(max_size=20),
+    st.floats(allow_nan=False, allow_infinity=False), st.uuids(),
+    st.datetimes(timezones=st.none() | st.just(dt.timezone.utc)),
+    st.decimals(allow_nan=False, allow_infinity=False, places=4),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(order=values, amount=values)
+def test_key_survives_kombus_json_round_trip(order, amount):
+    args, kwargs = json_round_trip(([order], {"amount": amount}))
+    assert k(order, amount=amount) == k(*args, **kwargs)
+
+
+# -- nothing raw reaches Redis ------------------------------------------------------
+
+def test_key_is_a_fixed_size_hash_with_no_argument_in_it():
+    card, email = "4111111111111111", "jane.doe@example.com"
+    key = k(card, currency=email)
+    assert KEY_RE.match(key), key
+    assert card not in key and email not in key
+    assert len(k("x" * 10_000)) == len(key)
+
+
+def test_unencodable_argument_names_task_and_argument_but_not_the_value():
+    class Card:
+        def __repr__(self) -> str:
+            return "Card(4111111111111111)"
+
+    with pytest.raises(KeyEncodingError) as info:
+        k(1, amount=Card())
+    text = str(info.value)
+    assert "shop.charge" in text and "amount" in text and "Card" in text
+    assert "4111111111111111" not in text
+    with pytest.raises(KeyEncodingError, match="order_id"):
+        k(object())
+
+
+def test_every_key_of_a_lock_shares_one_cluster_hash_tag():
+    keys = KeyBuilder("shop.charge", charge, None, PREFIX).keys((1,), {})
+    assert isinstance(keys, LockKeys)
+    tag = re.escape(keys.base)
+    for name in ("lock", "fence", "fin", "queued", "done"):
+        assert re.match(rf"^{tag}:{name}$", getattr(keys, name))
+    assert len({keys.lock, keys.fence, keys.fin, keys.queued, keys.done}) == 5
