@@ -53,7 +53,9 @@ class RedisServer:
         return redis.Redis(port=self.port, db=db, decode_responses=True)
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
+        # the system's server first: a Python package may put another on PATH
+        binary = shutil.which("redis-server", path="/usr/local/bin:/usr/bin:/bin") or shutil.which(
+            "redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.proc = subprocess.Popen(

@@ -203,3 +203,30 @@ def test_every_key_of_a_lock_shares_one_cluster_hash_tag():
     for name in ("lock", "fence", "fin", "queued", "done"):
         assert re.match(rf"^{tag}:{name}$", getattr(keys, name))
     assert len({keys.lock, keys.fence, keys.fin, keys.queued, keys.done}) == 5
+
+
+def test_fast_binding_agrees_with_inspect_on_every_call_form():
+    import inspect
+    import itertools
+
+    def f(a: Any, b: Any = 2, c: Any = 3) -> None:
+        return None
+
+    builder = KeyBuilder("t", f, None, PREFIX)
+    sig = inspect.signature(f)
+    names = ["a", "b", "c"]
+    for n_pos in range(4):
+        for kw_names in itertools.chain.from_iterable(
+                itertools.combinations(names, r) for r in range(4)):
+            args = tuple(range(10, 10 + n_pos))
+            kwargs = {n: f"kw-{n}" for n in kw_names}
+            try:
+                expected = sig.bind(*args, **kwargs)
+            except TypeError:
+                with pytest.raises(KeyEncodingError):
+                    builder.keys(args, kwargs)
+                continue
+            expected.apply_defaults()
+            assert builder._bind(args, kwargs) == dict(expected.arguments), (args, kwargs)
+    with pytest.raises(KeyEncodingError):
+        builder.keys((1,), {"zzz": 1})

@@ -30,7 +30,10 @@ class Heartbeat:
         self._mutex = threading.Lock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._sleeping: Optional[float] = None  # the renewer's current wait; None: idle
+        self._sleeping: Optional[float] = None  # the renewer's current wait
+        # With nothing held the renewer still wakes this often, so a lock with
+        # the usual lease never has to wake it: taking a lock is a dict insert.
+        self.idle_interval = engine.config.ttl / RENEW_FRACTION
         self.rounds = 0
 
     def add(self, lock: SingletonLock) -> None:
@@ -41,7 +44,7 @@ class Heartbeat:
                     target=self._run, name="singleton-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif self._sleeping is None or lock.lease / RENEW_FRACTION < self._sleeping:
+            elif self._sleeping is not None and lock.lease / RENEW_FRACTION < self._sleeping:
                 # the renewer sleeps longer than this lease allows: wake it to reschedule
                 self._wake.set()
 
@@ -53,9 +56,9 @@ class Heartbeat:
         with self._mutex:
             return list(self._held.values())
 
-    def _interval_locked(self) -> Optional[float]:
+    def _interval_locked(self) -> float:
         if not self._held:
-            return None
+            return self.idle_interval
         return min(lock.lease for lock in self._held.values()) / RENEW_FRACTION
 
     def _run(self) -> None:

@@ -193,16 +193,50 @@ class KeyBuilder:
                     f"(its arguments: {', '.join(params) or 'none'})",
                 )
             self._names = names
+        self._plan = self._fast_plan()
+
+    def _fast_plan(
+        self,
+    ) -> Optional[tuple[tuple[str, ...], dict[str, Any], frozenset[str]]]:
+        """Names and defaults when every parameter is a plain one (no *args,
+        **kwargs, positional-only or keyword-only): then binding is a dict merge."""
+        if self.signature is None:
+            return None
+        names = []
+        defaults: dict[str, Any] = {}
+        for param in self.signature.parameters.values():
+            if param.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+                return None
+            names.append(param.name)
+            if param.default is not inspect.Parameter.empty:
+                defaults[param.name] = param.default
+        return tuple(names), defaults, frozenset(names)
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if self.signature is None:
             return {"*args": list(args), "**kwargs": dict(kwargs)}
+        plan = self._plan
+        if plan is not None:
+            names, defaults, bound_names = plan
+            if len(args) <= len(names):
+                bound = dict(zip(names, args))
+                if not any(k in bound or k not in bound_names
+                           for k in kwargs):
+                    bound.update(kwargs)
+                    if len(bound) == len(names):
+                        return {n: bound[n] for n in names}
+                    missing = [n for n in names if n not in bound]
+                    if all(n in defaults for n in missing):
+                        for n in missing:
+                            bound[n] = defaults[n]
+                        return {n: bound[n] for n in names}
+            # anything unusual: let inspect say what is wrong
         try:
-            bound = self.signature.bind(*args, **kwargs)
+            full = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise KeyEncodingError(self.task_name, "*", f"the call does not fit: {exc}") from None
-        bound.apply_defaults()
-        return bound.arguments
+        full.apply_defaults()
+        return dict(full.arguments)
 
     def keys(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKeys:
         parts = [self.task_name]

@@ -1,0 +1,1 @@
+"""Side-by-side measurements: ``python -m benchmarks.run`` (see docs/benchmarks.md)."""

@@ -1,0 +1,96 @@
+"""The Celery app the benchmark worker runs: one trivial task per configuration.
+
+``celery -A benchmarks.benchapp:app worker``; configured from the environment:
+``BENCH_BROKER_URL`` (broker db 0; counters db 3) and ``BENCH_LOCK_URL`` (the
+Redis every lock library uses, alone on its server so its commands can be
+counted).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
+LOCK = os.environ.get("BENCH_LOCK_URL", BROKER)
+_base = BROKER.rsplit("/", 1)[0]
+
+app = Celery("bench", broker=BROKER, set_as_current=False)
+app.conf.update(
+    task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
+    task_ignore_result=True,
+    worker_prefetch_multiplier=8,
+    broker_connection_retry_on_startup=True,
+    # celery-singleton-lock
+    singleton_redis_url=LOCK,
+    # celery-singleton (it reads singleton_backend_url)
+    singleton_backend_url=LOCK,
+    # celery-once
+    ONCE={"backend": "celery_once.backends.Redis",
+          "settings": {"url": LOCK, "default_timeout": 3600}},
+)
+
+counters = redis.Redis.from_url(f"{_base}/3")
+
+
+@signals.task_postrun.connect(weak=False)
+def _count(sender: Any = None, **_: Any) -> None:
+    # Every task that finishes, skipped ones included: how the driver knows a
+    # batch is through. The same one command for every configuration.
+    counters.incr("processed")
+
+
+def _trivial(n: int) -> int:
+    return n + 1
+
+
+@app.task(name="bench.plain")
+def plain(n: int) -> int:
+    return _trivial(n)
+
+
+def _register_ours() -> None:
+    from celery_singleton_lock import SingletonTask
+
+    @app.task(name="bench.ours", base=SingletonTask)
+    def ours(n: int) -> int:
+        return _trivial(n)
+
+    @app.task(name="bench.storm", base=SingletonTask, bind=True, singleton_key=("key",))
+    def storm(self: Any, key: str, seconds: float) -> int:
+        active = counters.incr(f"active:{key}")
+        try:
+            if active > 1:
+                counters.incr("overlaps")
+            counters.incr("executions")
+            time.sleep(seconds)
+        finally:
+            counters.decr(f"active:{key}")
+        return 0
+
+
+def _register_peers() -> None:
+    try:
+        from celery_singleton import Singleton
+    except ImportError:  # the bench extra is not installed
+        Singleton = None
+    try:
+        from celery_once import QueueOnce
+    except ImportError:
+        QueueOnce = None
+    if Singleton is not None:
+        @app.task(name="bench.celery_singleton", base=Singleton)
+        def peer_singleton(n: int) -> int:
+            return _trivial(n)
+    if QueueOnce is not None:
+        @app.task(name="bench.celery_once", base=QueueOnce)
+        def peer_once(n: int) -> int:
+            return _trivial(n)
+
+
+_register_ours()
+_register_peers()

@@ -1,0 +1,597 @@
+"""Measure celery-singleton-lock beside plain Celery and the libraries users pick today.
+
+    python -m benchmarks.run              # the full run (a few minutes on 2 cores)
+    python -m benchmarks.run --quick      # tiny sizes: proves it still runs
+    python -m benchmarks.run --profile    # where our time goes, with pyinstrument
+
+Everything runs in one invocation against redis-servers the run starts itself:
+one for the broker and one for the locks, so the lock libraries' Redis commands
+can be counted from Redis itself (``INFO commandstats``). Configurations
+alternate within each round and medians are reported, so a noisy machine hits
+them all alike. Writes ``results.json``, ``results.md`` and PNG plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .servers import ROOT, Redis, Worker
+
+
+@dataclass(frozen=True)
+class Sizes:
+    tasks: int          # tasks per throughput batch
+    rounds: int         # rounds of every configuration
+    heartbeat: tuple[int, ...]
+    storm: int          # duplicate deliveries
+    storm_keys: int
+    latency: int        # acquire/release pairs per lock
+    concurrency: int = 2
+
+
+FULL = Sizes(tasks=2000, rounds=5, heartbeat=(1, 100, 1000, 10000), storm=4000, storm_keys=4,
+             latency=5000)
+QUICK = Sizes(tasks=40, rounds=1, heartbeat=(1, 100), storm=60, storm_keys=2, latency=200)
+
+# connection set-up, not part of a task's cost
+SETUP_COMMANDS = {"hello", "client", "ping", "script", "info", "select", "echo", "auth"}
+
+CONFIGS = [
+    ("plain Celery", "bench.plain", "celery"),
+    ("celery-singleton-lock", "bench.ours", "celery-singleton-lock"),
+    ("celery-singleton", "bench.celery_singleton", "celery-singleton"),
+    ("celery-once", "bench.celery_once", "celery-once"),
+]
+
+
+def version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def commandstats(client: Any) -> dict[str, int]:
+    return {k.removeprefix("cmdstat_"): int(v["calls"])
+            for k, v in client.info("commandstats").items()}
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Bench:
+    def __init__(self, sizes: Sizes, out: Path) -> None:
+        self.sizes = sizes
+        self.out = out
+        self.broker = Redis().start()
+        self.locks = Redis().start()
+        queue = f"bench-{uuid.uuid4().hex[:6]}"
+        os.environ.update({"BENCH_BROKER_URL": self.broker.url(0),
+                           "BENCH_LOCK_URL": self.locks.url(0), "BENCH_QUEUE": queue})
+        from . import benchapp  # after the environment names our servers
+
+        self.app = benchapp.app
+        self.counters = self.broker.client(3)
+        self.lock_client = self.locks.client(0)
+        self.worker = Worker(dict(os.environ), sizes.concurrency).start()
+        self.results: dict[str, Any] = {}
+
+    def close(self) -> None:
+        self.worker.stop()
+        self.broker.stop()
+        self.locks.stop()
+
+    # -- helpers -----------------------------------------------------------------
+
+    def available(self) -> list[tuple[str, str, str]]:
+        return [c for c in CONFIGS if c[1] in self.app.tasks]
+
+    def wait_processed(self, n: int, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while int(self.counters.get("processed") or 0) < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the worker processed only {self.counters.get('processed')} "
+                                 f"of {n} tasks; see {self.worker.log}")
+            time.sleep(0.002)
+
+    def batch(self, send: Callable[[int], Any], n: int) -> float:
+        self.counters.set("processed", 0)
+        started = time.perf_counter()
+        for i in range(n):
+            send(i)
+        self.wait_processed(n)
+        return time.perf_counter() - started
+
+    def monitored(self, work: Callable[[], Any]) -> tuple[Counter[str], Counter[str]]:
+        """Commands the lock Redis received while ``work`` ran, as MONITOR shows them:
+        (sent by clients: one round trip each, run inside scripts)."""
+        sent: Counter[str] = Counter()
+        inner: Counter[str] = Counter()
+        ready = threading.Event()
+        stop = f"bench-stop-{uuid.uuid4().hex}"
+
+        def watch() -> None:
+            with self.locks.client().monitor() as monitor:
+                ready.set()
+                for cmd in monitor.listen():
+                    text = cmd["command"]
+                    if stop in text:
+                        return
+                    name = text.split(" ", 1)[0].lower()
+                    if cmd.get("client_type") == "lua":
+                        inner[name] += 1
+                    elif name not in SETUP_COMMANDS:
+                        sent[name] += 1
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        ready.wait(10)
+        time.sleep(0.05)
+        work()
+        self.lock_client.echo(stop)
+        thread.join(30)
+        return sent, inner
+
+    # -- 1 and 2: throughput and Redis cost per task --------------------------------
+
+    def throughput(self) -> None:
+        configs = self.available()
+        plain = self.app.tasks["bench.plain"]
+        self.batch(lambda i: plain.delay(-i), max(50, self.sizes.tasks // 4))  # warm up
+        times: dict[str, list[float]] = {c[0]: [] for c in configs}
+        lock_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
+        broker_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
+        n = self.sizes.tasks
+        offset = 0
+        for _ in range(self.sizes.rounds):
+            order = configs[:]
+            random.shuffle(order)
+            for label, name, _dist in order:
+                task = self.app.tasks[name]
+                lock_before = commandstats(self.lock_client)
+                broker_before = commandstats(self.broker.client())
+                base = offset
+                times[label].append(self.batch(lambda i, t=task, b=base: t.delay(b + i), n))
+                offset += n
+                # what the batch cost, from the servers themselves (the INFO calls
+                # themselves are left out)
+                for acc, d in ((lock_cmds[label], delta(lock_before,
+                                                        commandstats(self.lock_client))),
+                               (broker_cmds[label], delta(broker_before,
+                                                          commandstats(self.broker.client())))):
+                    for cmd, calls in d.items():
+                        if cmd != "info":
+                            acc[cmd] = acc.get(cmd, 0) + calls
+        # Round trips: one monitored batch per configuration, outside the timing.
+        trips: dict[str, Counter[str]] = {}
+        monitored_n = min(n, 300)
+        for label, name, _dist in configs:
+            task = self.app.tasks[name]
+            base = offset
+            sent, _inner = self.monitored(
+                lambda t=task, b=base: self.batch(lambda i: t.delay(b + i), monitored_n))
+            offset += monitored_n
+            trips[label] = sent
+        total = n * self.sizes.rounds
+        plain_median = statistics.median(times["plain Celery"])
+        rows = []
+        for label, _name, dist in configs:
+            med = statistics.median(times[label])
+            per_task = {k: v / total for k, v in sorted(lock_cmds[label].items())
+                        if k.split("|")[0] not in SETUP_COMMANDS}
+            rows.append({
+                "config": label,
+                "version": version(dist),
+                "tasks_per_s": n / med,
+                "time_ratio": med / plain_median,
+                "batch_seconds": times[label],
+                "lock_commands_per_task": per_task,
+                "lock_calls_per_task": sum(
+                    v for k, v in per_task.items() if k not in SETUP_COMMANDS),
+                "round_trips_per_task": {k: v / monitored_n
+                                         for k, v in sorted(trips[label].items())},
+                "round_trips_total_per_task": sum(trips[label].values()) / monitored_n,
+                "broker_calls_per_task": sum(
+                    v for k, v in broker_cmds[label].items()
+                    if k != "incr" and k not in SETUP_COMMANDS
+                ) / total,
+            })
+        self.results["throughput"] = {"tasks_per_batch": n, "rounds": self.sizes.rounds,
+                                      "rows": rows}
+
+    # -- 3: heartbeat scaling ---------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        from celery_singleton_lock import SingletonConfig
+        from celery_singleton_lock.heartbeat import Heartbeat
+        from celery_singleton_lock.keys import LockKeys
+        from celery_singleton_lock.lock import LockEngine, SingletonLock
+
+        engine = LockEngine.from_config(SingletonConfig(redis_url=self.locks.url(5)))
+        client = self.locks.client(5)
+        rows = []
+        for n in self.sizes.heartbeat:
+            client.flushdb()
+            locks = []
+            for i in range(n):
+                keys = LockKeys("bench:", f"{i:032x}")
+                got = engine.acquire(keys, task_id=f"t{i}", exec_id=f"e{i}", lease_ms=60_000,
+                                     hostname="bench", retries=0, task_name="bench")
+                locks.append(SingletonLock(keys, task_id=f"t{i}", exec_id=f"e{i}",
+                                           token=got.token, lease=60.0,
+                                           started=time.monotonic(), held=True))
+            entries = [(lk.keys.lock, lk.exec_id, 60_000) for lk in locks]
+            engine.renew(entries)  # the first call also loads the script
+            durations = []
+            before = commandstats(self.lock_client)
+            repeats = 5
+            for _ in range(repeats):
+                started = time.perf_counter()
+                engine.renew(entries)
+                durations.append(time.perf_counter() - started)
+            calls = delta(before, commandstats(self.lock_client)).get("evalsha", 0)
+            # the real renewer: rounds and commands over a few intervals of a 0.3 s lease
+            hb = Heartbeat(engine)
+            for lk in locks:
+                lk.lease = 0.3
+                hb.add(lk)
+            before = commandstats(self.lock_client)
+            time.sleep(1.0)
+            for lk in locks:
+                hb.discard(lk)
+            hb_calls = delta(before, commandstats(self.lock_client)).get("evalsha", 0)
+            rows.append({
+                "locks": n,
+                "renew_ms_median": statistics.median(durations) * 1000,
+                "renew_ms_max": max(durations) * 1000,
+                "commands_per_renewal": calls / repeats,
+                "heartbeat_rounds": hb.rounds,
+                "commands_per_interval": hb_calls / max(hb.rounds, 1),
+                "lost": sum(1 for lk in locks if lk.lost),
+            })
+        client.flushdb()
+        self.results["heartbeat"] = rows
+
+    # -- 4: duplicate storm --------------------------------------------------------------
+
+    def storm(self) -> None:
+        from celery_singleton_lock.lock import engine_for
+
+        storm = self.app.tasks["bench.storm"]
+        plain = self.app.tasks["bench.plain"]
+        n, k = self.sizes.storm, self.sizes.storm_keys
+        keys = [f"account-{i}" for i in range(k)]
+        # (a) the skip path alone: every key held by a long execution elsewhere
+        engine = engine_for(self.app)
+        held = []
+        for key in keys:
+            lk = storm.singleton_keys(key, 0.0)
+            engine.acquire(lk, task_id=f"holder-{key}", exec_id=uuid.uuid4().hex,
+                           lease_ms=600_000, hostname="elsewhere", retries=0,
+                           task_name=storm.name)
+            held.append(lk)
+        skip_times, plain_times = [], []
+        for _ in range(max(1, self.sizes.rounds - 2)):
+            self.counters.set("executions", 0)
+            skip_times.append(self.batch(lambda i: storm.delay(keys[i % k], 0.0), n))
+            assert int(self.counters.get("executions") or 0) == 0
+            plain_times.append(self.batch(lambda i: plain.delay(i), n))
+        for lk in held:
+            self.lock_client.delete(lk.lock)
+        # (b) real executions racing: duplicates over a few keys, each run 5 ms
+        self.counters.set("overlaps", 0)
+        self.counters.set("executions", 0)
+        mixed = self.batch(lambda i: storm.delay(keys[i % k], 0.005), n)
+        executions = int(self.counters.get("executions") or 0)
+        self.results["storm"] = {
+            "deliveries": n,
+            "keys": k,
+            "skip_tasks_per_s": n / statistics.median(skip_times),
+            "plain_tasks_per_s": n / statistics.median(plain_times),
+            "racing_seconds": mixed,
+            "racing_executions": executions,
+            "racing_skipped": n - executions,
+            "overlapping_executions": int(self.counters.get("overlaps") or 0),
+        }
+
+    # -- 5: acquire/release latency ------------------------------------------------------
+
+    def latency(self) -> None:
+        from celery_singleton_lock import SingletonConfig
+        from celery_singleton_lock.keys import LockKeys
+        from celery_singleton_lock.lock import LockEngine
+
+        engine = LockEngine.from_config(SingletonConfig(redis_url=self.locks.url(6)))
+        client = self.locks.client(6)
+        ours_keys = LockKeys("bench:", "f" * 32)
+        samples: dict[str, dict[str, list[float]]] = {
+            "celery-singleton-lock": {"acquire": [], "release": []},
+            "redis-py Lock": {"acquire": [], "release": []},
+        }
+        clock = time.perf_counter
+
+        def ours(i: int) -> tuple[float, float]:
+            t0 = clock()
+            got = engine.acquire(ours_keys, task_id=f"t{i}", exec_id=f"e{i}", lease_ms=30_000,
+                                 hostname="bench", retries=0, task_name="bench")
+            t1 = clock()
+            engine.release(ours_keys, f"e{i}", f"t{i}")
+            t2 = clock()
+            assert got.status == 1
+            return t1 - t0, t2 - t1
+
+        def redis_py(i: int) -> tuple[float, float]:
+            lock = client.lock("bench:redis-py", timeout=30)
+            t0 = clock()
+            assert lock.acquire(blocking=False)
+            t1 = clock()
+            lock.release()
+            t2 = clock()
+            return t1 - t0, t2 - t1
+
+        for i in range(50):  # warm up: scripts loaded, connections open
+            ours(i)
+            redis_py(i)
+        block = 250
+        for start in range(0, self.sizes.latency, block):
+            for name, fn in (("celery-singleton-lock", ours), ("redis-py Lock", redis_py)):
+                for i in range(start, min(start + block, self.sizes.latency)):
+                    a, r = fn(i)
+                    samples[name]["acquire"].append(a)
+                    samples[name]["release"].append(r)
+        client.flushdb()
+        self.results["latency"] = {
+            name: {op: {"p50_us": percentile(v, 0.5) * 1e6, "p99_us": percentile(v, 0.99) * 1e6}
+                   for op, v in ops.items()}
+            for name, ops in samples.items()
+        }
+
+    def run(self) -> dict[str, Any]:
+        started = time.monotonic()
+        self.throughput()
+        self.storm()
+        self.heartbeat()
+        self.latency()
+        self.results["machine"] = {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "redis_server": self.lock_client.info("server")["redis_version"],
+            "celery": version("celery"),
+            "redis_py": version("redis"),
+            "load_average_at_end": list(os.getloadavg()),
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        return self.results
+
+
+# -- reporting ------------------------------------------------------------------------------
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = []
+    t = results["throughput"]
+    lines += [
+        f"### Throughput ({t['tasks_per_batch']} trivial tasks per batch, {t['rounds']} rounds, "
+        "medians)", "",
+        "| configuration | version | tasks/s | time vs plain Celery | lock round trips per task "
+        "(MONITOR) | lock commands per task, scripts' inner ones included (commandstats) "
+        "| broker commands per task |",
+        "|---|---|---:|---:|---|---|---:|",
+    ]
+    for row in t["rows"]:
+        cmds = ", ".join(f"{k.upper()} {v:.2g}" for k, v in row["lock_commands_per_task"].items()
+                         if v >= 0.01) or "-"
+        trips = ", ".join(f"{k.upper()} {v:.2g}" for k, v in row["round_trips_per_task"].items()
+                          if v >= 0.01)
+        trips = f"**{row['round_trips_total_per_task']:.2g}**" + (f" ({trips})" if trips else "")
+        lines.append(f"| {row['config']} | {row['version']} | {row['tasks_per_s']:.0f} | "
+                     f"{row['time_ratio']:.3f}x | {trips} | {cmds} "
+                     f"| {row['broker_calls_per_task']:.1f} |")
+    s = results["storm"]
+    lines += [
+        "", f"### Duplicate storm ({s['deliveries']} deliveries over {s['keys']} keys)", "",
+        "| measure | value |", "|---|---:|",
+        f"| skipped duplicates processed per second | {s['skip_tasks_per_s']:.0f} |",
+        f"| plain Celery tasks per second, same run | {s['plain_tasks_per_s']:.0f} |",
+        f"| racing executions (5 ms each) that ran | {s['racing_executions']} |",
+        f"| racing deliveries skipped | {s['racing_skipped']} |",
+        f"| **overlapping executions of one key** | **{s['overlapping_executions']}** |",
+    ]
+    lines += [
+        "", "### Heartbeat: one worker process holding N locks", "",
+        "| locks held | one renewal (median ms) | worst of 5 (ms) | Redis calls per renewal "
+        "| calls per heartbeat interval | locks lost |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["heartbeat"]:
+        lines.append(f"| {row['locks']:,} | {row['renew_ms_median']:.2f} | "
+                     f"{row['renew_ms_max']:.2f} | {row['commands_per_renewal']:g} | "
+                     f"{row['commands_per_interval']:g} | {row['lost']} |")
+    lines += ["", "### Lock latency on loopback (µs)", "",
+              "| lock | acquire p50 | acquire p99 | release p50 | release p99 |",
+              "|---|---:|---:|---:|---:|"]
+    for name, ops in results["latency"].items():
+        lines.append(f"| {name} | {ops['acquire']['p50_us']:.0f} | {ops['acquire']['p99_us']:.0f}"
+                     f" | {ops['release']['p50_us']:.0f} | {ops['release']['p99_us']:.0f} |")
+    m = results["machine"]
+    lines += ["", f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, "
+              f"Redis {m['redis_server']}, Celery {m['celery']}, redis-py {m['redis_py']}; "
+              f"load average at the end {', '.join(f'{x:.2f}' for x in m['load_average_at_end'])};"
+              f" the run took {m['seconds']} s.", ""]
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    colours = {"plain Celery": "#9e9e9e", "celery-singleton-lock": "#1b7837",
+               "celery-singleton": "#c2a5cf", "celery-once": "#762a83"}
+
+    rows = results["throughput"]["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = [r["config"] for r in rows]
+    ax1.bar(names, [r["tasks_per_s"] for r in rows], color=[colours[n] for n in names])
+    for i, r in enumerate(rows):
+        ax1.text(i, r["tasks_per_s"], f"{r['time_ratio']:.2f}x time", ha="center", va="bottom")
+    ax1.set_ylabel("tasks per second (higher is better)")
+    ax1.set_title("Throughput, trivial task, prefork worker")
+    ax1.tick_params(axis="x", labelsize=8)
+    commands = sorted({c for r in rows for c in r["round_trips_per_task"]})
+    bottom = [0.0] * len(rows)
+    palette = plt.get_cmap("tab10")
+    for j, cmd in enumerate(commands):
+        vals = [r["round_trips_per_task"].get(cmd, 0.0) for r in rows]
+        ax2.bar(names, vals, bottom=bottom, label=cmd.upper(), color=palette(j))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylabel("round trips to the lock Redis per task")
+    ax2.set_title("Redis cost per task (lower is better)")
+    ax2.legend(fontsize=8)
+    ax2.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    path = out / "throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    hb = results["heartbeat"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["locks"] for r in hb]
+    ax.plot(xs, [r["renew_ms_median"] for r in hb], marker="o", color=colours[
+        "celery-singleton-lock"])
+    for r in hb:
+        ax.annotate(f"{r['commands_per_renewal']:g} call", (r["locks"], r["renew_ms_median"]),
+                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.axhline(1000, color="#d6604d", linestyle="--", linewidth=1)
+    ax.text(xs[0], 1000, " 1 second", color="#d6604d", va="bottom", fontsize=8)
+    ax.set_xlabel("locks held by one worker process")
+    ax.set_ylabel("one renewal of all of them (ms)")
+    ax.set_title("Heartbeat: one Redis call per interval")
+    fig.tight_layout()
+    path = out / "heartbeat.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    lat = results["latency"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = ["acquire p50", "acquire p99", "release p50", "release p99"]
+    width = 0.38
+    for j, (name, ops) in enumerate(lat.items()):
+        vals = [ops["acquire"]["p50_us"], ops["acquire"]["p99_us"],
+                ops["release"]["p50_us"], ops["release"]["p99_us"]]
+        ax.bar([i + (j - 0.5) * width for i in range(4)], vals, width, label=name,
+               color=colours.get(name, "#4393c3"))
+    ax.set_xticks(range(4), labels)
+    ax.set_ylabel("microseconds (lower is better)")
+    ax.set_title("Lock engine alone vs redis-py Lock, loopback")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "latency.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    s = results["storm"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(["skipped duplicates", "plain Celery tasks"],
+           [s["skip_tasks_per_s"], s["plain_tasks_per_s"]],
+           color=[colours["celery-singleton-lock"], colours["plain Celery"]])
+    ax.set_ylabel("per second (higher is better)")
+    ax.set_title(f"Duplicate storm: {s['deliveries']} deliveries, {s['keys']} keys; "
+                 f"overlaps: {s['overlapping_executions']}", fontsize=10)
+    fig.tight_layout()
+    path = out / "storm.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def profile(out: Path, calls: int = 3000) -> Path:
+    """Profile SingletonTask's worker path in-process (acquire, run, release)."""
+    from pyinstrument import Profiler
+
+    server = Redis().start()
+    try:
+        os.environ.update({"BENCH_BROKER_URL": server.url(0), "BENCH_LOCK_URL": server.url(2)})
+        from . import benchapp
+
+        task = benchapp.app.tasks["bench.ours"]
+
+        def one(i: int) -> None:
+            task.push_request(id=uuid.uuid4().hex, hostname="bench", retries=0,
+                              is_eager=False, called_directly=False, args=(i,), kwargs={})
+            try:
+                task(i)
+            finally:
+                task.pop_request()
+
+        for i in range(200):
+            one(i)
+        profiler = Profiler(interval=0.0002)
+        profiler.start()
+        for i in range(calls):
+            one(i)
+        profiler.stop()
+        path = out / "profile.txt"
+        path.write_text(profiler.output_text(unicode=True, color=False, show_all=False))
+        return path
+    finally:
+        server.stop()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the test suite")
+    parser.add_argument("--profile", action="store_true", help="profile our worker path only")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        print(f"wrote {profile(args.out)}")
+        return 0
+    bench = Bench(QUICK if args.quick else FULL, args.out)
+    try:
+        results = bench.run()
+    finally:
+        bench.close()
+    results["mode"] = "quick" if args.quick else "full"
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (args.out / "results.md").write_text(table)
+    written = plots(results, args.out)
+    print(table)
+    print("wrote", ", ".join(str(p) for p in [args.out / "results.json",
+                                              args.out / "results.md", *written]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

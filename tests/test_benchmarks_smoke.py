@@ -1,0 +1,39 @@
+"""The benchmark runs end to end at tiny sizes, so it cannot rot (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+pytestmark = pytest.mark.worker
+
+
+def test_quick_benchmark_produces_every_result(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "results.md").read_text().startswith("### Throughput")
+    for png in ("throughput", "heartbeat", "latency", "storm"):
+        assert (tmp_path / f"{png}.png").stat().st_size > 5000
+
+    rows = {r["config"]: r for r in results["throughput"]["rows"]}
+    assert set(rows) == {"plain Celery", "celery-singleton-lock", "celery-singleton",
+                         "celery-once"}
+    assert all(r["tasks_per_s"] > 0 for r in rows.values())
+    # Ours: one round trip to take the lock, one to free it, nothing else.
+    assert rows["celery-singleton-lock"]["round_trips_per_task"] == {"evalsha": 2.0}
+    assert rows["plain Celery"]["round_trips_total_per_task"] == 0
+
+    storm = results["storm"]
+    assert storm["overlapping_executions"] == 0
+    assert storm["racing_executions"] + storm["racing_skipped"] == storm["deliveries"]
+    for row in results["heartbeat"]:
+        assert row["commands_per_renewal"] == 1
+        assert row["lost"] == 0
+    assert set(results["latency"]) == {"celery-singleton-lock", "redis-py Lock"}
