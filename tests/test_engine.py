@@ -245,3 +245,24 @@ def test_done_marker_counts_success_only(engine, r):
     assert done.status == DONE and done.holder.task_id == "b"
     assert take(engine, keys, "b").status == FINISHED
     assert engine.enqueue(keys, "d", "queue", 5000).status == DONE
+
+
+def test_scripts_flushed_from_the_server_are_loaded_again(engine, r):
+    keys = new_keys()
+    take(engine, keys, "a", "ea")
+    r.script_flush()
+    assert engine.release(keys, "ea", "a") is True
+    assert take(engine, keys, "b").status == ACQUIRED
+
+
+def test_a_restarted_redis_costs_no_failed_call(own_redis):
+    """The pooled connection broke when Redis restarted: one fresh try, no error."""
+    engine = LockEngine.from_config(SingletonConfig(redis_url=own_redis.url(0)))
+    keys = new_keys()
+    assert take(engine, keys, "a", "ea").status == ACQUIRED
+    own_redis.stop()
+    own_redis.start()  # same port, empty, scripts gone
+    assert take(engine, keys, "b", "eb").status == ACQUIRED
+    own_redis.stop()
+    with pytest.raises(redis.ConnectionError):
+        take(engine, keys, "c")
