@@ -394,10 +394,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         f"### Throughput ({t['tasks_per_batch']} trivial tasks per batch, {t['rounds']} rounds, "
         "medians)", "",
-        "| configuration | version | tasks/s | time vs plain Celery | lock round trips per task "
-        "(MONITOR) | lock commands per task, scripts' inner ones included (commandstats) "
-        "| broker commands per task |",
-        "|---|---|---:|---:|---|---|---:|",
+        "| configuration | version | tasks/s | rounds' range | time vs plain Celery | lock round "
+        "trips per task (MONITOR) | lock commands per task, scripts' inner ones included "
+        "(commandstats) | broker commands per task |",
+        "|---|---|---:|---:|---:|---|---|---:|",
     ]
     for row in t["rows"]:
         cmds = ", ".join(f"{k.upper()} {v:.2g}" for k, v in row["lock_commands_per_task"].items()
@@ -405,7 +405,9 @@ def markdown(results: dict[str, Any]) -> str:
         trips = ", ".join(f"{k.upper()} {v:.2g}" for k, v in row["round_trips_per_task"].items()
                           if v >= 0.01)
         trips = f"**{row['round_trips_total_per_task']:.2g}**" + (f" ({trips})" if trips else "")
+        per_round = [t["tasks_per_batch"] / x for x in row["batch_seconds"]]
         lines.append(f"| {row['config']} | {row['version']} | {row['tasks_per_s']:.0f} | "
+                     f"{min(per_round):.0f}-{max(per_round):.0f} | "
                      f"{row['time_ratio']:.3f}x | {trips} | {cmds} "
                      f"| {row['broker_calls_per_task']:.1f} |")
     s = results["storm"]
@@ -572,9 +574,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the test suite")
     parser.add_argument("--profile", action="store_true", help="profile our worker path only")
+    parser.add_argument("--render", action="store_true",
+                        help="only redraw the table and plots from OUT/results.json")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        results = json.loads((args.out / "results.json").read_text())
+        (args.out / "results.md").write_text(markdown(results))
+        plots(results, args.out)
+        print(markdown(results))
+        return 0
     if args.profile:
         print(f"wrote {profile(args.out)}")
         return 0
