@@ -451,6 +451,14 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
     colours = {"plain Celery": "#9e9e9e", "celery-singleton-lock": "#1b7837",
                "celery-singleton": "#c2a5cf", "celery-once": "#762a83"}
 
@@ -474,11 +482,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     ax2.set_title("Redis cost per task (lower is better)")
     ax2.legend(fontsize=8)
     ax2.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    path = out / "throughput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "throughput")
 
     hb = results["heartbeat"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -495,11 +499,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     ax.set_xlabel("locks held by one worker process")
     ax.set_ylabel("one renewal of all of them (ms)")
     ax.set_title("Heartbeat: one Redis call per interval")
-    fig.tight_layout()
-    path = out / "heartbeat.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "heartbeat")
 
     lat = results["latency"]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -514,11 +514,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("microseconds (lower is better)")
     ax.set_title("Lock engine alone vs redis-py Lock, loopback")
     ax.legend()
-    fig.tight_layout()
-    path = out / "latency.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "latency")
 
     s = results["storm"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -528,11 +524,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("per second (higher is better)")
     ax.set_title(f"Duplicate storm: {s['deliveries']} deliveries, {s['keys']} keys; "
                  f"overlaps: {s['overlapping_executions']}", fontsize=10)
-    fig.tight_layout()
-    path = out / "storm.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "storm")
     return written
 
 
