@@ -256,3 +256,16 @@ def test_done_window_survives_a_worker_restart(redis_server, events, key):
         w2.stop()
     assert is_skipped(result) and result["holder"] == work.id and result["reason"] == "done"
     assert [e["tag"] for e in events.starts()] == ["work"]
+
+
+@pytest.mark.parametrize("name", ["t.queue", "t.queue_and_run"])
+def test_resending_the_same_task_id_is_a_duplicate(client_app, events, key, name):
+    """Callers that use their idempotency key as task id send it once."""
+    t = client_app.tasks[name]
+    event_id = f"evt-{key}"
+    first = t.apply_async((key, 0.5, "first"), task_id=event_id, countdown=0.3)
+    again = t.apply_async((key, 0.0, "again"), task_id=event_id)
+    assert not is_deduplicated(first)
+    assert is_deduplicated(again) and again.id == event_id
+    assert first.get(timeout=10)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first"]

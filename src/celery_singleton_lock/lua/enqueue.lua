@@ -3,24 +3,28 @@
 -- KEYS[1] queued  KEYS[2] lock  KEYS[3] done
 -- ARGV[1] task id   ARGV[2] scope   ARGV[3] marker TTL ms
 --
+-- A task's own retries and waits never come here; a send that reuses the id of
+-- the queued or running task (a caller's idempotency key as task id) is a
+-- duplicate like any other.
+--
 -- Returns
---   {1}          taken (or already this task's): send the message
---   {0, task}    queued, or running (queue_and_run), as another task
---   {4, task}    done: another task succeeded within done_ttl
+--   {1}          taken: send the message
+--   {0, task}    queued, or running (queue_and_run), as that task
+--   {4, task}    done: that task succeeded within done_ttl
 local queued, lock, done = KEYS[1], KEYS[2], KEYS[3]
 local task_id = ARGV[1]
 
 local done_by = redis.call('GET', done)
-if done_by and done_by ~= task_id then
+if done_by then
   return {4, done_by}
 end
 local other = redis.call('GET', queued)
-if other and other ~= task_id then
+if other then
   return {0, other}
 end
 if ARGV[2] == 'queue_and_run' then
   local runner = redis.call('HGET', lock, 'task')
-  if runner and runner ~= task_id then
+  if runner then
     return {0, runner}
   end
 end
