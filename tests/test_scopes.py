@@ -11,7 +11,12 @@ import pytest
 from celery import chain, chord, group
 from celery.result import AsyncResult
 
-from celery_singleton_lock import DuplicateTaskError, is_deduplicated, is_skipped
+from celery_singleton_lock import (
+    DuplicateTaskError,
+    LockBackendError,
+    is_deduplicated,
+    is_skipped,
+)
 from tests.support import Worker, wait_for
 from tests.workerapp import make_app
 
@@ -269,3 +274,25 @@ def test_resending_the_same_task_id_is_a_duplicate(client_app, events, key, name
     assert is_deduplicated(again) and again.id == event_id
     assert first.get(timeout=10)["tag"] == "first"
     assert [e["tag"] for e in events.starts()] == ["first"]
+
+
+def test_lock_redis_down_at_send_sends_anyway_or_raises(redis_server, prefork_worker, events,
+                                                       key):
+    """No send-time key without Redis: the task is still sent (and locked when it
+    runs), or, with on_backend_error="raise", the caller gets LockBackendError."""
+    from tests.support import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/2"
+    app = make_app(redis_server.url(), prefork_worker.queue, lock_url=dead)
+    t = app.tasks["t.queue_and_run"]
+    sent = t.delay(key, 0.0, "sent")
+    assert not is_deduplicated(sent)
+    assert sent.get(timeout=10)["tag"] == "sent"
+    assert [e["tag"] for e in events.starts()] == ["sent"]
+
+    strict = make_app(redis_server.url(), prefork_worker.queue, lock_url=dead,
+                      conf={"singleton_on_backend_error": "raise"})
+    with pytest.raises(LockBackendError):
+        strict.tasks["t.queue_and_run"].delay(key, 0.0, "never")
+    time.sleep(0.5)
+    assert [e["tag"] for e in events.starts()] == ["sent"]
