@@ -14,6 +14,7 @@ them all alike. Writes ``results.json``, ``results.md`` and PNG plots to ``--out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -381,6 +382,7 @@ class Bench:
             "celery": version("celery"),
             "redis_py": version("redis"),
             "load_average_at_end": list(os.getloadavg()),
+            "worker_processes": self.sizes.concurrency,
             "seconds": round(time.monotonic() - started, 1),
         }
         return self.results
@@ -437,7 +439,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {ops['acquire']['p50_us']:.0f} | {ops['acquire']['p99_us']:.0f}"
                      f" | {ops['release']['p50_us']:.0f} | {ops['release']['p99_us']:.0f} |")
     m = results["machine"]
-    lines += ["", f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, "
+    lines += ["", f"Machine: {m['cpus']} CPUs, worker with {m.get('worker_processes', 2)} "
+              f"processes, {m['platform']}, Python {m['python']}, "
               f"Redis {m['redis_server']}, Celery {m['celery']}, redis-py {m['redis_py']}; "
               f"load average at the end {', '.join(f'{x:.2f}' for x in m['load_average_at_end'])};"
               f" the run took {m['seconds']} s.", ""]
@@ -566,6 +569,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the test suite")
     parser.add_argument("--profile", action="store_true", help="profile our worker path only")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="worker processes (default: 2)")
     parser.add_argument("--render", action="store_true",
                         help="only redraw the table and plots from OUT/results.json")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -580,7 +585,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.profile:
         print(f"wrote {profile(args.out)}")
         return 0
-    bench = Bench(QUICK if args.quick else FULL, args.out)
+    sizes = QUICK if args.quick else FULL
+    if args.concurrency:
+        sizes = dataclasses.replace(sizes, concurrency=args.concurrency)
+    bench = Bench(sizes, args.out)
     try:
         results = bench.run()
     finally:
