@@ -161,3 +161,63 @@ class Worker:
             self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+class ReplyDroppingProxy:
+    """A TCP proxy to a Redis that can lose one reply: the command reaches Redis
+    and runs, then the client's connection breaks before the answer arrives."""
+
+    def __init__(self, target_port: int) -> None:
+        import threading
+
+        self.target_port = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = int(self.listener.getsockname()[1])
+        self.drop_after: Optional[bytes] = None  # drop the reply to the next command with this
+        self.dropped = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            state = {"drop": False}
+            threading.Thread(target=self._up, args=(client, upstream, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, state),
+                             daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, state: dict[str, bool]) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self._lock:
+                    if self.drop_after is not None and self.drop_after in data:
+                        self.drop_after = None
+                        state["drop"] = True
+                upstream.sendall(data)
+
+    def _down(self, upstream: socket.socket, client: socket.socket,
+              state: dict[str, bool]) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if state["drop"]:
+                    self.dropped += 1
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    upstream.close()
+                    return
+                client.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()

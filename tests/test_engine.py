@@ -266,3 +266,29 @@ def test_a_restarted_redis_costs_no_failed_call(own_redis):
     own_redis.stop()
     with pytest.raises(redis.ConnectionError):
         take(engine, keys, "c")
+
+
+def test_a_lost_reply_is_repeated_safely(redis_server, r):
+    """The command ran but its answer was lost with the connection: the engine's
+    one repeat finds its own work and says so."""
+    from tests.support import ReplyDroppingProxy
+
+    proxy = ReplyDroppingProxy(redis_server.port)
+    try:
+        engine = LockEngine.from_config(SingletonConfig(redis_url=proxy.url(2)))
+        keys = new_keys()
+        # connected, and every script loaded (a lost NOSCRIPT answer proves nothing)
+        engine.enqueue(new_keys(), "warm", "queue", 1000)
+        take(engine, new_keys())
+        proxy.drop_after = b"EVALSHA"
+        got = take(engine, keys, "a", "ea")
+        assert proxy.dropped == 1
+        assert got.status == ACQUIRED and got.token == int(r.hget(keys.lock, "token"))
+        # A send-time key taken by the lost attempt comes back as held by the
+        # sender itself (SingletonTask.apply_async knows its fresh id: it sends).
+        proxy.drop_after = b"EVALSHA"
+        again = engine.enqueue(keys, "q1", "queue", 5000)
+        assert proxy.dropped == 2
+        assert again.status == HELD and again.holder.task_id == "q1"
+    finally:
+        proxy.close()

@@ -296,3 +296,25 @@ def test_lock_redis_down_at_send_sends_anyway_or_raises(redis_server, prefork_wo
         strict.tasks["t.queue_and_run"].delay(key, 0.0, "never")
     time.sleep(0.5)
     assert [e["tag"] for e in events.starts()] == ["sent"]
+
+
+def test_send_whose_reply_was_lost_is_still_sent_once(redis_server, prefork_worker, events,
+                                                      key):
+    """The send-time key was taken but its answer lost with the connection: the
+    task is sent all the same, exactly once."""
+    from tests.support import ReplyDroppingProxy
+
+    proxy = ReplyDroppingProxy(redis_server.port)
+    try:
+        app = make_app(redis_server.url(), prefork_worker.queue, lock_url=proxy.url(2))
+        t = app.tasks["t.queue_and_run"]
+        t.delay(key + "-warm", 0.0, "warm").get(timeout=10)  # scripts loaded
+        proxy.drop_after = b"EVALSHA"
+        sent = t.delay(key, 0.3, "sent")
+        assert proxy.dropped == 1
+        assert not is_deduplicated(sent)
+        assert is_deduplicated(t.delay(key, 0.0, "dup"))
+        assert sent.get(timeout=10)["tag"] == "sent"
+    finally:
+        proxy.close()
+    assert [e["tag"] for e in events.starts()] == ["warm", "sent"]

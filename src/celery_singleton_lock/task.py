@@ -154,6 +154,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             or (task_id is not None and task_id == self.request.id)  # its own retry or wait
         ):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
+        fresh_id = task_id is None
         task_id = task_id or uuid()
         keys = settings.builder.keys(args or (), kwargs or {})
         engine = engine_for(self.app)
@@ -166,7 +167,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             logger.warning("Lock backend unavailable when sending %s[%s] (%r): sent without "
                            "its key; the lock is still taken when it runs", self.name, task_id, exc)
             return super().apply_async(args, kwargs, task_id=task_id, **options)
-        if outcome.status != ACQUIRED:
+        # Nobody else has an id made just now: if it holds the key, the engine's
+        # repeat after a broken connection found its own first attempt's work.
+        taken = outcome.status == ACQUIRED or (
+            fresh_id and outcome.holder is not None and outcome.holder.task_id == task_id
+        )
+        if not taken:
             assert outcome.holder is not None
             holder = outcome.holder.task_id
             in_canvas = "chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
