@@ -197,35 +197,44 @@ class LockEngine:
         self._renew: Script = client.register_script(_script("renew"))
         self._handoff: Script = client.register_script(_script("handoff"))
         self._enqueue: Script = client.register_script(_script("enqueue"))
+        # Connections of the hot path, kept out of the pool: taking one is a
+        # list pop, where the pool's checkout costs system calls every time.
+        self._idle: list[Any] = []
         self._unqueue: Script = client.register_script(_script("unqueue"))
 
     def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """EVALSHA ``script`` in one round trip.
 
-        The hot path writes the command itself on a pooled connection: redis-py's
+        The hot path writes the command itself on a connection of its own: redis-py's
         generic command layer costs more CPU than the round trip on a fast
         network. A broken connection is retried once on a fresh one (every
         script is safe to repeat: the owner check makes a repeat a no-op or a
         "not ours"); a server that lost its scripts gets them loaded again.
         """
         packed = _pack(["EVALSHA", script.sha, len(keys), *keys, *args])
-        pool = self.client.connection_pool
         for attempt in (1, 2):
-            conn: Any = pool.get_connection()
+            try:
+                conn: Any = self._idle.pop()
+            except IndexError:
+                conn = self.client.connection_pool.make_connection()
             try:
                 try:
                     conn.send_packed_command([packed], check_health=False)
-                    return conn.read_response()
+                    reply = conn.read_response()
                 except NoScriptError:
                     self.client.script_load(script.script)
                     conn.send_packed_command([packed], check_health=False)
-                    return conn.read_response()
+                    reply = conn.read_response()
             except (redis.ConnectionError, redis.TimeoutError):
                 conn.disconnect()
                 if attempt == 2:
                     raise
-            finally:
-                pool.release(conn)
+                continue
+            except BaseException:
+                conn.disconnect()  # an answer may still be on its way: never reuse it
+                raise
+            self._idle.append(conn)
+            return reply
         raise AssertionError("unreachable")
 
     @classmethod
