@@ -292,3 +292,30 @@ def test_a_lost_reply_is_repeated_safely(redis_server, r):
         assert again.status == HELD and again.holder.task_id == "q1"
     finally:
         proxy.close()
+
+
+def test_a_forked_child_gets_its_own_pid_engine_and_execution_ids(redis_server):
+    """Identity is refreshed at fork: no exec id or engine is shared with the parent."""
+    from celery import Celery
+
+    from celery_singleton_lock.lock import PROCESS, engine_for
+
+    app = Celery("fork", broker=redis_server.url(0), set_as_current=False)
+    parent_engine = engine_for(app)
+    parent = (PROCESS.pid, PROCESS.prefix, LockEngine.new_exec_id())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once
+        try:
+            ok = (PROCESS.pid == os.getpid() and PROCESS.prefix != parent[1]
+                  and not LockEngine.new_exec_id().startswith(parent[1])
+                  and engine_for(app) is not parent_engine)
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    assert parent[0] == os.getpid() and engine_for(app) is parent_engine
+    assert LockEngine.new_exec_id() != parent[2]

@@ -8,6 +8,7 @@ SHA (one round trip).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -52,6 +53,27 @@ def _host_key() -> str:
 
 
 HOST_KEY = _host_key()
+
+
+class _Process:
+    """What identifies this process, kept current across fork without a system
+    call per task: the pid, a fork generation, and a random prefix that makes
+    execution ids unique across processes (a counter makes them unique within)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.pid = os.getpid()
+        self.generation += 1
+        self.prefix = uuid.uuid4().hex[:16]
+        self.counter = itertools.count(1)
+
+
+PROCESS = _Process()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=PROCESS.reset)
 
 
 def pid_alive(pid: int) -> bool:
@@ -250,7 +272,8 @@ class LockEngine:
 
     @staticmethod
     def new_exec_id() -> str:
-        return uuid.uuid4().hex
+        """An id no other execution attempt anywhere has."""
+        return f"{PROCESS.prefix}{next(PROCESS.counter):x}"
 
     def acquire(
         self,
@@ -274,7 +297,7 @@ class LockEngine:
             self._acquire,
             [keys.lock, keys.fence, keys.fin, keys.queued, keys.done],
             [
-                task_id, exec_id, lease_ms, hostname, HOST_KEY, os.getpid(),
+                task_id, exec_id, lease_ms, hostname, HOST_KEY, PROCESS.pid,
                 retries, task_name, FENCE_TTL_MS, scope, int(comes_back),
             ],
         )
@@ -394,13 +417,13 @@ def engine_for(app: Any) -> LockEngine:
     """The engine of ``app`` in this process (a new one after fork)."""
     from .config import get_config
 
-    pid = os.getpid()
+    generation = PROCESS.generation
     entry = _engines.get(app)
-    if entry is None or entry[0] != pid:
+    if entry is None or entry[0] != generation:
         with _engines_lock:
             entry = _engines.get(app)
-            if entry is None or entry[0] != pid:
-                entry = (pid, LockEngine.from_config(get_config(app)))
+            if entry is None or entry[0] != generation:
+                entry = (generation, LockEngine.from_config(get_config(app)))
                 _engines[app] = entry
     return entry[1]
 
