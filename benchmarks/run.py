@@ -256,19 +256,28 @@ class Bench:
             for lk in locks:
                 lk.lease = 0.3
                 hb.add(lk)
+            # count whole rounds only: start right after one ends, stop once the
+            # last one in flight has ended
+            first = hb.rounds
+            while hb.rounds == first:
+                time.sleep(0.001)
+            rounds_before = hb.rounds
             before = commandstats(self.lock_client)
             time.sleep(1.0)
+            lost = sum(1 for lk in locks if lk.lost)  # while still renewed
             for lk in locks:
                 hb.discard(lk)
+            time.sleep(0.4)
             hb_calls = delta(before, commandstats(self.lock_client)).get("evalsha", 0)
+            hb_rounds = hb.rounds - rounds_before
             rows.append({
                 "locks": n,
                 "renew_ms_median": statistics.median(durations) * 1000,
                 "renew_ms_max": max(durations) * 1000,
                 "commands_per_renewal": calls / repeats,
-                "heartbeat_rounds": hb.rounds,
-                "commands_per_interval": hb_calls / max(hb.rounds, 1),
-                "lost": sum(1 for lk in locks if lk.lost),
+                "heartbeat_rounds": hb_rounds,
+                "commands_per_interval": hb_calls / max(hb_rounds, 1),
+                "lost": lost,
             })
         client.flushdb()
         self.results["heartbeat"] = rows
