@@ -245,7 +245,7 @@ class KeyBuilder:
                 value = self._callable(*args, **kwargs)
             except Exception as exc:
                 raise KeyEncodingError(
-                    self.task_name, "singleton_key", f"the key function raised {exc!r}"
+                    self.task_name, "singleton_key", f"the key function raised {type(exc).__name__}"
                 ) from exc
             try:
                 parts.append(encode_value(value))
