@@ -318,3 +318,17 @@ def test_send_whose_reply_was_lost_is_still_sent_once(redis_server, prefork_work
     finally:
         proxy.close()
     assert [e["tag"] for e in events.starts()] == ["warm", "sent"]
+
+
+def test_send_task_through_the_library_takes_the_key_at_send(client_app, events, key):
+    from celery_singleton_lock import send_task
+
+    first = send_task(client_app, "t.queue_and_run", (key, 0.5, "first"), countdown=0.2)
+    dup = send_task(client_app, "t.queue_and_run", (key, 0.0, "dup"))
+    assert not is_deduplicated(first)
+    assert is_deduplicated(dup) and dup.id == first.id
+    # a name that is no SingletonTask is sent as app.send_task sends it
+    plain = send_task(client_app, "t.plain", (key, 0.0, "plain"))
+    assert plain.get(timeout=10) == {"tag": "plain"}
+    assert first.get(timeout=10)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first"]

@@ -16,7 +16,7 @@ from .exceptions import (
 from .lock import SingletonLock
 from .policies import is_skipped
 from .results import DeduplicatedResult, is_deduplicated
-from .task import SingletonTask
+from .task import SingletonTask, send_task
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "get_config",
     "is_deduplicated",
     "is_skipped",
+    "send_task",
 ]
 
 _signals.connect()

@@ -368,3 +368,17 @@ def _delay_of(task: Task, when: Any) -> float:
         return float(when)
     return float(task.default_retry_delay or 0)
 
+
+
+def send_task(app: Any, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+    """``app.send_task`` that honours the queue scopes.
+
+    When ``name`` is a :class:`SingletonTask` registered in ``app`` (its module
+    imported by the caller), the send goes through the task, so the key is taken
+    at send time and a duplicate is refused as with ``apply_async``. Any other
+    name is sent by ``app.send_task`` unchanged.
+    """
+    task = app.tasks.get(name)
+    if isinstance(task, SingletonTask):
+        return task.apply_async(args, kwargs, **options)
+    return app.send_task(name, args, kwargs, **options)
