@@ -75,6 +75,32 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time the processes used so far (Linux /proc; 0 elsewhere)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    except OSError:
+        return []
+
+
+CPU_ROLES = ("worker main process", "worker pool processes", "lock Redis", "broker Redis",
+             "sending client")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -106,6 +132,17 @@ class Bench:
 
     def available(self) -> list[tuple[str, str, str]]:
         return [c for c in CONFIGS if c[1] in self.app.tasks]
+
+    def processes(self) -> dict[str, list[int]]:
+        """Every process a batch keeps busy, by role (the pool as it is now)."""
+        main = self.worker.proc.pid if self.worker.proc is not None else 0
+        return {
+            "worker main process": [main],
+            "worker pool processes": child_pids(main),
+            "lock Redis": [self.locks.proc.pid] if self.locks.proc is not None else [],
+            "broker Redis": [self.broker.proc.pid] if self.broker.proc is not None else [],
+            "sending client": [os.getpid()],
+        }
 
     def wait_processed(self, n: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -160,6 +197,8 @@ class Bench:
         plain = self.app.tasks["bench.plain"]
         self.batch(lambda i: plain.delay(-i), max(50, self.sizes.tasks // 4))  # warm up
         times: dict[str, list[float]] = {c[0]: [] for c in configs}
+        cpu: dict[str, dict[str, float]] = {c[0]: dict.fromkeys(CPU_ROLES, 0.0) for c in configs}
+        procs = self.processes()
         lock_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
         broker_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
         n = self.sizes.tasks
@@ -172,7 +211,10 @@ class Bench:
                 lock_before = commandstats(self.lock_client)
                 broker_before = commandstats(self.broker.client())
                 base = offset
+                cpu_before = {role: cpu_seconds(pids) for role, pids in procs.items()}
                 times[label].append(self.batch(lambda i, t=task, b=base: t.delay(b + i), n))
+                for role, pids in procs.items():
+                    cpu[label][role] += cpu_seconds(pids) - cpu_before[role]
                 offset += n
                 # what the batch cost, from the servers themselves (the INFO calls
                 # themselves are left out)
@@ -212,6 +254,9 @@ class Bench:
                 "round_trips_per_task": {k: v / monitored_n
                                          for k, v in sorted(trips[label].items())},
                 "round_trips_total_per_task": sum(trips[label].values()) / monitored_n,
+                # CPU every process of the run spent per task (the machine's cores
+                # are shared by all of them, so this is what the time is made of)
+                "cpu_us_per_task": {role: cpu[label][role] / total * 1e6 for role in CPU_ROLES},
                 "broker_calls_per_task": sum(
                     v for k, v in broker_cmds[label].items()
                     if k != "incr" and k not in SETUP_COMMANDS
@@ -421,6 +466,18 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{min(per_round):.0f}-{max(per_round):.0f} | "
                      f"{row['time_ratio']:.3f}x | {trips} | {cmds} "
                      f"| {row['broker_calls_per_task']:.1f} |")
+    if all("cpu_us_per_task" in row for row in t["rows"]):
+        plain_cpu = sum(t["rows"][0]["cpu_us_per_task"].values())
+        lines += [
+            "", "### CPU per task, by process (µs, all rounds)", "",
+            "| configuration | " + " | ".join(CPU_ROLES) + " | all | vs plain Celery |",
+            "|---|" + "---:|" * (len(CPU_ROLES) + 2),
+        ]
+        for row in t["rows"]:
+            per = row["cpu_us_per_task"]
+            every = sum(per.values())
+            lines.append(f"| {row['config']} | " + " | ".join(f"{per[r]:.0f}" for r in CPU_ROLES)
+                         + f" | {every:.0f} | {every - plain_cpu:+.0f} |")
     s = results["storm"]
     lines += [
         "", f"### Duplicate storm ({s['deliveries']} deliveries over {s['keys']} keys)", "",
@@ -495,6 +552,21 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     ax2.legend(fontsize=8)
     ax2.tick_params(axis="x", labelsize=8)
     save(fig, "throughput")
+
+    if all("cpu_us_per_task" in r for r in rows):
+        fig, ax = plt.subplots(figsize=(8, 4.2))
+        bottom = [0.0] * len(rows)
+        for j, role in enumerate(CPU_ROLES):
+            vals = [r["cpu_us_per_task"][role] for r in rows]
+            ax.bar(names, vals, bottom=bottom, label=role, color=palette(j))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, total in enumerate(bottom):
+            ax.text(i, total, f"{total:.0f} µs", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("CPU per task, µs (lower is better)")
+        ax.set_title("Where the time goes: CPU per task by process")
+        ax.legend(fontsize=8, loc="lower right")
+        ax.tick_params(axis="x", labelsize=8)
+        save(fig, "cpu")
 
     hb = results["heartbeat"]
     fig, ax = plt.subplots(figsize=(6, 4))

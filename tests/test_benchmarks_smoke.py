@@ -19,7 +19,7 @@ def test_quick_benchmark_produces_every_result(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").read_text().startswith("### Throughput")
-    for png in ("throughput", "heartbeat", "latency", "storm"):
+    for png in ("throughput", "cpu", "heartbeat", "latency", "storm"):
         assert (tmp_path / f"{png}.png").stat().st_size > 5000
 
     rows = {r["config"]: r for r in results["throughput"]["rows"]}
@@ -29,6 +29,11 @@ def test_quick_benchmark_produces_every_result(tmp_path):
     # Ours: one round trip to take the lock, one to free it, nothing else.
     assert rows["celery-singleton-lock"]["round_trips_per_task"] == {"evalsha": 2.0}
     assert rows["plain Celery"]["round_trips_total_per_task"] == 0
+    # CPU per task of every process the run keeps busy (read from /proc)
+    for row in rows.values():
+        assert set(row["cpu_us_per_task"]) == {"worker main process", "worker pool processes",
+                                               "lock Redis", "broker Redis", "sending client"}
+        assert sum(row["cpu_us_per_task"].values()) > 0
 
     storm = results["storm"]
     assert storm["overlapping_executions"] == 0

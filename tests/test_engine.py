@@ -319,3 +319,89 @@ def test_a_forked_child_gets_its_own_pid_engine_and_execution_ids(redis_server):
     assert answer == b"1"
     assert parent[0] == os.getpid() and engine_for(app) is parent_engine
     assert LockEngine.new_exec_id() != parent[2]
+
+
+# -- a release sent without waiting for its reply ------------------------------------
+
+class Answers:
+    def __init__(self) -> None:
+        self.got: list[tuple[Any, Any]] = []
+
+    def __call__(self, released: Any, error: Any) -> None:
+        self.got.append((released, error))
+
+
+def test_a_release_sent_without_waiting_frees_the_key_and_is_answered_later(engine, r):
+    keys = new_keys()
+    take(engine, keys, "a", "ea")
+    answers = Answers()
+    engine.release_later(keys, "ea", "a", answers, done_ttl=60)
+    assert engine.unsettled == 1 and answers.got == []  # nothing read yet
+    wait_for(lambda: not r.exists(keys.lock), timeout=2)
+    assert r.get(keys.done) == "a"  # the success record went with it
+    # the next call on the connection reads the owed reply first
+    assert take(engine, new_keys(), "b").status == ACQUIRED
+    assert answers.got == [(True, None)] and engine.unsettled == 0
+
+
+def test_a_release_that_finds_the_lock_gone_is_reported_when_read(engine, r):
+    keys = new_keys()
+    take(engine, keys, "a", "ea")
+    r.delete(keys.lock)
+    answers = Answers()
+    engine.release_later(keys, "ea", "a", answers)
+    engine.settle()
+    assert answers.got == [(False, None)]
+
+
+def test_a_release_whose_script_was_flushed_is_sent_again(engine, r):
+    keys = new_keys()
+    take(engine, keys, "a", "ea")
+    r.script_flush()
+    answers = Answers()
+    engine.release_later(keys, "ea", "a", answers, done_ttl=60)
+    engine.settle()
+    assert answers.got == [(True, None)]
+    assert not r.exists(keys.lock) and r.get(keys.done) == "a"
+
+
+def test_a_release_whose_connection_broke_is_repeated(engine, r):
+    keys = new_keys()
+    take(engine, keys, "a", "ea")
+    answers = Answers()
+    engine.release_later(keys, "ea", "a", answers, done_ttl=60)
+    wait_for(lambda: not r.exists(keys.lock), timeout=2)
+    r.client_kill_filter(_type="normal", skipme=True)  # the reply is lost with it
+    engine.settle()
+    # the repeat found its own work done ("not ours"), and the record stands
+    assert len(answers.got) == 1 and answers.got[0][1] is None
+    assert not r.exists(keys.lock) and r.get(keys.done) == "a"
+
+
+def test_a_release_to_a_stopped_redis_reports_the_error(own_redis):
+    engine = LockEngine.from_config(SingletonConfig(redis_url=own_redis.url(0)))
+    keys = new_keys()
+    take(engine, keys, "a", "ea")
+    own_redis.stop()
+    answers = Answers()
+    engine.release_later(keys, "ea", "a", answers)  # never raises into the task
+    engine.settle()
+    assert len(answers.got) == 1
+    released, error = answers.got[0]
+    assert released is None and isinstance(error, redis.ConnectionError)
+
+
+def test_the_heartbeat_reads_owed_replies_when_nothing_else_does(redis_server, r):
+    engine = LockEngine.from_config(SingletonConfig(redis_url=redis_server.url(2), ttl=0.6))
+    hb = Heartbeat(engine)
+    held_keys, keys = new_keys(), new_keys()
+    got = take(engine, held_keys, "h", "eh", lease_ms=600)
+    lock = SingletonLock(held_keys, task_id="h", exec_id="eh", token=got.token, lease=0.6,
+                         started=time.monotonic(), held=True)
+    hb.add(lock)  # starts the renewer
+    hb.discard(lock)  # ... which now renews nothing: it wakes only to read replies
+    take(engine, keys, "a", "ea")
+    answers = Answers()
+    engine.release_later(keys, "ea", "a", answers)
+    wait_for(lambda: answers.got == [(True, None)], timeout=3)
+    assert engine.unsettled == 0

@@ -129,3 +129,22 @@ def test_whole_worker_killed_frees_within_lease(redis_server, r, events, key):
         assert time.monotonic() - t0 <= 3.0
     finally:
         w.stop()
+
+
+def test_a_pool_process_reads_its_last_release_reply_before_it_exits(redis_server, r, events,
+                                                                        key):
+    """A release is sent without waiting; a child that exits right after still
+    reads the reply (here: the lock had been taken over, which it reports)."""
+    w = Worker(redis_server.url(), f"last-{uuid.uuid4().hex[:8]}", concurrency=1,
+               conf=LONG_TTL).start()
+    try:
+        app = make_app(redis_server.url(), w.queue, conf=LONG_TTL)
+        res = app.tasks["t.hold"].delay(key, 1.0, "last")
+        started(events, "last")
+        r.hset(app.tasks["t.hold"].singleton_keys(key).lock, "exec", "someone-else")
+        assert res.get(timeout=10)["lost"] is False  # the heartbeat (10 s) did not look
+        w.signal(signal.SIGTERM)
+        assert w.proc is not None and w.proc.wait(20) == 0
+        assert "at release the lock was expired or held by another execution" in w.logs()
+    finally:
+        w.stop()

@@ -66,7 +66,13 @@ class Heartbeat:
             with self._mutex:
                 self._sleeping = self._interval_locked()
                 self._wake.clear()
-            if self._wake.wait(self._sleeping):
+            woken = self._wake.wait(self._sleeping)
+            try:
+                # replies of releases sent without waiting, when no later call read them
+                self.engine.settle()
+            except Exception:
+                logger.exception("Reading singleton lock replies failed")
+            if woken:
                 # woken by a shorter lease: only the schedule changes (a wake
                 # never lengthens any lock's wait, so skipping this round is safe)
                 continue

@@ -8,6 +8,7 @@ SHA (one round trip).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -18,7 +19,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import redis
 from redis.commands.core import Script
@@ -86,13 +87,20 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    stat = _read(f"/proc/{pid}/stat")
-    if stat:
-        # "pid (comm) S ...": the state follows the last parenthesis
-        state = stat.rsplit(")", 1)[-1].split()[:1]
-        if state and state[0] in ("Z", "X"):
-            return False
-    return True
+    # A zombie is gone too: "pid (comm) S ...", the state follows the last
+    # parenthesis. Read with bare system calls: this runs for every duplicate.
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        stat = os.read(fd, 512)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    state = stat.rpartition(b")")[2][1:2]
+    return state not in (b"Z", b"X")
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,28 @@ def _pack(parts: Sequence[Any]) -> bytes:
     return b"".join(out)
 
 
+Answered = Callable[[Any, Optional[Exception]], None]
+
+
+class _Pending:
+    """A command sent without waiting: what to repeat, whom to tell."""
+
+    __slots__ = ("answered", "args", "keys", "script")
+
+    def __init__(self, script: Script, keys: list[str], args: list[Any],
+                 answered: Answered) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.answered = answered
+
+    def answer(self, reply: Any, error: Optional[Exception]) -> None:
+        try:
+            self.answered(reply, error)
+        except Exception:  # a reply read on someone else's call must not break it
+            logger.exception("Handling a lock reply failed")
+
+
 class LockEngine:
     """All Redis work of one process for one app."""
 
@@ -222,7 +252,17 @@ class LockEngine:
         # Connections of the hot path, kept out of the pool: taking one is a
         # list pop, where the pool's checkout costs system calls every time.
         self._idle: list[Any] = []
+        # Connections owing the reply of a command sent without waiting.
+        self._unsettled: list[tuple[Any, _Pending]] = []
         self._unqueue: Script = client.register_script(_script("unqueue"))
+
+    def _take(self) -> Any:
+        """A connection in step: every reply owed on it read first."""
+        self.settle()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self.client.connection_pool.make_connection()
 
     def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """EVALSHA ``script`` in one round trip.
@@ -235,10 +275,7 @@ class LockEngine:
         """
         packed = _pack(["EVALSHA", script.sha, len(keys), *keys, *args])
         for attempt in (1, 2):
-            try:
-                conn: Any = self._idle.pop()
-            except IndexError:
-                conn = self.client.connection_pool.make_connection()
+            conn = self._take()
             try:
                 try:
                     conn.send_packed_command([packed], check_health=False)
@@ -258,6 +295,74 @@ class LockEngine:
             self._idle.append(conn)
             return reply
         raise AssertionError("unreachable")
+
+    def _run_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
+                   answered: Answered) -> None:
+        """Send ``script`` now and read its reply later; ``answered(reply, error)``.
+
+        The command leaves at once, so Redis runs it in order before anything
+        this process sends afterwards; only the wait for the reply is saved.
+        The reply is read by the next call on that connection, by the
+        heartbeat's next round or by :meth:`settle`. Nothing is lost when it
+        fails: a server that lost its scripts or a broken connection gets the
+        command again, waiting this time (every script is safe to repeat).
+        """
+        pending = _Pending(script, list(keys), list(args), answered)
+        packed = _pack(["EVALSHA", script.sha, len(keys), *keys, *args])
+        try:
+            conn = self._take()
+            try:
+                conn.send_packed_command([packed], check_health=False)
+            except BaseException:
+                conn.disconnect()
+                raise
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._redo(pending)
+            return
+        self._unsettled.append((conn, pending))
+
+    def _settle(self, conn: Any, pending: _Pending) -> None:
+        try:
+            reply = conn.read_response()
+        except NoScriptError:
+            self._idle.append(conn)  # in step: the error was the whole reply
+            self._redo(pending)  # loads the script again
+            return
+        except (redis.ConnectionError, redis.TimeoutError):
+            conn.disconnect()
+            self._redo(pending)
+            return
+        except redis.RedisError as exc:
+            self._idle.append(conn)
+            pending.answer(None, exc)
+            return
+        except BaseException:
+            conn.disconnect()
+            raise
+        self._idle.append(conn)
+        pending.answer(reply, None)
+
+    def _redo(self, pending: _Pending) -> None:
+        try:
+            reply = self._run(pending.script, pending.keys, pending.args)
+        except redis.RedisError as exc:
+            pending.answer(None, exc)
+        else:
+            pending.answer(reply, None)
+
+    def settle(self) -> None:
+        """Read every reply still owed to this process (see :meth:`release_later`)."""
+        while True:
+            try:
+                conn, pending = self._unsettled.pop()
+            except IndexError:
+                return
+            self._settle(conn, pending)
+
+    @property
+    def unsettled(self) -> int:
+        """Commands sent whose reply has not been read yet."""
+        return len(self._unsettled)
 
     @classmethod
     def from_config(cls, config: SingletonConfig) -> LockEngine:
@@ -338,6 +443,34 @@ class LockEngine:
             [exec_id, task_id, int(finished), fin_ms, int(always_record), int(done_ttl * 1000)],
         )
         return bool(reply)
+
+    def release_later(
+        self,
+        keys: LockKeys,
+        exec_id: str,
+        task_id: str,
+        answered: Callable[[Optional[bool], Optional[Exception]], None],
+        *,
+        always_record: bool = False,
+        done_ttl: float = 0.0,
+    ) -> None:
+        """:meth:`release` without waiting for the reply.
+
+        Redis frees the key as soon as the command arrives, before anything
+        this process sends next; ``answered(released, error)`` is called when
+        the reply has been read (``error`` once repeating the command failed).
+        """
+        fin_ms = int(self.config.finished_ttl * 1000)
+
+        def done(reply: Any, error: Optional[Exception]) -> None:
+            answered(None if error is not None else bool(reply), error)
+
+        self._run_later(
+            self._release,
+            [keys.lock, keys.fin, keys.done],
+            [exec_id, task_id, 1, fin_ms, int(always_record), int(done_ttl * 1000)],
+            done,
+        )
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Outcome:
         """Take the key for a task about to be sent; ACQUIRED, HELD or DONE."""
@@ -426,6 +559,20 @@ def engine_for(app: Any) -> LockEngine:
                 entry = (generation, LockEngine.from_config(get_config(app)))
                 _engines[app] = entry
     return entry[1]
+
+
+def settle_all() -> None:
+    """Read the replies every engine of this process still owes (at process exit)."""
+    generation = PROCESS.generation
+    for entry in list(_engines.values()):
+        if entry[0] == generation:
+            try:
+                entry[1].settle()
+            except Exception as exc:  # exiting: say so, never raise
+                logger.warning("Could not read a lock reply at exit: %r", exc)
+
+
+atexit.register(settle_all)
 
 
 def forget_engine(app: Any) -> None:

@@ -108,7 +108,16 @@ def watch_revoke_command() -> None:
     control.Panel.data["revoke"] = revoke
 
 
+def on_process_shutdown(**_: Any) -> None:
+    """A pool process exits without running atexit: read the replies it is owed."""
+    from .lock import settle_all
+
+    settle_all()
+
+
 def connect() -> None:
+    signals.worker_process_shutdown.connect(on_process_shutdown, weak=False,
+                                            dispatch_uid="celery_singleton_lock.process_shutdown")
     signals.task_failure.connect(on_task_failure, weak=False,
                                  dispatch_uid="celery_singleton_lock.failure")
     signals.task_revoked.connect(on_task_revoked, weak=False,

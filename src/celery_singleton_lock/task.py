@@ -291,19 +291,22 @@ class SingletonTask(Task):  # type: ignore[misc]
         return outcome
 
     def _release(self, engine: LockEngine, lock: SingletonLock, done_ttl: float = 0.0) -> None:
-        try:
-            released = engine.release(
-                lock.keys, lock.exec_id, lock.task_id, always_record=bool(self.acks_late),
-                done_ttl=done_ttl,
-            )
-        except redis.RedisError as exc:
-            logger.error(
-                "Could not release singleton lock %s of %s[%s] (%r): it frees within %ss",
-                lock.key, self.name, lock.task_id, exc, lock.lease,
-            )
-            return
-        if not released:
-            lock.mark_lost("at release the lock was expired or held by another execution")
+        lock.held = False
+        name = self.name
+
+        def answered(released: Optional[bool], error: Optional[Exception]) -> None:
+            if error is not None:
+                logger.error(
+                    "Could not release singleton lock %s of %s[%s] (%r): it frees within %ss",
+                    lock.key, name, lock.task_id, error, lock.lease,
+                )
+            elif not released:
+                lock.mark_lost("at release the lock was expired or held by another execution")
+
+        # The command leaves now and Redis frees the key before anything this
+        # process sends next; its reply is read on the next call.
+        engine.release_later(lock.keys, lock.exec_id, lock.task_id, answered,
+                             always_record=bool(self.acks_late), done_ttl=done_ttl)
 
     def _hand_off(self, engine: LockEngine, lock: SingletonLock, delay: float) -> None:
         lease_ms = int((max(delay, 0.0) + lock.lease) * 1000)

@@ -24,7 +24,7 @@ local lock, fence, fin, queued, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[
 local task_id, exec_id, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local retries, scope = ARGV[7], ARGV[10]
 
-local function grant()
+local function grant(replace)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- Tokens never go down, even when the counter is lost (expired, evicted,
@@ -36,7 +36,7 @@ local function grant()
   if token < now_us then token = now_us end
   local token_s = string.format('%.0f', token)
   redis.call('SET', fence, token_s, 'PX', ARGV[9])
-  redis.call('DEL', lock)
+  if replace then redis.call('DEL', lock) end  -- fields of the record it replaces
   redis.call('HSET', lock, 'task', task_id, 'exec', exec_id, 'host', ARGV[4],
     'hostkey', ARGV[5], 'pid', ARGV[6], 'at', string.format('%.0f', now),
     'token', token_s, 'lease', ARGV[3], 'name', ARGV[8], 'retries', retries)
@@ -61,7 +61,7 @@ local holder = redis.call('HMGET', lock, 'task', 'exec', 'hostkey', 'pid', 'host
 if holder[1] == task_id then
   if holder[6] == retries then
     -- the retried execution takes back the key its earlier attempt kept for it
-    return grant()
+    return grant(true)
   end
   if holder[2] == exec_id then
     redis.call('PEXPIRE', lock, lease)
