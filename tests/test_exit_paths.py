@@ -6,11 +6,12 @@ released by us, not by the lease running out.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
@@ -34,6 +35,18 @@ def worker(redis_server: RedisServer) -> Iterator[Worker]:
 @pytest.fixture(scope="module")
 def app(redis_server: RedisServer, worker: Worker) -> Any:
     return make_app(redis_server.url(), worker.queue, conf=LONG_TTL)
+
+
+@contextlib.contextmanager
+def own_worker(redis_server: RedisServer, prefix: str, concurrency: int,
+               conf: Optional[dict[str, Any]] = None) -> Iterator[tuple[Worker, Any]]:
+    """A worker of one test's own (it is stopped or killed by the test), and its app."""
+    w = Worker(redis_server.url(), f"{prefix}-{uuid.uuid4().hex[:8]}", concurrency=concurrency,
+               conf=conf).start()
+    try:
+        yield w, make_app(redis_server.url(), w.queue, conf=conf)
+    finally:
+        w.stop()
 
 
 def lock_exists(app: Any, r: Any, task: str, key: str) -> bool:
@@ -101,25 +114,18 @@ def test_child_killed_with_sigkill_released_by_main_process(app, r, events, key)
 
 
 def test_warm_shutdown_finishes_task_and_releases(redis_server, r, events, key):
-    w = Worker(redis_server.url(), f"warm-{uuid.uuid4().hex[:8]}", concurrency=2,
-               conf=LONG_TTL).start()
-    try:
-        app = make_app(redis_server.url(), w.queue, conf=LONG_TTL)
+    with own_worker(redis_server, "warm", 2, LONG_TTL) as (w, app):
         res = app.tasks["t.hold"].delay(key, 2.0, "warm")
         started(events, "warm")
         w.signal(signal.SIGTERM)
         assert res.get(timeout=20)["tag"] == "warm"
         assert w.proc is not None and w.proc.wait(20) == 0
         assert not lock_exists(app, r, "t.hold", key)
-    finally:
-        w.stop()
 
 
 def test_whole_worker_killed_frees_within_lease(redis_server, r, events, key):
     """kill -9 of main and children: nothing runs, the lease (2 s) frees the key."""
-    w = Worker(redis_server.url(), f"dead-{uuid.uuid4().hex[:8]}", concurrency=1).start()
-    try:
-        app = make_app(redis_server.url(), w.queue)
+    with own_worker(redis_server, "dead", 1) as (w, app):
         app.tasks["t.hold"].delay(key, 30.0, "doomed")
         started(events, "doomed")
         w.kill_all()
@@ -127,18 +133,13 @@ def test_whole_worker_killed_frees_within_lease(redis_server, r, events, key):
         assert lock_exists(app, r, "t.hold", key)
         wait_for(lambda: not lock_exists(app, r, "t.hold", key), 5, what="lease to run out")
         assert time.monotonic() - t0 <= 3.0
-    finally:
-        w.stop()
 
 
 def test_a_pool_process_reads_its_last_release_reply_before_it_exits(redis_server, r, events,
                                                                         key):
     """A release is sent without waiting; a child that exits right after still
     reads the reply (here: the lock had been taken over, which it reports)."""
-    w = Worker(redis_server.url(), f"last-{uuid.uuid4().hex[:8]}", concurrency=1,
-               conf=LONG_TTL).start()
-    try:
-        app = make_app(redis_server.url(), w.queue, conf=LONG_TTL)
+    with own_worker(redis_server, "last", 1, LONG_TTL) as (w, app):
         res = app.tasks["t.hold"].delay(key, 1.0, "last")
         started(events, "last")
         r.hset(app.tasks["t.hold"].singleton_keys(key).lock, "exec", "someone-else")
@@ -146,5 +147,3 @@ def test_a_pool_process_reads_its_last_release_reply_before_it_exits(redis_serve
         w.signal(signal.SIGTERM)
         assert w.proc is not None and w.proc.wait(20) == 0
         assert "at release the lock was expired or held by another execution" in w.logs()
-    finally:
-        w.stop()

@@ -223,7 +223,7 @@ class _Pending:
 
     __slots__ = ("answered", "args", "keys", "script")
 
-    def __init__(self, script: Script, keys: list[str], args: list[Any],
+    def __init__(self, script: Script, keys: Sequence[str], args: Sequence[Any],
                  answered: Answered) -> None:
         self.script = script
         self.keys = keys
@@ -307,7 +307,7 @@ class LockEngine:
         fails: a server that lost its scripts or a broken connection gets the
         command again, waiting this time (every script is safe to repeat).
         """
-        pending = _Pending(script, list(keys), list(args), answered)
+        pending = _Pending(script, keys, args, answered)
         packed = _pack(["EVALSHA", script.sha, len(keys), *keys, *args])
         try:
             conn = self._take()
@@ -436,13 +436,17 @@ class LockEngine:
 
         ``done_ttl`` > 0: the task succeeded and its key stays done that long.
         """
+        reply = self._run(self._release, *self._release_call(
+            keys, exec_id, task_id, finished, always_record, done_ttl))
+        return bool(reply)
+
+    def _release_call(self, keys: LockKeys, exec_id: str, task_id: str, finished: bool,
+                      always_record: bool, done_ttl: float) -> tuple[list[str], list[Any]]:
         fin_ms = int(self.config.finished_ttl * 1000)
-        reply = self._run(
-            self._release,
+        return (
             [keys.lock, keys.fin, keys.done],
             [exec_id, task_id, int(finished), fin_ms, int(always_record), int(done_ttl * 1000)],
         )
-        return bool(reply)
 
     def release_later(
         self,
@@ -460,17 +464,11 @@ class LockEngine:
         this process sends next; ``answered(released, error)`` is called when
         the reply has been read (``error`` once repeating the command failed).
         """
-        fin_ms = int(self.config.finished_ttl * 1000)
-
         def done(reply: Any, error: Optional[Exception]) -> None:
             answered(None if error is not None else bool(reply), error)
 
-        self._run_later(
-            self._release,
-            [keys.lock, keys.fin, keys.done],
-            [exec_id, task_id, 1, fin_ms, int(always_record), int(done_ttl * 1000)],
-            done,
-        )
+        self._run_later(self._release, *self._release_call(
+            keys, exec_id, task_id, True, always_record, done_ttl), done)
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Outcome:
         """Take the key for a task about to be sent; ACQUIRED, HELD or DONE."""
