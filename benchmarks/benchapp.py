@@ -53,6 +53,28 @@ def plain(n: int) -> int:
     return _trivial(n)
 
 
+# The floor: what any lock taken and freed in the worker costs at the least, one
+# bare round trip each way (redis-py, no script, no owner record, no library).
+_floor = redis.Redis.from_url(LOCK)
+
+
+@app.task(name="bench.floor")
+def floor(n: int) -> int:
+    key = f"bench-floor:{n}"
+    _floor.set(key, "1", nx=True, px=60_000)
+    try:
+        return _trivial(n)
+    finally:
+        _floor.delete(key)
+
+
+@app.task(name="bench.one_trip")
+def one_trip(n: int) -> int:
+    """A plain task that asks Redis one thing: what a skip costs at the least."""
+    _floor.get("bench-floor:none")
+    return _trivial(n)
+
+
 def _register_ours() -> None:
     from celery_singleton_lock import SingletonTask
 

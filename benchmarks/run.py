@@ -56,6 +56,8 @@ CONFIGS = [
     ("celery-singleton-lock", "bench.ours", "celery-singleton-lock"),
     ("celery-singleton", "bench.celery_singleton", "celery-singleton"),
     ("celery-once", "bench.celery_once", "celery-once"),
+    # no library: SET NX + DEL in the task body, the least a worker-side lock costs
+    ("floor: bare SET NX + DEL", "bench.floor", "redis"),
 ]
 
 
@@ -236,17 +238,20 @@ class Bench:
             offset += monitored_n
             trips[label] = sent
         total = n * self.sizes.rounds
-        plain_median = statistics.median(times["plain Celery"])
         rows = []
         for label, _name, dist in configs:
             med = statistics.median(times[label])
+            # paired: each round's batch against plain Celery's batch of the same
+            # round, so a machine slower in one round than another cancels out
+            ratios = [x / p for x, p in zip(times[label], times["plain Celery"])]
             per_task = {k: v / total for k, v in sorted(lock_cmds[label].items())
                         if k.split("|")[0] not in SETUP_COMMANDS}
             rows.append({
                 "config": label,
                 "version": version(dist),
                 "tasks_per_s": n / med,
-                "time_ratio": med / plain_median,
+                "time_ratio": statistics.median(ratios),
+                "time_ratios": ratios,
                 "batch_seconds": times[label],
                 "lock_commands_per_task": per_task,
                 "lock_calls_per_task": sum(
@@ -345,12 +350,14 @@ class Bench:
                            lease_ms=600_000, hostname="elsewhere", retries=0,
                            task_name=storm.name)
             held.append(lk)
-        skip_times, plain_times = [], []
+        one_trip = self.app.tasks["bench.one_trip"]
+        skip_times, plain_times, trip_times = [], [], []
         for _ in range(max(1, self.sizes.rounds - 2)):
             self.counters.set("executions", 0)
             skip_times.append(self.batch(lambda i: storm.delay(keys[i % k], 0.0), n))
             assert int(self.counters.get("executions") or 0) == 0
             plain_times.append(self.batch(lambda i: plain.delay(i), n))
+            trip_times.append(self.batch(lambda i: one_trip.delay(i), n))
         for lk in held:
             self.lock_client.delete(lk.lock)
         # (b) real executions racing: bursts of duplicates of one key, each run
@@ -364,6 +371,7 @@ class Bench:
             "keys": k,
             "skip_tasks_per_s": n / statistics.median(skip_times),
             "plain_tasks_per_s": n / statistics.median(plain_times),
+            "one_trip_tasks_per_s": n / statistics.median(trip_times),
             "racing_seconds": mixed,
             "racing_executions": executions,
             "racing_skipped": n - executions,
@@ -444,13 +452,19 @@ class Bench:
 
 # -- reporting ------------------------------------------------------------------------------
 
+def _ratio_range(row: dict[str, Any]) -> str:
+    ratios = row.get("time_ratios") or [row["time_ratio"]]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = []
     t = results["throughput"]
     lines += [
         f"### Throughput ({t['tasks_per_batch']} trivial tasks per batch, {t['rounds']} rounds, "
         "medians)", "",
-        "| configuration | version | tasks/s | rounds' range | time vs plain Celery | lock round "
+        "| configuration | version | tasks/s | rounds' range | time vs plain Celery (median of "
+        "rounds, range) | lock round "
         "trips per task (MONITOR) | lock commands per task, scripts' inner ones included "
         "(commandstats) | broker commands per task |",
         "|---|---|---:|---:|---:|---|---|---:|",
@@ -464,7 +478,7 @@ def markdown(results: dict[str, Any]) -> str:
         per_round = [t["tasks_per_batch"] / x for x in row["batch_seconds"]]
         lines.append(f"| {row['config']} | {row['version']} | {row['tasks_per_s']:.0f} | "
                      f"{min(per_round):.0f}-{max(per_round):.0f} | "
-                     f"{row['time_ratio']:.3f}x | {trips} | {cmds} "
+                     f"{row['time_ratio']:.3f}x ({_ratio_range(row)}) | {trips} | {cmds} "
                      f"| {row['broker_calls_per_task']:.1f} |")
     if all("cpu_us_per_task" in row for row in t["rows"]):
         plain_cpu = sum(t["rows"][0]["cpu_us_per_task"].values())
@@ -484,6 +498,8 @@ def markdown(results: dict[str, Any]) -> str:
         "| measure | value |", "|---|---:|",
         f"| skipped duplicates processed per second | {s['skip_tasks_per_s']:.0f} |",
         f"| plain Celery tasks per second, same run | {s['plain_tasks_per_s']:.0f} |",
+        f"| plain tasks asking Redis one bare GET, per second (a skip's floor) | "
+        f"{s['one_trip_tasks_per_s']:.0f} |",
         f"| racing executions (5 ms each) that ran | {s['racing_executions']} |",
         f"| racing deliveries skipped | {s['racing_skipped']} |",
         f"| **overlapping executions of one key** | **{s['overlapping_executions']}** |",
@@ -529,7 +545,8 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
         written.append(path)
 
     colours = {"plain Celery": "#9e9e9e", "celery-singleton-lock": "#1b7837",
-               "celery-singleton": "#c2a5cf", "celery-once": "#762a83"}
+               "celery-singleton": "#c2a5cf", "celery-once": "#762a83",
+               "floor: bare SET NX + DEL": "#4393c3"}
 
     rows = results["throughput"]["rows"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -602,9 +619,10 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
 
     s = results["storm"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(["skipped duplicates", "plain Celery tasks"],
-           [s["skip_tasks_per_s"], s["plain_tasks_per_s"]],
-           color=[colours["celery-singleton-lock"], colours["plain Celery"]])
+    ax.bar(["skipped duplicates", "plain Celery tasks", "plain + one GET\n(a skip's floor)"],
+           [s["skip_tasks_per_s"], s["plain_tasks_per_s"], s["one_trip_tasks_per_s"]],
+           color=[colours["celery-singleton-lock"], colours["plain Celery"],
+                  colours["floor: bare SET NX + DEL"]])
     ax.set_ylabel("per second (higher is better)")
     ax.set_title(f"Duplicate storm: {s['deliveries']} deliveries, {s['keys']} keys; "
                  f"overlaps: {s['overlapping_executions']}", fontsize=10)

@@ -24,11 +24,14 @@ def test_quick_benchmark_produces_every_result(tmp_path):
 
     rows = {r["config"]: r for r in results["throughput"]["rows"]}
     assert set(rows) == {"plain Celery", "celery-singleton-lock", "celery-singleton",
-                         "celery-once"}
+                         "celery-once", "floor: bare SET NX + DEL"}
     assert all(r["tasks_per_s"] > 0 for r in rows.values())
     # Ours: one round trip to take the lock, one to free it, nothing else.
     assert rows["celery-singleton-lock"]["round_trips_per_task"] == {"evalsha": 2.0}
     assert rows["plain Celery"]["round_trips_total_per_task"] == 0
+    assert rows["floor: bare SET NX + DEL"]["round_trips_per_task"] == {"set": 1.0, "del": 1.0}
+    # each configuration's time against plain Celery's in the same round
+    assert rows["plain Celery"]["time_ratios"] == [1.0]
     # CPU per task of every process the run keeps busy (read from /proc)
     for row in rows.values():
         assert set(row["cpu_us_per_task"]) == {"worker main process", "worker pool processes",
@@ -37,6 +40,7 @@ def test_quick_benchmark_produces_every_result(tmp_path):
 
     storm = results["storm"]
     assert storm["overlapping_executions"] == 0
+    assert storm["one_trip_tasks_per_s"] > 0
     assert storm["racing_executions"] + storm["racing_skipped"] == storm["deliveries"]
     for row in results["heartbeat"]:
         assert row["commands_per_renewal"] == 1

@@ -19,9 +19,13 @@ from celery_singleton_lock.lock import (
     ACQUIRED,
     DONE,
     FINISHED,
+    FREE,
     HELD,
+    RELEASED,
     SAME_TASK,
+    TAKEN,
     LockEngine,
+    ReleaseReply,
     SingletonLock,
 )
 from tests.support import ROOT, wait_for
@@ -290,6 +294,11 @@ def test_a_lost_reply_is_repeated_safely(redis_server, r):
         again = engine.enqueue(keys, "q1", "queue", 5000)
         assert proxy.dropped == 2
         assert again.status == HELD and again.holder.task_id == "q1"
+        # A release whose reply is lost: the repeat finds the key free and
+        # knows its first attempt freed it.
+        proxy.drop_after = b"EVALSHA"
+        assert engine.release(keys, "ea", "a") is True
+        assert proxy.dropped == 3 and not r.exists(keys.lock)
     finally:
         proxy.close()
 
@@ -341,7 +350,7 @@ def test_a_release_sent_without_waiting_frees_the_key_and_is_answered_later(engi
     assert r.get(keys.done) == "a"  # the success record went with it
     # the next call on the connection reads the owed reply first
     assert take(engine, new_keys(), "b").status == ACQUIRED
-    assert answers.got == [(True, None)] and engine.unsettled == 0
+    assert answers.got == [(ReleaseReply(RELEASED), None)] and engine.unsettled == 0
 
 
 def test_a_release_that_finds_the_lock_gone_is_reported_when_read(engine, r):
@@ -351,7 +360,19 @@ def test_a_release_that_finds_the_lock_gone_is_reported_when_read(engine, r):
     answers = Answers()
     engine.release_later(keys, "ea", "a", answers)
     engine.settle()
-    assert answers.got == [(False, None)]
+    assert answers.got == [(ReleaseReply(FREE), None)]
+
+
+def test_a_release_that_finds_another_owner_says_so_and_leaves_it(engine, r):
+    keys = new_keys()
+    take(engine, keys, "a", "ea", lease_ms=100)
+    time.sleep(0.15)
+    take(engine, keys, "b", "eb")
+    answers = Answers()
+    engine.release_later(keys, "ea", "a", answers)
+    engine.settle()
+    assert answers.got == [(ReleaseReply(TAKEN), None)]
+    assert r.hget(keys.lock, "exec") == "eb"
 
 
 def test_a_release_whose_script_was_flushed_is_sent_again(engine, r):
@@ -361,21 +382,30 @@ def test_a_release_whose_script_was_flushed_is_sent_again(engine, r):
     answers = Answers()
     engine.release_later(keys, "ea", "a", answers, done_ttl=60)
     engine.settle()
-    assert answers.got == [(True, None)]
+    assert answers.got == [(ReleaseReply(RELEASED), None)]  # it had not run: no repeat
     assert not r.exists(keys.lock) and r.get(keys.done) == "a"
 
 
-def test_a_release_whose_connection_broke_is_repeated(engine, r):
-    keys = new_keys()
-    take(engine, keys, "a", "ea")
-    answers = Answers()
-    engine.release_later(keys, "ea", "a", answers, done_ttl=60)
-    wait_for(lambda: not r.exists(keys.lock), timeout=2)
-    r.client_kill_filter(_type="normal", skipme=True)  # the reply is lost with it
-    engine.settle()
-    # the repeat found its own work done ("not ours"), and the record stands
-    assert len(answers.got) == 1 and answers.got[0][1] is None
-    assert not r.exists(keys.lock) and r.get(keys.done) == "a"
+def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
+    from tests.support import ReplyDroppingProxy
+
+    proxy = ReplyDroppingProxy(redis_server.port)
+    try:
+        engine = LockEngine.from_config(SingletonConfig(redis_url=proxy.url(2)))
+        take(engine, new_keys())  # connected, scripts loaded
+        keys = new_keys()
+        take(engine, keys, "a", "ea")
+        answers = Answers()
+        proxy.drop_after = b"EVALSHA"
+        engine.release_later(keys, "ea", "a", answers, done_ttl=60)
+        wait_for(lambda: proxy.dropped == 1, timeout=2)  # it ran; its reply is gone
+        engine.settle()
+        # the repeat found its own work done (the key free), says it was a
+        # repeat, and the success record stands
+        assert answers.got == [(ReleaseReply(FREE, repeated=True), None)]
+        assert not r.exists(keys.lock) and r.get(keys.done) == "a"
+    finally:
+        proxy.close()
 
 
 def test_a_release_to_a_stopped_redis_reports_the_error(own_redis):
@@ -403,5 +433,79 @@ def test_the_heartbeat_reads_owed_replies_when_nothing_else_does(redis_server, r
     take(engine, keys, "a", "ea")
     answers = Answers()
     engine.release_later(keys, "ea", "a", answers)
-    wait_for(lambda: answers.got == [(True, None)], timeout=3)
+    wait_for(lambda: answers.got == [(ReleaseReply(RELEASED), None)], timeout=3)
     assert engine.unsettled == 0
+
+
+# -- what a task says about its release -------------------------------------------------
+
+@pytest.fixture
+def lock_task(redis_server, r):
+    """A SingletonTask run in this process as a worker runs it, its engine, and a
+    proxy in front of Redis that can lose a reply."""
+    from celery import Celery
+
+    from celery_singleton_lock import SingletonTask
+    from celery_singleton_lock.lock import engine_for, forget_engine
+    from tests.support import ReplyDroppingProxy
+
+    proxy = ReplyDroppingProxy(redis_server.port)
+    app = Celery("release-words", broker="memory://", set_as_current=False)
+    app.conf.singleton_redis_url = proxy.url(2)
+    body: list[Any] = []
+
+    @app.task(base=SingletonTask, bind=True, name="t.words", singleton_key=("k",))
+    def words(self: Any, k: str) -> str:
+        for step in body:
+            step(self)
+        return k
+
+    def run(k: str) -> None:
+        words.push_request(id=uuid.uuid4().hex, hostname="w@h", retries=0, is_eager=False,
+                           called_directly=False, args=(k,), kwargs={})
+        try:
+            words(k)
+        finally:
+            words.pop_request()
+
+    yield run, body, engine_for(app), proxy
+    forget_engine(app)
+    proxy.close()
+
+
+def lost_warnings(caplog) -> list[str]:
+    return [rec.getMessage() for rec in caplog.records
+            if rec.levelname == "WARNING" and "Lost singleton lock" in rec.getMessage()]
+
+
+def test_a_release_repeated_after_a_lost_reply_is_not_called_a_lost_lock(lock_task, r, caplog):
+    run, body, engine, proxy = lock_task
+    caplog.set_level("INFO", logger="celery_singleton_lock")
+    run("warm")  # connected, scripts loaded
+    engine.settle()
+    # the next command after the body is the release
+    body.append(lambda task: setattr(proxy, "drop_after", b"EVALSHA"))
+    run(uuid.uuid4().hex)
+    assert engine.unsettled == 1
+    wait_for(lambda: proxy.dropped == 1, timeout=2)  # the release ran; its reply is gone
+    engine.settle()
+    assert lost_warnings(caplog) == []
+    assert any("repeated after a lost reply" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_lease_that_ran_out_under_the_task_is_reported_at_release(lock_task, r, caplog):
+    run, body, engine, _proxy = lock_task
+    body.append(lambda task: r.delete(task.singleton.keys.lock))  # as if the lease ran out
+    run(uuid.uuid4().hex)
+    engine.settle()
+    assert len(lost_warnings(caplog)) == 1
+    assert "lease had run out" in lost_warnings(caplog)[0]
+
+
+def test_a_key_taken_over_under_the_task_is_reported_at_release(lock_task, r, caplog):
+    run, body, engine, _proxy = lock_task
+    body.append(lambda task: r.hset(task.singleton.keys.lock, "exec", "someone-else"))
+    run(uuid.uuid4().hex)
+    engine.settle()
+    assert len(lost_warnings(caplog)) == 1
+    assert "another execution held the key" in lost_warnings(caplog)[0]

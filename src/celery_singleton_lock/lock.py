@@ -32,6 +32,8 @@ from .keys import LockKeys
 logger = logging.getLogger("celery_singleton_lock")
 
 ACQUIRED, HELD, SAME_TASK, FINISHED, DONE = 1, 0, 2, 3, 4
+#: what a release found: freed it, another execution's record, no record at all
+RELEASED, TAKEN, FREE = 1, 0, -1
 FENCE_TTL_MS = 24 * 3600 * 1000
 
 
@@ -215,7 +217,25 @@ def _pack(parts: Sequence[Any]) -> bytes:
     return b"".join(out)
 
 
-Answered = Callable[[Any, Optional[Exception]], None]
+@dataclass(frozen=True)
+class ReleaseReply:
+    """What a release sent without waiting found, read later.
+
+    ``status``   RELEASED, TAKEN (another execution holds the key) or FREE (no
+                 owner: the lease ran out, or the first attempt freed it)
+    ``repeated`` the command was sent again after its reply was lost with the
+                 connection, so FREE most likely means the first attempt worked
+    """
+
+    status: int
+    repeated: bool = False
+
+    @property
+    def released(self) -> bool:
+        return self.status == RELEASED
+
+
+Answered = Callable[[Any, Optional[Exception], bool], None]
 
 
 class _Pending:
@@ -230,9 +250,9 @@ class _Pending:
         self.args = args
         self.answered = answered
 
-    def answer(self, reply: Any, error: Optional[Exception]) -> None:
+    def answer(self, reply: Any, error: Optional[Exception], repeated: bool = False) -> None:
         try:
-            self.answered(reply, error)
+            self.answered(reply, error, repeated)
         except Exception:  # a reply read on someone else's call must not break it
             logger.exception("Handling a lock reply failed")
 
@@ -265,7 +285,11 @@ class LockEngine:
             return self.client.connection_pool.make_connection()
 
     def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """EVALSHA ``script`` in one round trip.
+        return self._call(script, keys, args)[0]
+
+    def _call(self, script: Script, keys: Sequence[str],
+              args: Sequence[Any]) -> tuple[Any, bool]:
+        """EVALSHA ``script`` in one round trip: (reply, whether it was sent twice).
 
         The hot path writes the command itself on a connection of its own: redis-py's
         generic command layer costs more CPU than the round trip on a fast
@@ -293,7 +317,7 @@ class LockEngine:
                 conn.disconnect()  # an answer may still be on its way: never reuse it
                 raise
             self._idle.append(conn)
-            return reply
+            return reply, attempt == 2
         raise AssertionError("unreachable")
 
     def _run_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
@@ -317,7 +341,7 @@ class LockEngine:
                 conn.disconnect()
                 raise
         except (redis.ConnectionError, redis.TimeoutError):
-            self._redo(pending)
+            self._redo(pending, repeated=True)  # some of it may have left
             return
         self._unsettled.append((conn, pending))
 
@@ -326,11 +350,11 @@ class LockEngine:
             reply = conn.read_response()
         except NoScriptError:
             self._idle.append(conn)  # in step: the error was the whole reply
-            self._redo(pending)  # loads the script again
+            self._redo(pending, repeated=False)  # it never ran; loads the script again
             return
         except (redis.ConnectionError, redis.TimeoutError):
             conn.disconnect()
-            self._redo(pending)
+            self._redo(pending, repeated=True)  # it may have run
             return
         except redis.RedisError as exc:
             self._idle.append(conn)
@@ -342,13 +366,13 @@ class LockEngine:
         self._idle.append(conn)
         pending.answer(reply, None)
 
-    def _redo(self, pending: _Pending) -> None:
+    def _redo(self, pending: _Pending, repeated: bool) -> None:
         try:
-            reply = self._run(pending.script, pending.keys, pending.args)
+            reply, again = self._call(pending.script, pending.keys, pending.args)
         except redis.RedisError as exc:
-            pending.answer(None, exc)
+            pending.answer(None, exc, repeated)
         else:
-            pending.answer(reply, None)
+            pending.answer(reply, None, repeated or again)
 
     def settle(self) -> None:
         """Read every reply still owed to this process (see :meth:`release_later`)."""
@@ -432,13 +456,16 @@ class LockEngine:
         always_record: bool = False,
         done_ttl: float = 0.0,
     ) -> bool:
-        """Free the lock if ``exec_id`` still owns it.
+        """Free the lock if ``exec_id`` still owns it; True when this call freed it.
 
-        ``done_ttl`` > 0: the task succeeded and its key stays done that long.
+        A repeat after a lost reply that finds the key free counts as freed: its
+        first attempt did it. ``done_ttl`` > 0: the task succeeded and its key
+        stays done that long.
         """
-        reply = self._run(self._release, *self._release_call(
+        reply, repeated = self._call(self._release, *self._release_call(
             keys, exec_id, task_id, finished, always_record, done_ttl))
-        return bool(reply)
+        status = int(reply)
+        return status == RELEASED or (status == FREE and repeated)
 
     def _release_call(self, keys: LockKeys, exec_id: str, task_id: str, finished: bool,
                       always_record: bool, done_ttl: float) -> tuple[list[str], list[Any]]:
@@ -453,7 +480,7 @@ class LockEngine:
         keys: LockKeys,
         exec_id: str,
         task_id: str,
-        answered: Callable[[Optional[bool], Optional[Exception]], None],
+        answered: Callable[[Optional[ReleaseReply], Optional[Exception]], None],
         *,
         always_record: bool = False,
         done_ttl: float = 0.0,
@@ -461,11 +488,12 @@ class LockEngine:
         """:meth:`release` without waiting for the reply.
 
         Redis frees the key as soon as the command arrives, before anything
-        this process sends next; ``answered(released, error)`` is called when
-        the reply has been read (``error`` once repeating the command failed).
+        this process sends next; ``answered(reply, error)`` is called when the
+        reply has been read, with a :class:`ReleaseReply` (``error`` once
+        repeating the command failed).
         """
-        def done(reply: Any, error: Optional[Exception]) -> None:
-            answered(None if error is not None else bool(reply), error)
+        def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+            answered(None if error is not None else ReleaseReply(int(reply), repeated), error)
 
         self._run_later(self._release, *self._release_call(
             keys, exec_id, task_id, True, always_record, done_ttl), done)

@@ -28,7 +28,19 @@ from .config import (
 from .exceptions import ConfigurationError, DuplicateTaskError, LockBackendError
 from .heartbeat import heartbeat_for
 from .keys import KeyBuilder, KeySpec, LockKeys
-from .lock import ACQUIRED, DONE, FINISHED, HELD, LockEngine, Outcome, SingletonLock, engine_for
+from .lock import (
+    ACQUIRED,
+    DONE,
+    FINISHED,
+    FREE,
+    HELD,
+    TAKEN,
+    LockEngine,
+    Outcome,
+    ReleaseReply,
+    SingletonLock,
+    engine_for,
+)
 from .results import DeduplicatedResult
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -294,14 +306,26 @@ class SingletonTask(Task):  # type: ignore[misc]
         lock.held = False
         name = self.name
 
-        def answered(released: Optional[bool], error: Optional[Exception]) -> None:
-            if error is not None:
+        def answered(reply: Optional[ReleaseReply], error: Optional[Exception]) -> None:
+            if error is not None or reply is None:
                 logger.error(
                     "Could not release singleton lock %s of %s[%s] (%r): it frees within %ss",
                     lock.key, name, lock.task_id, error, lock.lease,
                 )
-            elif not released:
-                lock.mark_lost("at release the lock was expired or held by another execution")
+            elif reply.status == FREE and reply.repeated:
+                # The reply of the first attempt was lost with its connection;
+                # finding the key free, the repeat most likely sees that attempt's work.
+                logger.info("Released singleton lock %s of %s[%s] (the release was repeated "
+                            "after a lost reply and found the key free)",
+                            lock.key, name, lock.task_id)
+            elif reply.status == FREE:
+                lock.mark_lost("at release the lease had run out (the key was free)")
+            elif reply.status == TAKEN:
+                lock.mark_lost(
+                    "at release another execution held the key" + (
+                        " (the release was repeated after a lost reply: the first attempt "
+                        "may have freed it before that execution took it)"
+                        if reply.repeated else ""))
 
         # The command leaves now and Redis frees the key before anything this
         # process sends next; its reply is read on the next call.

@@ -7,7 +7,8 @@
 -- ARGV[5] '1' to record the finish even when no copy was seen (acks_late tasks)
 -- ARGV[6] done TTL ms when the task succeeded and the key stays done, else 0
 --
--- Returns 1 released, 0 not ours (lease ran out or taken over)
+-- Returns 1 released, 0 held by another execution, -1 free (no owner record:
+-- the lease ran out, or an earlier copy of this very command freed it)
 local lock, fin, done = KEYS[1], KEYS[2], KEYS[3]
 local rec = redis.call('HMGET', lock, 'exec', 'copies')
 local ours = rec[1] == ARGV[1]
@@ -19,7 +20,8 @@ if tonumber(ARGV[6]) > 0 then
   redis.call('SET', done, ARGV[2], 'PX', ARGV[6])
 end
 if not ours then
-  return 0
+  if rec[1] then return 0 end
+  return -1
 end
 redis.call('DEL', lock)
 return 1
