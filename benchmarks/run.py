@@ -21,6 +21,7 @@ import platform
 import random
 import statistics
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -44,7 +45,7 @@ class Sizes:
     concurrency: int = 2
 
 
-FULL = Sizes(tasks=2000, rounds=5, heartbeat=(1, 100, 1000, 10000), storm=4000, storm_keys=4,
+FULL = Sizes(tasks=1000, rounds=9, heartbeat=(1, 100, 1000, 10000), storm=4000, storm_keys=4,
              latency=5000)
 QUICK = Sizes(tasks=40, rounds=1, heartbeat=(1, 100), storm=60, storm_keys=2, latency=200)
 
@@ -162,6 +163,16 @@ class Bench:
         self.wait_processed(n)
         return time.perf_counter() - started
 
+    def costed_batch(self, send: Callable[[int], Any], n: int,
+                     cpu: dict[str, float]) -> float:
+        """:meth:`batch`, adding the CPU each process role spent to ``cpu``."""
+        procs = self.processes()
+        before = {role: cpu_seconds(pids) for role, pids in procs.items()}
+        took = self.batch(send, n)
+        for role, pids in procs.items():
+            cpu[role] = cpu.get(role, 0.0) + cpu_seconds(pids) - before[role]
+        return took
+
     def monitored(self, work: Callable[[], Any]) -> tuple[Counter[str], Counter[str]]:
         """Commands the lock Redis received while ``work`` ran, as MONITOR shows them:
         (sent by clients: one round trip each, run inside scripts)."""
@@ -200,7 +211,6 @@ class Bench:
         self.batch(lambda i: plain.delay(-i), max(50, self.sizes.tasks // 4))  # warm up
         times: dict[str, list[float]] = {c[0]: [] for c in configs}
         cpu: dict[str, dict[str, float]] = {c[0]: dict.fromkeys(CPU_ROLES, 0.0) for c in configs}
-        procs = self.processes()
         lock_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
         broker_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
         n = self.sizes.tasks
@@ -213,10 +223,8 @@ class Bench:
                 lock_before = commandstats(self.lock_client)
                 broker_before = commandstats(self.broker.client())
                 base = offset
-                cpu_before = {role: cpu_seconds(pids) for role, pids in procs.items()}
-                times[label].append(self.batch(lambda i, t=task, b=base: t.delay(b + i), n))
-                for role, pids in procs.items():
-                    cpu[label][role] += cpu_seconds(pids) - cpu_before[role]
+                times[label].append(self.costed_batch(
+                    lambda i, t=task, b=base: t.delay(b + i), n, cpu[label]))
                 offset += n
                 # what the batch cost, from the servers themselves (the INFO calls
                 # themselves are left out)
@@ -352,12 +360,16 @@ class Bench:
             held.append(lk)
         one_trip = self.app.tasks["bench.one_trip"]
         skip_times, plain_times, trip_times = [], [], []
-        for _ in range(max(1, self.sizes.rounds - 2)):
+        kinds = ("skipped duplicate", "plain task", "plain task + one GET")
+        cpu: dict[str, dict[str, float]] = {kind: {} for kind in kinds}
+        rounds = max(1, min(3, self.sizes.rounds - 2))
+        for _ in range(rounds):
             self.counters.set("executions", 0)
-            skip_times.append(self.batch(lambda i: storm.delay(keys[i % k], 0.0), n))
+            skip_times.append(self.costed_batch(lambda i: storm.delay(keys[i % k], 0.0), n,
+                                                cpu[kinds[0]]))
             assert int(self.counters.get("executions") or 0) == 0
-            plain_times.append(self.batch(lambda i: plain.delay(i), n))
-            trip_times.append(self.batch(lambda i: one_trip.delay(i), n))
+            plain_times.append(self.costed_batch(lambda i: plain.delay(i), n, cpu[kinds[1]]))
+            trip_times.append(self.costed_batch(lambda i: one_trip.delay(i), n, cpu[kinds[2]]))
         for lk in held:
             self.lock_client.delete(lk.lock)
         # (b) real executions racing: bursts of duplicates of one key, each run
@@ -372,6 +384,9 @@ class Bench:
             "skip_tasks_per_s": n / statistics.median(skip_times),
             "plain_tasks_per_s": n / statistics.median(plain_times),
             "one_trip_tasks_per_s": n / statistics.median(trip_times),
+            "cpu_us_per_delivery": {kind: {role: v / (n * rounds) * 1e6
+                                           for role, v in per.items()}
+                                    for kind, per in cpu.items()},
             "racing_seconds": mixed,
             "racing_executions": executions,
             "racing_skipped": n - executions,
@@ -504,6 +519,15 @@ def markdown(results: dict[str, Any]) -> str:
         f"| racing deliveries skipped | {s['racing_skipped']} |",
         f"| **overlapping executions of one key** | **{s['overlapping_executions']}** |",
     ]
+    if "cpu_us_per_delivery" in s:
+        lines += [
+            "", "CPU per delivery in the storm, by process (µs):", "",
+            "| delivery | " + " | ".join(CPU_ROLES) + " | all |",
+            "|---|" + "---:|" * (len(CPU_ROLES) + 1),
+        ]
+        for kind, per in s["cpu_us_per_delivery"].items():
+            lines.append(f"| {kind} | " + " | ".join(f"{per.get(r, 0.0):.0f}" for r in CPU_ROLES)
+                         + f" | {sum(per.values()):.0f} |")
     lines += [
         "", "### Heartbeat: one worker process holding N locks", "",
         "| locks held | one renewal (median ms) | worst of 5 (ms) | Redis calls per renewal "
@@ -550,8 +574,8 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
 
     rows = results["throughput"]["rows"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    names = [r["config"] for r in rows]
-    ax1.bar(names, [r["tasks_per_s"] for r in rows], color=[colours[n] for n in names])
+    names = [textwrap.fill(r["config"], 14) for r in rows]
+    ax1.bar(names, [r["tasks_per_s"] for r in rows], color=[colours[r["config"]] for r in rows])
     for i, r in enumerate(rows):
         ax1.text(i, r["tasks_per_s"], f"{r['time_ratio']:.2f}x time", ha="center", va="bottom")
     ax1.set_ylabel("tasks per second (higher is better)")

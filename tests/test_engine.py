@@ -454,7 +454,7 @@ def lock_task(redis_server, r):
     app.conf.singleton_redis_url = proxy.url(2)
     body: list[Any] = []
 
-    @app.task(base=SingletonTask, bind=True, name="t.words", singleton_key=("k",))
+    @app.task(base=SingletonTask, bind=True, name="t.words", singleton_key=("k",), shared=False)
     def words(self: Any, k: str) -> str:
         for step in body:
             step(self)
