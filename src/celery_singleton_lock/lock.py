@@ -230,10 +230,6 @@ class ReleaseReply:
     status: int
     repeated: bool = False
 
-    @property
-    def released(self) -> bool:
-        return self.status == RELEASED
-
 
 Answered = Callable[[Any, Optional[Exception], bool], None]
 
