@@ -220,6 +220,38 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
     assert engine.clear_dead_holder(keys, take(engine, keys, "task-c").holder) is False
 
 
+def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, r,
+                                                                         monkeypatch):
+    """A storm of duplicates does not ask the kernel about one holder each time;
+    a holder that died is still noticed, at most ALIVE_RECHECK later."""
+    from celery_singleton_lock import lock as lock_module
+
+    # wide enough that a slow machine stays inside it between two calls
+    monkeypatch.setattr(lock_module, "ALIVE_RECHECK", 1.0)
+    recheck = lock_module.ALIVE_RECHECK
+    holder_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        keys = new_keys()
+        take(engine, keys, "running", "e-running")
+        r.hset(keys.lock, "pid", holder_proc.pid)  # as if that process held it
+        held = take(engine, keys, "dup-1")
+        assert held.status == HELD and held.holder.pid == holder_proc.pid
+        assert engine.clear_dead_holder(keys, held.holder) is False  # alive: remembered
+        holder_proc.kill()
+        holder_proc.wait(10)
+        seen_dead_at = time.monotonic()
+        # within the interval the remembered answer stands ...
+        assert engine.clear_dead_holder(keys, held.holder) is False
+        assert time.monotonic() - seen_dead_at < recheck
+        # ... and after it the kernel is asked again: the dead holder's lock is freed
+        time.sleep(recheck + 0.05)
+        assert engine.clear_dead_holder(keys, held.holder) is True
+        assert take(engine, keys, "dup-2").status == ACQUIRED
+    finally:
+        holder_proc.kill()
+        holder_proc.wait(10)
+
+
 def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     keys = new_keys()
     assert engine.enqueue(keys, "q1", "queue_and_run", 5000).status == ACQUIRED
