@@ -78,6 +78,19 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
 
 
+def redis_keys(client: Any) -> int:
+    """Keys in every db of the server: what a batch left behind."""
+    keyspace = client.info("keyspace")
+    return sum(int(db.get("keys", 0)) for db in keyspace.values() if isinstance(db, dict))
+
+
+def key_bytes(client: Any, keys: list[str]) -> float:
+    """Mean ``MEMORY USAGE`` of the keys that exist (0 when none does)."""
+    sizes = [client.memory_usage(k, samples=0) for k in keys]
+    found = [x for x in sizes if x is not None]
+    return sum(found) / len(found) if found else 0.0
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User plus system CPU time the processes used so far (Linux /proc; 0 elsewhere)."""
     total = 0.0
@@ -212,6 +225,7 @@ class Bench:
         times: dict[str, list[float]] = {c[0]: [] for c in configs}
         cpu: dict[str, dict[str, float]] = {c[0]: dict.fromkeys(CPU_ROLES, 0.0) for c in configs}
         lock_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
+        keys_left: dict[str, int] = {c[0]: 0 for c in configs}
         broker_cmds: dict[str, dict[str, int]] = {c[0]: {} for c in configs}
         n = self.sizes.tasks
         offset = 0
@@ -223,8 +237,10 @@ class Bench:
                 lock_before = commandstats(self.lock_client)
                 broker_before = commandstats(self.broker.client())
                 base = offset
+                keys_before = redis_keys(self.lock_client)
                 times[label].append(self.costed_batch(
                     lambda i, t=task, b=base: t.delay(b + i), n, cpu[label]))
+                keys_left[label] += redis_keys(self.lock_client) - keys_before
                 offset += n
                 # what the batch cost, from the servers themselves (the INFO calls
                 # themselves are left out)
@@ -270,6 +286,8 @@ class Bench:
                 # CPU every process of the run spent per task (the machine's cores
                 # are shared by all of them, so this is what the time is made of)
                 "cpu_us_per_task": {role: cpu[label][role] / total * 1e6 for role in CPU_ROLES},
+                # what the lock Redis still holds once the batch is through
+                "lock_redis_keys_left_per_task": keys_left[label] / total,
                 "broker_calls_per_task": sum(
                     v for k, v in broker_cmds[label].items()
                     if k != "incr" and k not in SETUP_COMMANDS
@@ -299,6 +317,9 @@ class Bench:
                 locks.append(SingletonLock(keys, task_id=f"t{i}", exec_id=f"e{i}",
                                            token=got.token, lease=60.0,
                                            started=time.monotonic(), held=True))
+            sample = [lk.keys for lk in locks[:50]]
+            held_bytes = (key_bytes(client, [k.lock for k in sample])
+                          + key_bytes(client, [k.fence for k in sample]))
             entries = [(lk.keys.lock, lk.exec_id, 60_000) for lk in locks]
             engine.renew(entries)  # the first call also loads the script
             durations = []
@@ -328,6 +349,10 @@ class Bench:
             time.sleep(0.4)
             hb_calls = delta(before, commandstats(self.lock_client)).get("evalsha", 0)
             hb_rounds = hb.rounds - rounds_before
+            for lk in locks:
+                engine.release(lk.keys, lk.exec_id, lk.task_id)
+            left_bytes = sum(key_bytes(client, [getattr(k, part) for k in sample])
+                             for part in ("lock", "fence", "fin", "queued", "done"))
             rows.append({
                 "locks": n,
                 "renew_ms_median": statistics.median(durations) * 1000,
@@ -336,6 +361,10 @@ class Bench:
                 "heartbeat_rounds": hb_rounds,
                 "commands_per_interval": hb_calls / max(hb_rounds, 1),
                 "lost": lost,
+                # MEMORY USAGE of the keys one lock uses while held, and after
+                # its release (the fencing counter outlives the lock)
+                "redis_bytes_per_held_lock": held_bytes,
+                "redis_bytes_left_per_released_lock": left_bytes,
             })
         client.flushdb()
         self.results["heartbeat"] = rows
@@ -507,6 +536,11 @@ def markdown(results: dict[str, Any]) -> str:
             every = sum(per.values())
             lines.append(f"| {row['config']} | " + " | ".join(f"{per[r]:.0f}" for r in CPU_ROLES)
                          + f" | {every:.0f} | {every - plain_cpu:+.0f} |")
+    if all("lock_redis_keys_left_per_task" in row for row in t["rows"]):
+        lines += [
+            "", "Keys the lock Redis still holds once a batch is through, per task: "
+            + ", ".join(f"{row['config']} {row['lock_redis_keys_left_per_task']:.2f}"
+                        for row in t["rows"]) + "."]
     s = results["storm"]
     lines += [
         "", f"### Duplicate storm ({s['deliveries']} deliveries over {s['keys']} keys)", "",
@@ -531,13 +565,16 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "", "### Heartbeat: one worker process holding N locks", "",
         "| locks held | one renewal (median ms) | worst of 5 (ms) | Redis calls per renewal "
-        "| calls per heartbeat interval | locks lost |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| calls per heartbeat interval | locks lost | Redis bytes per held lock "
+        "| bytes left per released lock (24 h) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["heartbeat"]:
         lines.append(f"| {row['locks']:,} | {row['renew_ms_median']:.2f} | "
                      f"{row['renew_ms_max']:.2f} | {row['commands_per_renewal']:g} | "
-                     f"{row['commands_per_interval']:g} | {row['lost']} |")
+                     f"{row['commands_per_interval']:g} | {row['lost']} | "
+                     f"{row.get('redis_bytes_per_held_lock', 0):.0f} | "
+                     f"{row.get('redis_bytes_left_per_released_lock', 0):.0f} |")
     lines += ["", "### Lock latency on loopback (µs)", "",
               "| lock | acquire p50 | acquire p99 | release p50 | release p99 |",
               "|---|---:|---:|---:|---:|"]

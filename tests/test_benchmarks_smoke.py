@@ -38,6 +38,11 @@ def test_quick_benchmark_produces_every_result(tmp_path):
                                                "lock Redis", "broker Redis", "sending client"}
         assert sum(row["cpu_us_per_task"].values()) > 0
 
+    # what the lock Redis keeps once tasks are through: nothing for plain Celery
+    assert rows["plain Celery"]["lock_redis_keys_left_per_task"] == 0
+    # ours: the key's fencing counter outlives the lock (tokens never go down)
+    assert rows["celery-singleton-lock"]["lock_redis_keys_left_per_task"] == 1
+
     storm = results["storm"]
     assert storm["overlapping_executions"] == 0
     assert storm["one_trip_tasks_per_s"] > 0
@@ -45,4 +50,5 @@ def test_quick_benchmark_produces_every_result(tmp_path):
     for row in results["heartbeat"]:
         assert row["commands_per_renewal"] == 1
         assert row["lost"] == 0
+        assert row["redis_bytes_per_held_lock"] > row["redis_bytes_left_per_released_lock"] > 0
     assert set(results["latency"]) == {"celery-singleton-lock", "redis-py Lock"}
