@@ -252,6 +252,28 @@ def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, 
         holder_proc.wait(10)
 
 
+def test_the_reaper_frees_a_dead_holder_it_had_seen_alive(engine, r, monkeypatch):
+    """The main process confirms the death itself: a remembered "alive" from
+    before the kill does not keep the lock."""
+    from celery_singleton_lock import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "ALIVE_RECHECK", 30.0)
+    holder_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        keys = new_keys()
+        take(engine, keys, "doomed", "e-doomed")
+        r.hset(keys.lock, "pid", holder_proc.pid)
+        holder = take(engine, keys, "dup").holder
+        assert engine.clear_dead_holder(keys, holder) is False  # alive, and remembered
+        holder_proc.kill()
+        holder_proc.wait(10)
+        assert engine.reap(keys, "doomed", wait=2.0) is True
+        assert not r.exists(keys.lock)
+    finally:
+        holder_proc.kill()
+        holder_proc.wait(10)
+
+
 def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     keys = new_keys()
     assert engine.enqueue(keys, "q1", "queue_and_run", 5000).status == ACQUIRED

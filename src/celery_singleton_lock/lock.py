@@ -583,6 +583,7 @@ class LockEngine:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+        _seen_alive.pop(holder.pid, None)  # seen gone just now: no remembered answer
         return self.clear_dead_holder(keys, holder)
 
 
