@@ -52,13 +52,14 @@ QUICK = Sizes(tasks=40, rounds=1, heartbeat=(1, 100), storm=60, storm_keys=2, la
 # connection set-up, not part of a task's cost
 SETUP_COMMANDS = {"hello", "client", "ping", "script", "info", "select", "echo", "auth"}
 
+FLOOR = "floor: bare SET NX + DEL"
 CONFIGS = [
     ("plain Celery", "bench.plain", "celery"),
     ("celery-singleton-lock", "bench.ours", "celery-singleton-lock"),
     ("celery-singleton", "bench.celery_singleton", "celery-singleton"),
     ("celery-once", "bench.celery_once", "celery-once"),
     # no library: SET NX + DEL in the task body, the least a worker-side lock costs
-    ("floor: bare SET NX + DEL", "bench.floor", "redis"),
+    (FLOOR, "bench.floor", "redis"),
 ]
 
 
@@ -524,6 +525,16 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{min(per_round):.0f}-{max(per_round):.0f} | "
                      f"{row['time_ratio']:.3f}x ({_ratio_range(row)}) | {trips} | {cmds} "
                      f"| {row['broker_calls_per_task']:.1f} |")
+    floor = next((r for r in t["rows"] if r["config"] == FLOOR), None)
+    if floor is not None and floor.get("time_ratios"):
+        against = []
+        for row in t["rows"]:
+            if row is floor or row["config"] == "plain Celery" or not row.get("time_ratios"):
+                continue
+            paired = [x / f for x, f in zip(row["time_ratios"], floor["time_ratios"])]
+            against.append(f"{row['config']} {statistics.median(paired):.3f}x")
+        lines += ["", "Time against the floor, paired by round (median): "
+                  + ", ".join(against) + "."]
     if all("cpu_us_per_task" in row for row in t["rows"]):
         plain_cpu = sum(t["rows"][0]["cpu_us_per_task"].values())
         lines += [
@@ -549,6 +560,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"| plain Celery tasks per second, same run | {s['plain_tasks_per_s']:.0f} |",
         f"| plain tasks asking Redis one bare GET, per second (a skip's floor) | "
         f"{s['one_trip_tasks_per_s']:.0f} |",
+        f"| skips against plain tasks / against the skip's floor | "
+        f"{s['skip_tasks_per_s'] / s['plain_tasks_per_s']:.2f}x / "
+        f"{s['skip_tasks_per_s'] / s['one_trip_tasks_per_s']:.2f}x |",
         f"| racing executions (5 ms each) that ran | {s['racing_executions']} |",
         f"| racing deliveries skipped | {s['racing_skipped']} |",
         f"| **overlapping executions of one key** | **{s['overlapping_executions']}** |",
@@ -607,7 +621,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
 
     colours = {"plain Celery": "#9e9e9e", "celery-singleton-lock": "#1b7837",
                "celery-singleton": "#c2a5cf", "celery-once": "#762a83",
-               "floor: bare SET NX + DEL": "#4393c3"}
+               FLOOR: "#4393c3"}
 
     rows = results["throughput"]["rows"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -683,7 +697,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     ax.bar(["skipped duplicates", "plain Celery tasks", "plain + one GET\n(a skip's floor)"],
            [s["skip_tasks_per_s"], s["plain_tasks_per_s"], s["one_trip_tasks_per_s"]],
            color=[colours["celery-singleton-lock"], colours["plain Celery"],
-                  colours["floor: bare SET NX + DEL"]])
+                  colours[FLOOR]])
     ax.set_ylabel("per second (higher is better)")
     ax.set_title(f"Duplicate storm: {s['deliveries']} deliveries, {s['keys']} keys; "
                  f"overlaps: {s['overlapping_executions']}", fontsize=10)
