@@ -253,6 +253,10 @@ class ReleaseReply:
     repeated: bool = False
 
 
+def _evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
+    return _pack(["EVALSHA", script.sha, len(keys), *keys, *args])
+
+
 Answered = Callable[[Any, Optional[Exception], bool], None]
 
 
@@ -315,7 +319,7 @@ class LockEngine:
         script is safe to repeat: the owner check makes a repeat a no-op or a
         "not ours"); a server that lost its scripts gets them loaded again.
         """
-        packed = _pack(["EVALSHA", script.sha, len(keys), *keys, *args])
+        packed = _evalsha(script, keys, args)
         for attempt in (1, 2):
             conn = self._take()
             try:
@@ -350,7 +354,7 @@ class LockEngine:
         command again, waiting this time (every script is safe to repeat).
         """
         pending = _Pending(script, keys, args, answered)
-        packed = _pack(["EVALSHA", script.sha, len(keys), *keys, *args])
+        packed = _evalsha(script, keys, args)
         try:
             conn = self._take()
             try:
@@ -394,10 +398,11 @@ class LockEngine:
 
     def settle(self) -> None:
         """Read every reply still owed to this process (see :meth:`release_later`)."""
-        while True:
+        unsettled = self._unsettled
+        while unsettled:  # every lock call starts here: nothing raised when none is owed
             try:
-                conn, pending = self._unsettled.pop()
-            except IndexError:
+                conn, pending = unsettled.pop()
+            except IndexError:  # the heartbeat thread read the last one
                 return
             self._settle(conn, pending)
 
