@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -118,6 +119,11 @@ CPU_ROLES = ("worker main process", "worker pool processes", "lock Redis", "brok
              "sending client")
 
 
+def sender(task: Any, base: int) -> Callable[[int], Any]:
+    """Sends task number ``i`` of a batch, with arguments no other batch uses."""
+    return lambda i: task.delay(base + i)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -163,10 +169,10 @@ class Bench:
 
     def wait_processed(self, n: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
-        while int(self.counters.get("processed") or 0) < n:
+        while (done := int(self.counters.get("processed") or 0)) < n:
             if time.monotonic() > deadline:
-                raise SystemExit(f"the worker processed only {self.counters.get('processed')} "
-                                 f"of {n} tasks; see {self.worker.log}")
+                raise SystemExit(f"the worker processed only {done} of {n} tasks; "
+                                 f"see {self.worker.log}")
             time.sleep(0.002)
 
     def batch(self, send: Callable[[int], Any], n: int) -> float:
@@ -196,7 +202,7 @@ class Bench:
         stop = f"bench-stop-{uuid.uuid4().hex}"
 
         def watch() -> None:
-            with self.locks.client().monitor() as monitor:
+            with self.locks.client().monitor() as monitor:  # type: ignore[no-untyped-call]
                 ready.set()
                 for cmd in monitor.listen():
                     text = cmd["command"]
@@ -239,8 +245,7 @@ class Bench:
                 broker_before = commandstats(self.broker.client())
                 base = offset
                 keys_before = redis_keys(self.lock_client)
-                times[label].append(self.costed_batch(
-                    lambda i, t=task, b=base: t.delay(b + i), n, cpu[label]))
+                times[label].append(self.costed_batch(sender(task, base), n, cpu[label]))
                 keys_left[label] += redis_keys(self.lock_client) - keys_before
                 offset += n
                 # what the batch cost, from the servers themselves (the INFO calls
@@ -259,7 +264,7 @@ class Bench:
             task = self.app.tasks[name]
             base = offset
             sent, _inner = self.monitored(
-                lambda t=task, b=base: self.batch(lambda i: t.delay(b + i), monitored_n))
+                functools.partial(self.batch, sender(task, base), monitored_n))
             offset += monitored_n
             trips[label] = sent
         total = n * self.sizes.rounds

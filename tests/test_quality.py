@@ -1,4 +1,4 @@
-"""The package stays lint-clean (ruff) and fully typed (mypy --strict, py.typed)."""
+"""The package and its benchmarks stay lint-clean (ruff) and typed (mypy --strict, py.typed)."""
 
 from __future__ import annotations
 
