@@ -196,10 +196,17 @@ class Bench:
     def monitored(self, work: Callable[[], Any]) -> tuple[Counter[str], Counter[str]]:
         """Commands the lock Redis received while ``work`` ran, as MONITOR shows them:
         (sent by clients: one round trip each, run inside scripts)."""
+        from celery_singleton_lock.config import get_config
+        from celery_singleton_lock.monitor import held_key, stats_key
+
         sent: Counter[str] = Counter()
         inner: Counter[str] = Counter()
         ready = threading.Event()
         stop = f"bench-stop-{uuid.uuid4().hex}"
+        # each pool process publishes its counters and held locks once a second
+        # (not per task); left out here, it would land on whichever batch runs then
+        prefix = get_config(self.app).key_prefix
+        publishing = {stats_key(prefix), held_key(prefix)}
 
         def watch() -> None:
             with self.locks.client().monitor() as monitor:  # type: ignore[no-untyped-call]
@@ -209,6 +216,8 @@ class Bench:
                     if stop in text:
                         return
                     name = text.split(" ", 1)[0].lower()
+                    if publishing.intersection(text.split(" ", 2)[1:2]):
+                        continue
                     if cmd.get("client_type") == "lua":
                         inner[name] += 1
                     elif name not in SETUP_COMMANDS:
@@ -306,11 +315,12 @@ class Bench:
 
     def heartbeat(self) -> None:
         from celery_singleton_lock import SingletonConfig
+        from celery_singleton_lock.engine import RENEW_CHUNK, LockEngine
         from celery_singleton_lock.heartbeat import Heartbeat
         from celery_singleton_lock.keys import LockKeys
-        from celery_singleton_lock.lock import LockEngine, SingletonLock
+        from celery_singleton_lock.lock import SingletonLock
 
-        engine = LockEngine.from_config(SingletonConfig(redis_url=self.locks.url(5)))
+        engine = LockEngine.from_config(SingletonConfig.defaults(self.locks.url(5)))
         client = self.locks.client(5)
         rows = []
         for n in self.sizes.heartbeat:
@@ -336,6 +346,14 @@ class Bench:
                 engine.renew(entries)
                 durations.append(time.perf_counter() - started)
             calls = delta(before, commandstats(self.lock_client)).get("evalsha", 0)
+            # what another client of this Redis sees while the locks renew: PING
+            # latency, chunked renewals against one call for every lock
+            stall = {}
+            for label, chunk in (("chunked", engine.renew_chunk), ("one call", max(n, 1))):
+                engine.renew_chunk = chunk
+                stall[label] = ping_latency_while(
+                    self.locks.port, functools.partial(engine.renew, entries), repeats)
+            engine.renew_chunk = RENEW_CHUNK
             # the real renewer: rounds and commands over a few intervals of a 0.3 s lease
             hb = Heartbeat(engine)
             for lk in locks:
@@ -364,6 +382,7 @@ class Bench:
                 "renew_ms_median": statistics.median(durations) * 1000,
                 "renew_ms_max": max(durations) * 1000,
                 "commands_per_renewal": calls / repeats,
+                "ping_ms_while_renewing": stall,
                 "heartbeat_rounds": hb_rounds,
                 "commands_per_interval": hb_calls / max(hb_rounds, 1),
                 "lost": lost,
@@ -378,7 +397,7 @@ class Bench:
     # -- 4: duplicate storm --------------------------------------------------------------
 
     def storm(self) -> None:
-        from celery_singleton_lock.lock import engine_for
+        from celery_singleton_lock.engine import engine_for
 
         storm = self.app.tasks["bench.storm"]
         plain = self.app.tasks["bench.plain"]
@@ -432,10 +451,10 @@ class Bench:
 
     def latency(self) -> None:
         from celery_singleton_lock import SingletonConfig
+        from celery_singleton_lock.engine import LockEngine
         from celery_singleton_lock.keys import LockKeys
-        from celery_singleton_lock.lock import LockEngine
 
-        engine = LockEngine.from_config(SingletonConfig(redis_url=self.locks.url(6)))
+        engine = LockEngine.from_config(SingletonConfig.defaults(self.locks.url(6)))
         client = self.locks.client(6)
         ours_keys = LockKeys("bench:", "f" * 32)
         samples: dict[str, dict[str, list[float]]] = {
@@ -583,15 +602,17 @@ def markdown(results: dict[str, Any]) -> str:
                          + f" | {sum(per.values()):.0f} |")
     lines += [
         "", "### Heartbeat: one worker process holding N locks", "",
-        "| locks held | one renewal (median ms) | worst of 5 (ms) | Redis calls per renewal "
-        "| calls per heartbeat interval | locks lost | Redis bytes per held lock "
-        "| bytes left per released lock (24 h) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| locks held | one renewal (median ms) | worst of 5 (ms) | script calls per renewal "
+        "(one round trip) | calls per heartbeat interval | locks lost "
+        "| PING p99 / max while renewing (ms) | same, one call for all locks "
+        "| Redis bytes per held lock | bytes left per released lock (24 h) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["heartbeat"]:
         lines.append(f"| {row['locks']:,} | {row['renew_ms_median']:.2f} | "
                      f"{row['renew_ms_max']:.2f} | {row['commands_per_renewal']:g} | "
                      f"{row['commands_per_interval']:g} | {row['lost']} | "
+                     f"{_ping(row, 'chunked')} | {_ping(row, 'one call')} | "
                      f"{row.get('redis_bytes_per_held_lock', 0):.0f} | "
                      f"{row.get('redis_bytes_left_per_released_lock', 0):.0f} |")
     lines += ["", "### Lock latency on loopback (µs)", "",
@@ -782,6 +803,37 @@ def main(argv: Optional[list[str]] = None) -> int:
                                               args.out / "results.md", *written]))
     return 0
 
+def _ping(row: dict[str, Any], label: str) -> str:
+    ping = row.get("ping_ms_while_renewing", {}).get(label)
+    return f"{ping['p99']:.2f} / {ping['max']:.2f}" if ping else "-"
+
+
+def ping_latency_while(port: int, work: Callable[[], Any], repeats: int) -> dict[str, float]:
+    """p99 and max of a PING loop on its own connection while ``work`` runs
+    ``repeats`` times (milliseconds)."""
+    import socket as _socket
+
+    samples: list[float] = []
+    done = threading.Event()
+
+    def pinger() -> None:
+        with _socket.create_connection(("127.0.0.1", port)) as sock:
+            while not done.is_set():
+                started = time.perf_counter()
+                sock.sendall(b"PING\r\n")
+                sock.recv(64)
+                samples.append((time.perf_counter() - started) * 1000)
+
+    thread = threading.Thread(target=pinger, daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    for _ in range(repeats):
+        work()
+    done.set()
+    thread.join(5)
+    samples.sort()
+    return {"p99": samples[int(len(samples) * 0.99)] if samples else 0.0,
+            "max": samples[-1] if samples else 0.0}
 
 if __name__ == "__main__":
     sys.exit(main())

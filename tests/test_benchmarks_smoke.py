@@ -48,7 +48,8 @@ def test_quick_benchmark_produces_every_result(tmp_path):
     assert storm["one_trip_tasks_per_s"] > 0
     assert storm["racing_executions"] + storm["racing_skipped"] == storm["deliveries"]
     for row in results["heartbeat"]:
-        assert row["commands_per_renewal"] == 1
+        assert row["commands_per_renewal"] == 1  # up to 250 locks: one script call
+        assert set(row["ping_ms_while_renewing"]) == {"chunked", "one call"}
         assert row["lost"] == 0
         assert row["redis_bytes_per_held_lock"] > row["redis_bytes_left_per_released_lock"] > 0
     assert set(results["latency"]) == {"celery-singleton-lock", "redis-py Lock"}

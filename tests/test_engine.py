@@ -13,27 +13,18 @@ import pytest
 import redis
 
 from celery_singleton_lock import LockLostError, SingletonConfig
+from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.heartbeat import Heartbeat
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.lock import (
-    ACQUIRED,
-    DONE,
-    FINISHED,
-    FREE,
-    HELD,
-    RELEASED,
-    SAME_TASK,
-    TAKEN,
-    LockEngine,
-    ReleaseReply,
-    SingletonLock,
-)
+from celery_singleton_lock.lock import SingletonLock
+from celery_singleton_lock.process import PROCESS
+from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released
 from tests.support import ROOT, wait_for
 
 
 @pytest.fixture
 def engine(redis_server, r) -> LockEngine:
-    config = SingletonConfig(redis_url=redis_server.url(2), finished_ttl=60)
+    config = SingletonConfig.defaults(redis_server.url(2), finished_ttl=60)
     return LockEngine.from_config(config)
 
 
@@ -56,13 +47,13 @@ def evalsha_calls(client: redis.Redis) -> int:
 def test_grant_records_the_owner_and_a_second_task_sees_it(engine, r):
     keys = new_keys()
     got = take(engine, keys, "task-a", "exec-a")
-    assert got.status == ACQUIRED and got.token > 0
+    assert got.status is Acquire.GRANTED and got.token > 0
     owner = r.hgetall(keys.lock)
     assert owner["task"] == "task-a" and owner["exec"] == "exec-a"
     assert owner["host"] == "w1@host" and int(owner["pid"]) == os.getpid()
     assert int(owner["token"]) == got.token and int(owner["at"]) > 0
     other = take(engine, keys, "task-b")
-    assert other.status == HELD
+    assert other.status is Acquire.HELD
     assert other.holder.task_id == "task-a" and other.holder.exec_id == "exec-a"
     assert other.holder.pid == os.getpid() and other.holder.hostname == "w1@host"
     assert 4000 < r.pttl(keys.lock) <= 5000
@@ -75,20 +66,20 @@ def test_release_is_owner_checked(engine, r):
     assert r.exists(keys.lock)
     assert engine.release(keys, "exec-a", "task-a") is True
     assert not r.exists(keys.lock)
-    assert take(engine, keys, "task-b").status == ACQUIRED
+    assert take(engine, keys, "task-b").status is Acquire.GRANTED
 
 
 def test_same_task_copy_waits_and_is_dropped_once_the_original_finished(engine, r):
     keys = new_keys()
     take(engine, keys, "task-a", "exec-a")
     copy = take(engine, keys, "task-a", "exec-copy")
-    assert copy.status == SAME_TASK and copy.holder.exec_id == "exec-a"
+    assert copy.status is Acquire.SAME_TASK and copy.holder.exec_id == "exec-a"
     assert r.hget(keys.lock, "copies") == "1"
     engine.release(keys, "exec-a", "task-a")
     assert r.get(keys.fin) == "task-a"
-    assert take(engine, keys, "task-a", "exec-copy").status == FINISHED
+    assert take(engine, keys, "task-a", "exec-copy").status is Acquire.FINISHED
     # another task id is not affected by the marker
-    assert take(engine, keys, "task-b").status == ACQUIRED
+    assert take(engine, keys, "task-b").status is Acquire.GRANTED
 
 
 def test_finish_is_recorded_without_a_copy_only_when_asked(engine, r):
@@ -115,10 +106,10 @@ def test_tokens_increase_with_every_grant_even_when_the_counter_is_gone(engine, 
 
 def test_an_expired_lease_lets_another_task_in(engine, r):
     keys = new_keys()
-    take(engine, keys, "task-a", "exec-a", lease_ms=150)
-    assert take(engine, keys, "task-b").status == HELD
-    time.sleep(0.25)
-    assert take(engine, keys, "task-b", "exec-b").status == ACQUIRED
+    take(engine, keys, "task-a", "exec-a", lease_ms=1000)
+    assert take(engine, keys, "task-b").status is Acquire.HELD
+    wait_for(lambda: not r.exists(keys.lock), 5, what="the lease to run out")
+    assert take(engine, keys, "task-b", "exec-b").status is Acquire.GRANTED
     # the old owner cannot release the new one
     assert engine.release(keys, "exec-a", "task-a") is False
     assert r.hget(keys.lock, "exec") == "exec-b"
@@ -130,14 +121,24 @@ def test_hand_off_keeps_the_key_for_the_retry_only(engine, r):
     assert engine.hand_off(keys, "exec-a", 1, 3000) is True
     assert engine.hand_off(keys, "exec-nope", 1, 3000) is False
     assert engine.renew([(keys.lock, "exec-a", 5000)]) == [2]
-    assert take(engine, keys, "task-b").status == HELD
+    assert take(engine, keys, "task-b").status is Acquire.HELD
     retried = take(engine, keys, "task-a", "exec-a2", retries=1)
-    assert retried.status == ACQUIRED and retried.token > first.token
+    assert retried.status is Acquire.GRANTED and retried.token > first.token
     assert r.hget(keys.lock, "exec") == "exec-a2"
 
 
 @pytest.mark.parametrize("n", [1, 100, 2000])
-def test_renewal_of_n_locks_is_one_call(engine, r, n):
+def test_renewal_of_n_locks_is_one_round_trip_of_short_calls(engine, r, n):
+    """One write per round; at most RENEW_CHUNK locks per script call."""
+    from celery_singleton_lock.engine import RENEW_CHUNK
+
+    writes = []
+    real_send = engine.wire._connection_class.send_packed_command
+
+    def counting(conn, *args, **kwargs):
+        writes.append(1)
+        return real_send(conn, *args, **kwargs)
+
     held = []
     for i in range(n):
         keys = new_keys()
@@ -146,8 +147,13 @@ def test_renewal_of_n_locks_is_one_call(engine, r, n):
     stranger = new_keys()
     take(engine, stranger, "other", "e-other", lease_ms=1000)
     before = evalsha_calls(r)
-    results = engine.renew([*held, (stranger.lock, "e-not-mine", 60_000)])
-    assert evalsha_calls(r) - before == 1
+    engine.wire._connection_class.send_packed_command = counting
+    try:
+        results = engine.renew([*held, (stranger.lock, "e-not-mine", 60_000)])
+    finally:
+        engine.wire._connection_class.send_packed_command = real_send
+    assert len(writes) == 1
+    assert evalsha_calls(r) - before == -(-(n + 1) // RENEW_CHUNK)
     assert results == [1] * n + [0]
     assert min(r.pttl(k) for k, _, _ in held[:50]) > 50_000
     assert r.pttl(stranger.lock) <= 1000
@@ -155,30 +161,29 @@ def test_renewal_of_n_locks_is_one_call(engine, r, n):
 
 def test_heartbeat_keeps_a_short_lease_alive_for_many_leases(engine, r):
     keys = new_keys()
-    got = take(engine, keys, "task-a", "exec-a", lease_ms=300)
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=1000)
     lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=got.token,
-                         lease=0.3, started=time.monotonic(), held=True)
+                         lease=1.0, started=time.monotonic(), held=True)
     hb = Heartbeat(engine)
     hb.add(lock)
     try:
-        time.sleep(1.8)  # six leases
+        wait_for(lambda: hb.rounds >= 6, 15, what="six renewal rounds (two leases)")
         assert r.hget(keys.lock, "exec") == "exec-a"
         assert not lock.lost
-        assert hb.rounds >= 4
     finally:
         hb.discard(lock)
 
 
 def test_heartbeat_marks_a_taken_over_lock_lost(engine, r):
     keys = new_keys()
-    got = take(engine, keys, "task-a", "exec-a", lease_ms=600)
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=3000)
     lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=got.token,
-                         lease=0.6, started=time.monotonic(), held=True)
+                         lease=3.0, started=time.monotonic(), held=True)
     hb = Heartbeat(engine)
     hb.add(lock)
     try:
         r.hset(keys.lock, "exec", "someone-else")
-        wait_for(lambda: lock.lost, 2, what="the lock to be seen lost")
+        wait_for(lambda: lock.lost, 5, what="the lock to be seen lost")
         with pytest.raises(LockLostError) as info:
             lock.check()
         assert info.value.token == got.token and "another execution" in str(info.value)
@@ -204,8 +209,8 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
     code = (
         "import sys; from celery_singleton_lock import SingletonConfig;"
         "from celery_singleton_lock.keys import LockKeys;"
-        "from celery_singleton_lock.lock import LockEngine;"
-        f"e = LockEngine.from_config(SingletonConfig(redis_url={redis_server.url(2)!r}));"
+        "from celery_singleton_lock.engine import LockEngine;"
+        f"e = LockEngine.from_config(SingletonConfig.defaults({redis_server.url(2)!r}));"
         f"k = LockKeys('singleton:', {keys.base.split('{')[1][:-1]!r});"
         "o = e.acquire(k, task_id='dead', exec_id='x', lease_ms=60000, hostname='h',"
         " retries=0, task_name='t');"
@@ -213,9 +218,9 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=30)
     held = take(engine, keys, "task-b")
-    assert held.status == HELD and held.holder.task_id == "dead"
+    assert held.status is Acquire.HELD and held.holder.task_id == "dead"
     assert engine.clear_dead_holder(keys, held.holder) is True
-    assert take(engine, keys, "task-b").status == ACQUIRED
+    assert take(engine, keys, "task-b").status is Acquire.GRANTED
     # our own process is alive: its lock stays
     assert engine.clear_dead_holder(keys, take(engine, keys, "task-c").holder) is False
 
@@ -224,7 +229,7 @@ def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, 
                                                                          monkeypatch):
     """A storm of duplicates does not ask the kernel about one holder each time;
     a holder that died is still noticed, at most ALIVE_RECHECK later."""
-    from celery_singleton_lock import lock as lock_module
+    from celery_singleton_lock import process as lock_module
 
     # wide enough that a slow machine stays inside it between two calls
     monkeypatch.setattr(lock_module, "ALIVE_RECHECK", 1.0)
@@ -235,7 +240,7 @@ def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, 
         take(engine, keys, "running", "e-running")
         r.hset(keys.lock, "pid", holder_proc.pid)  # as if that process held it
         held = take(engine, keys, "dup-1")
-        assert held.status == HELD and held.holder.pid == holder_proc.pid
+        assert held.status is Acquire.HELD and held.holder.pid == holder_proc.pid
         assert engine.clear_dead_holder(keys, held.holder) is False  # alive: remembered
         holder_proc.kill()
         holder_proc.wait(10)
@@ -246,7 +251,7 @@ def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, 
         # ... and after it the kernel is asked again: the dead holder's lock is freed
         time.sleep(recheck + 0.05)
         assert engine.clear_dead_holder(keys, held.holder) is True
-        assert take(engine, keys, "dup-2").status == ACQUIRED
+        assert take(engine, keys, "dup-2").status is Acquire.GRANTED
     finally:
         holder_proc.kill()
         holder_proc.wait(10)
@@ -255,7 +260,7 @@ def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, 
 def test_the_reaper_frees_a_dead_holder_it_had_seen_alive(engine, r, monkeypatch):
     """The main process confirms the death itself: a remembered "alive" from
     before the kill does not keep the lock."""
-    from celery_singleton_lock import lock as lock_module
+    from celery_singleton_lock import process as lock_module
 
     monkeypatch.setattr(lock_module, "ALIVE_RECHECK", 30.0)
     holder_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -276,17 +281,17 @@ def test_the_reaper_frees_a_dead_holder_it_had_seen_alive(engine, r, monkeypatch
 
 def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     keys = new_keys()
-    assert engine.enqueue(keys, "q1", "queue_and_run", 5000).status == ACQUIRED
+    assert engine.enqueue(keys, "q1", "queue_and_run", 5000).status == Enqueue.TAKEN
     refused = engine.enqueue(keys, "q2", "queue_and_run", 5000)
-    assert refused.status == HELD and refused.holder.task_id == "q1"
+    assert refused.status == Enqueue.HELD and refused.holder.task_id == "q1"
     # a message that skipped the send-time check meets the queued one's key
-    assert take(engine, keys, "q2", scope="queue_and_run").status == HELD
-    assert take(engine, keys, "q1", "e1", scope="queue_and_run").status == ACQUIRED
+    assert take(engine, keys, "q2", scope="queue_and_run").status is Acquire.HELD
+    assert take(engine, keys, "q1", "e1", scope="queue_and_run").status is Acquire.GRANTED
     assert r.get(keys.queued) is None
     # running now: still refused at send
     assert engine.enqueue(keys, "q3", "queue_and_run", 5000).holder.task_id == "q1"
     # under "queue" the key is free again once the queued one started
-    assert engine.enqueue(keys, "q3", "queue", 5000).status == ACQUIRED
+    assert engine.enqueue(keys, "q3", "queue", 5000).status == Enqueue.TAKEN
     assert engine.unqueue(keys, "q-other") is False
     assert engine.unqueue(keys, "q3") is True
 
@@ -300,9 +305,9 @@ def test_done_marker_counts_success_only(engine, r):
     engine.release(keys, "eb", "b", done_ttl=5)
     assert r.get(keys.done) == "b" and 4000 < r.pttl(keys.done) <= 5000
     done = take(engine, keys, "c")
-    assert done.status == DONE and done.holder.task_id == "b"
-    assert take(engine, keys, "b").status == FINISHED
-    assert engine.enqueue(keys, "d", "queue", 5000).status == DONE
+    assert done.status is Acquire.DONE and done.holder.task_id == "b"
+    assert take(engine, keys, "b").status is Acquire.FINISHED
+    assert engine.enqueue(keys, "d", "queue", 5000).status == Enqueue.DONE
 
 
 def test_scripts_flushed_from_the_server_are_loaded_again(engine, r):
@@ -310,17 +315,17 @@ def test_scripts_flushed_from_the_server_are_loaded_again(engine, r):
     take(engine, keys, "a", "ea")
     r.script_flush()
     assert engine.release(keys, "ea", "a") is True
-    assert take(engine, keys, "b").status == ACQUIRED
+    assert take(engine, keys, "b").status is Acquire.GRANTED
 
 
 def test_a_restarted_redis_costs_no_failed_call(own_redis):
     """The pooled connection broke when Redis restarted: one fresh try, no error."""
-    engine = LockEngine.from_config(SingletonConfig(redis_url=own_redis.url(0)))
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
-    assert take(engine, keys, "a", "ea").status == ACQUIRED
+    assert take(engine, keys, "a", "ea").status is Acquire.GRANTED
     own_redis.stop()
     own_redis.start()  # same port, empty, scripts gone
-    assert take(engine, keys, "b", "eb").status == ACQUIRED
+    assert take(engine, keys, "b", "eb").status is Acquire.GRANTED
     own_redis.stop()
     with pytest.raises(redis.ConnectionError):
         take(engine, keys, "c")
@@ -333,7 +338,7 @@ def test_a_lost_reply_is_repeated_safely(redis_server, r):
 
     proxy = ReplyDroppingProxy(redis_server.port)
     try:
-        engine = LockEngine.from_config(SingletonConfig(redis_url=proxy.url(2)))
+        engine = LockEngine.from_config(SingletonConfig.defaults(proxy.url(2)))
         keys = new_keys()
         # connected, and every script loaded (a lost NOSCRIPT answer proves nothing)
         engine.enqueue(new_keys(), "warm", "queue", 1000)
@@ -341,13 +346,13 @@ def test_a_lost_reply_is_repeated_safely(redis_server, r):
         proxy.drop_after = b"EVALSHA"
         got = take(engine, keys, "a", "ea")
         assert proxy.dropped == 1
-        assert got.status == ACQUIRED and got.token == int(r.hget(keys.lock, "token"))
+        assert got.status is Acquire.GRANTED and got.token == int(r.hget(keys.lock, "token"))
         # A send-time key taken by the lost attempt comes back as held by the
         # sender itself (SingletonTask.apply_async knows its fresh id: it sends).
         proxy.drop_after = b"EVALSHA"
         again = engine.enqueue(keys, "q1", "queue", 5000)
         assert proxy.dropped == 2
-        assert again.status == HELD and again.holder.task_id == "q1"
+        assert again.status is Enqueue.HELD and again.holder.task_id == "q1"
         # A release whose reply is lost: the repeat finds the key free and
         # knows its first attempt freed it.
         proxy.drop_after = b"EVALSHA"
@@ -361,17 +366,17 @@ def test_a_forked_child_gets_its_own_pid_engine_and_execution_ids(redis_server):
     """Identity is refreshed at fork: no exec id or engine is shared with the parent."""
     from celery import Celery
 
-    from celery_singleton_lock.lock import PROCESS, engine_for
+    from celery_singleton_lock.engine import engine_for
 
     app = Celery("fork", broker=redis_server.url(0), set_as_current=False)
     parent_engine = engine_for(app)
-    parent = (PROCESS.pid, PROCESS.prefix, LockEngine.new_exec_id())
+    parent = (PROCESS.pid, PROCESS.prefix, PROCESS.new_exec_id())
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report and leave at once
         try:
             ok = (PROCESS.pid == os.getpid() and PROCESS.prefix != parent[1]
-                  and not LockEngine.new_exec_id().startswith(parent[1])
+                  and not PROCESS.new_exec_id().startswith(parent[1])
                   and engine_for(app) is not parent_engine)
             os.write(write, b"1" if ok else b"0")
         finally:
@@ -381,7 +386,7 @@ def test_a_forked_child_gets_its_own_pid_engine_and_execution_ids(redis_server):
     os.waitpid(pid, 0)
     assert answer == b"1"
     assert parent[0] == os.getpid() and engine_for(app) is parent_engine
-    assert LockEngine.new_exec_id() != parent[2]
+    assert PROCESS.new_exec_id() != parent[2]
 
 
 # -- a release sent without waiting for its reply ------------------------------------
@@ -403,8 +408,8 @@ def test_a_release_sent_without_waiting_frees_the_key_and_is_answered_later(engi
     wait_for(lambda: not r.exists(keys.lock), timeout=2)
     assert r.get(keys.done) == "a"  # the success record went with it
     # the next call on the connection reads the owed reply first
-    assert take(engine, new_keys(), "b").status == ACQUIRED
-    assert answers.got == [(ReleaseReply(RELEASED), None)] and engine.unsettled == 0
+    assert take(engine, new_keys(), "b").status is Acquire.GRANTED
+    assert answers.got == [(Released(Release.RELEASED), None)] and engine.unsettled == 0
 
 
 def test_a_release_that_finds_the_lock_gone_is_reported_when_read(engine, r):
@@ -414,7 +419,7 @@ def test_a_release_that_finds_the_lock_gone_is_reported_when_read(engine, r):
     answers = Answers()
     engine.release_later(keys, "ea", "a", answers)
     engine.settle()
-    assert answers.got == [(ReleaseReply(FREE), None)]
+    assert answers.got == [(Released(Release.FREE), None)]
 
 
 def test_a_release_that_finds_another_owner_says_so_and_leaves_it(engine, r):
@@ -425,7 +430,7 @@ def test_a_release_that_finds_another_owner_says_so_and_leaves_it(engine, r):
     answers = Answers()
     engine.release_later(keys, "ea", "a", answers)
     engine.settle()
-    assert answers.got == [(ReleaseReply(TAKEN), None)]
+    assert answers.got == [(Released(Release.TAKEN), None)]
     assert r.hget(keys.lock, "exec") == "eb"
 
 
@@ -436,7 +441,7 @@ def test_a_release_whose_script_was_flushed_is_sent_again(engine, r):
     answers = Answers()
     engine.release_later(keys, "ea", "a", answers, done_ttl=60)
     engine.settle()
-    assert answers.got == [(ReleaseReply(RELEASED), None)]  # it had not run: no repeat
+    assert answers.got == [(Released(Release.RELEASED), None)]  # it had not run: no repeat
     assert not r.exists(keys.lock) and r.get(keys.done) == "a"
 
 
@@ -445,7 +450,7 @@ def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
 
     proxy = ReplyDroppingProxy(redis_server.port)
     try:
-        engine = LockEngine.from_config(SingletonConfig(redis_url=proxy.url(2)))
+        engine = LockEngine.from_config(SingletonConfig.defaults(proxy.url(2)))
         take(engine, new_keys())  # connected, scripts loaded
         keys = new_keys()
         take(engine, keys, "a", "ea")
@@ -456,14 +461,14 @@ def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
         engine.settle()
         # the repeat found its own work done (the key free), says it was a
         # repeat, and the success record stands
-        assert answers.got == [(ReleaseReply(FREE, repeated=True), None)]
+        assert answers.got == [(Released(Release.FREE, repeated=True), None)]
         assert not r.exists(keys.lock) and r.get(keys.done) == "a"
     finally:
         proxy.close()
 
 
 def test_a_release_to_a_stopped_redis_reports_the_error(own_redis):
-    engine = LockEngine.from_config(SingletonConfig(redis_url=own_redis.url(0)))
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     take(engine, keys, "a", "ea")
     own_redis.stop()
@@ -476,7 +481,7 @@ def test_a_release_to_a_stopped_redis_reports_the_error(own_redis):
 
 
 def test_the_heartbeat_reads_owed_replies_when_nothing_else_does(redis_server, r):
-    engine = LockEngine.from_config(SingletonConfig(redis_url=redis_server.url(2), ttl=0.6))
+    engine = LockEngine.from_config(SingletonConfig.defaults(redis_server.url(2), ttl=0.6))
     hb = Heartbeat(engine)
     held_keys, keys = new_keys(), new_keys()
     got = take(engine, held_keys, "h", "eh", lease_ms=600)
@@ -487,7 +492,7 @@ def test_the_heartbeat_reads_owed_replies_when_nothing_else_does(redis_server, r
     take(engine, keys, "a", "ea")
     answers = Answers()
     engine.release_later(keys, "ea", "a", answers)
-    wait_for(lambda: answers.got == [(ReleaseReply(RELEASED), None)], timeout=3)
+    wait_for(lambda: answers.got == [(Released(Release.RELEASED), None)], timeout=3)
     assert engine.unsettled == 0
 
 
@@ -500,7 +505,7 @@ def lock_task(redis_server, r):
     from celery import Celery
 
     from celery_singleton_lock import SingletonTask
-    from celery_singleton_lock.lock import engine_for, forget_engine
+    from celery_singleton_lock.engine import engine_for, forget_engine
     from tests.support import ReplyDroppingProxy
 
     proxy = ReplyDroppingProxy(redis_server.port)
@@ -563,3 +568,169 @@ def test_a_key_taken_over_under_the_task_is_reported_at_release(lock_task, r, ca
     engine.settle()
     assert len(lost_warnings(caplog)) == 1
     assert "another execution held the key" in lost_warnings(caplog)[0]
+
+
+def test_the_first_release_on_a_fresh_redis_frees_the_key_at_once(own_redis):
+    """Every script is loaded when a connection is made: a release sent without
+    waiting never meets NOSCRIPT, whose reply would be read (and the command
+    sent again) only on the next call, seconds later."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    keys = new_keys()
+    got = take(engine, keys, "a", "ea")
+    assert got.status is Acquire.GRANTED
+    engine.release_later(keys, "ea", "a", lambda reply, error: None)
+    assert own_redis.client().exists(keys.lock) == 0  # before any reply was read
+    assert engine.unsettled == 1
+
+
+def held_lock(engine: LockEngine, keys: LockKeys, lease: float) -> SingletonLock:
+    started = time.monotonic()
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=int(lease * 1000))
+    assert got.status is Acquire.GRANTED
+    return SingletonLock(keys, task_id="task-a", task_name="t.x", exec_id="exec-a",
+                         token=got.token, lease=lease, started=started, held=True,
+                         hostname="w1@host")
+
+
+def test_a_redis_restarted_empty_gets_the_held_lock_back_at_once(own_redis):
+    """The renewer's watch connection sees the server go; as soon as it answers
+    again, every held lock is written back with a higher token (the next
+    regular round is 10 s away: without the watch the key would stay absent,
+    free for a duplicate, until then)."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    keys = new_keys()
+    lock = held_lock(engine, keys, lease=30.0)
+    hb = Heartbeat(engine)
+    hb.add(lock)
+    try:
+        wait_for(lambda: hb.watch.run_id, 5, what="the watch to connect")
+        first_run, original = hb.watch.run_id, lock.token
+        own_redis.stop()
+        own_redis.start()  # same port, empty
+        client = own_redis.client()
+        record = wait_for(lambda: client.hgetall(keys.lock), 10, what="the lock back")
+        assert record["exec"] == "exec-a" and record["task"] == "task-a"
+        assert int(record["token"]) > lock.token  # later grants stay above it
+        assert lock.token == original and not lock.lost  # the task keeps its token
+        assert hb.watch.run_id != first_run and hb.reasserted == 1
+        assert 25_000 < client.pttl(keys.lock) <= 30_000
+    finally:
+        hb.discard(lock)
+
+
+def test_a_lock_whose_lease_ran_out_during_the_outage_is_not_taken_back(own_redis):
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    keys = new_keys()
+    lock = held_lock(engine, keys, lease=1.0)
+    hb = Heartbeat(engine)
+    hb.add(lock)
+    try:
+        wait_for(lambda: hb.watch.run_id, 5, what="the watch to connect")
+        own_redis.stop()
+        wait_for(lambda: lock.lost, 10, what="the local lease to run out")
+        own_redis.start()
+        wait_for(lambda: hb.watch.run_id and not hb.watch.down, 10, what="reconnect")
+        hb.renew_now(take_back=True)
+        assert not own_redis.client().exists(keys.lock)
+        assert hb.reasserted == 0
+    finally:
+        hb.discard(lock)
+
+
+def test_a_key_taken_by_another_while_absent_means_lost(own_redis):
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    keys = new_keys()
+    lock = held_lock(engine, keys, lease=30.0)
+    hb = Heartbeat(engine)  # not started: the round is driven by hand
+    own_redis.stop()
+    own_redis.start()
+    other = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    assert take(other, keys, "task-b", "exec-b").status is Acquire.GRANTED
+    hb._held[id(lock)] = lock
+    hb.renew_now(take_back=True)
+    assert lock.lost
+    assert own_redis.client().hget(keys.lock, "exec") == "exec-b"
+
+
+def test_a_key_released_by_someone_else_is_lost_not_taken_back(engine, r):
+    """Absent in a regular round (the server did not restart): an operator's
+    forced release, not a forgotten key. The holder loses it."""
+    keys = new_keys()
+    lock = held_lock(engine, keys, lease=30.0)
+    hb = Heartbeat(engine)
+    hb._held[id(lock)] = lock
+    r.delete(keys.lock)
+    hb.renew_now()
+    assert lock.lost and not r.exists(keys.lock)
+
+
+def test_renewing_ten_thousand_locks_never_keeps_redis_busy_5_ms(own_redis):
+    """Chunked: Redis's slow log (threshold 5 ms) records no renewal call, where
+    one call for 10,000 locks took 45-90 ms. Lost scripts are loaded again."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    client = own_redis.client()
+    held = []
+    for i in range(10_000):
+        keys = LockKeys("singleton:", f"{i:032x}")
+        take(engine, keys, f"t{i}", f"e{i}", lease_ms=60_000)
+        held.append((keys.lock, f"e{i}", 60_000))
+    client.config_set("slowlog-log-slower-than", 5000)
+    client.slowlog_reset()
+    client.script_flush()
+    assert engine.renew(held) == [1] * 10_000
+    def slow_renewals() -> list[object]:
+        return [e for e in client.slowlog_get(128) if "EVALSHA" in str(e["command"]).upper()]
+
+    assert slow_renewals() == []
+    engine.renew_chunk = 10_000  # what a single call did
+    engine.renew(held)
+    assert slow_renewals()
+
+
+def test_a_grant_that_arrives_after_its_lease_is_no_grant(redis_server):
+    """The acquire's reply is held up longer than the lease (a network stall):
+    the body never runs, the key is given back, and the backend-error policy
+    decides (here "raise": the task fails with LockBackendError naming why)."""
+    import threading
+
+    from celery import Celery
+    from celery.app.trace import build_tracer
+    from celery.result import AsyncResult
+
+    from celery_singleton_lock import LockBackendError, SingletonTask
+    from celery_singleton_lock.engine import engine_for
+    from tests.support import PausableProxy
+
+    proxy = PausableProxy(redis_server.port)
+    app = Celery("stale", broker=redis_server.url(0), backend=redis_server.url(1),
+                 set_as_current=False)
+    app.conf.update(singleton_redis_url=proxy.url(2), singleton_ttl=1.0,
+                    singleton_on_backend_error="raise")
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, name="stale.t", bind=True)
+    def t(self: Any, x: int) -> int:
+        ran.append(self.singleton.token)
+        return x
+
+    tracer = build_tracer(t.name, t, app=app, eager=False)
+
+    def run(x: int) -> AsyncResult:
+        task_id = uuid.uuid4().hex
+        tracer(task_id, (x,), {}, {"id": task_id, "hostname": "w@h", "delivery_info": {}})
+        return AsyncResult(task_id, app=app)
+
+    try:
+        assert run(0).get(timeout=10) == 0 and len(ran) == 1  # connected, scripts loaded
+        ran.clear()
+        proxy.pause()
+        threading.Timer(1.5, proxy.resume).start()  # longer than the 1 s lease
+        late = run(1)
+        assert ran == []
+        with pytest.raises(LockBackendError, match="after its lease ran out"):
+            late.get(timeout=10)
+        engine_for(app).settle()
+        assert not redis_server.client(2).exists(t.singleton_keys(1).lock)
+    finally:
+        proxy.resume()
+        proxy.close()

@@ -24,7 +24,7 @@ def test_mypy_strict_is_clean():
 
 
 def test_package_ships_py_typed_and_lua():
-    pkg = ROOT / "src" / "celery_singleton_lock"
+    pkg = ROOT / "celery_singleton_lock"
     assert (pkg / "py.typed").exists()
     assert {p.stem for p in (pkg / "lua").glob("*.lua")} >= {"acquire", "release", "renew",
                                                              "handoff"}
@@ -47,10 +47,79 @@ def test_readme_opens_with_the_demo_and_test_commands_ci_runs():
 
 
 def test_public_api_is_exactly_all():
+    """Every public name of the package is in __all__ (submodules aside: importing
+    one, as the CLI or the beat scheduler does, puts its name on the package)."""
+    from types import ModuleType
+
     import celery_singleton_lock as pkg
 
-    public = {n for n in vars(pkg) if not n.startswith("_")} - {
-        "config", "exceptions", "keys", "lock", "heartbeat", "policies", "results", "task",
-        "signals", "bootsteps", "annotations",
-    }
+    public = {n for n, v in vars(pkg).items()
+              if not n.startswith("_") and not isinstance(v, ModuleType)} - {"annotations"}
     assert public == set(pkg.__all__) - {"__version__"}
+
+
+def test_importing_the_package_opens_no_connection_and_starts_no_thread():
+    """Importing the package (and SingletonTask on an app) has no side effect a
+    process could trip over: no thread, no socket, no signal handler connected."""
+    code = (
+        "import os, threading\n"
+        "from celery import Celery, signals\n"
+        "before = len(signals.task_failure.receivers)\n"
+        "import celery_singleton_lock\n"
+        "from celery_singleton_lock import SingletonTask\n"
+        "app = Celery('q', broker='redis://127.0.0.1:1/0', set_as_current=False)\n"
+        "@app.task(base=SingletonTask)\n"
+        "def t(x): return x\n"
+        "t.singleton_keys(1)\n"
+        "def link(f):\n"
+        "    try: return os.readlink(f'/proc/self/fd/{f}')\n"
+        "    except OSError: return ''\n"
+        "socks = [f for f in os.listdir('/proc/self/fd') if link(f).startswith('socket:')]\n"
+        "print(threading.active_count(), len(socks),"
+        " len(signals.task_failure.receivers) - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0", "0"]
+
+
+def test_no_import_circle_between_the_package_modules():
+    """Wiring flows one way: Celery wiring on top, the Redis engine at the
+    bottom. Module-level imports between our modules form no cycle, and the
+    engine and everything under it import no Celery."""
+    import ast
+
+    pkg = ROOT / "celery_singleton_lock"
+    graph: dict[str, set[str]] = {}
+    celery_users: set[str] = set()
+    for path in pkg.glob("*.py"):
+        name = path.stem
+        graph[name] = set()
+        for node in ast.parse(path.read_text()).body:  # module level only
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    graph[name].add(node.module.split(".")[0])
+                else:
+                    graph[name].update(a.name for a in node.names)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [
+                    node.module or ""]
+                if any(m == "celery" or m.startswith(("celery.", "kombu", "billiard"))
+                       for m in mods):
+                    celery_users.add(name)
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(graph.get(start, ()))
+        while todo:
+            mod = todo.pop()
+            if mod not in seen:
+                seen.add(mod)
+                todo.extend(graph.get(mod, ()))
+        return seen
+
+    circles = sorted(m for m in graph if m in reach(m))
+    assert circles == [], circles
+    below_engine = reach("engine") | {"engine"}
+    assert not below_engine & celery_users, below_engine & celery_users

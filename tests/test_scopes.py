@@ -43,17 +43,25 @@ def test_queue_scope_refuses_a_duplicate_while_one_is_queued(client_app, events,
     assert not is_deduplicated(first)
 
 
-def test_queue_scope_frees_the_key_when_the_queued_one_starts(client_app, events, key):
+def test_queue_scope_a_send_accepted_while_one_runs_waits_and_then_runs(client_app, events, key):
+    """The key frees when the queued one starts, so a send made while it runs is
+    accepted (the data may have changed after the run began). That send must
+    run: it waits for the running one to end, then runs, never beside it."""
     t = client_app.tasks["t.queue"]
-    first = t.delay(key, 1.5, "first")
+    first = t.delay(key, 3.0, "first")
     wait_for(lambda: events.starts("first"), 10, what="first start")
     second = t.delay(key, 0.0, "second")
-    # Sent, since the key freed at start; the run lock still keeps it from
-    # running beside the first.
     assert not is_deduplicated(second)
-    result = second.get(timeout=10)
-    assert is_skipped(result) and result["holder"] == first.id
+    # while the second waits, it is the one queued: a third send joins it
+    third = t.delay(key, 0.0, "third")
+    assert is_deduplicated(third) and third.id == second.id
+    result = second.get(timeout=20)
+    assert not is_skipped(result) and result["tag"] == "second"
     first.get(timeout=10)
+    assert [e["tag"] for e in events.starts()] == ["first", "second"]
+    ends = events.ends("first")
+    assert ends and events.all().index(ends[0]) < events.all().index(events.starts("second")[0])
+    assert all(e["concurrent"] == 1 for e in events.starts())
 
 
 def test_queue_and_run_refuses_while_queued_and_while_running(client_app, events, key):
@@ -167,12 +175,15 @@ def test_retries_keep_the_key_under_queue_scopes(client_app, events, key, scope)
     dup = t.delay(key, 1, 0.0, 0.0, "dup")
     if scope == "queue_and_run":
         assert is_deduplicated(dup) and dup.id == first.id
+        assert first.get(timeout=15)["tag"] == "r#1"
+        assert [e["tag"] for e in events.starts()] == ["r#0", "r#1"]
     else:
-        # sent, but the key kept for the retry makes it a duplicate when it starts
-        result = dup.get(timeout=10)
-        assert is_skipped(result) and result["holder"] == first.id
-    assert first.get(timeout=15)["tag"] == "r#1"
-    assert [e["tag"] for e in events.starts()] == ["r#0", "r#1"]
+        # Accepted (the key freed when the first started); the key kept for the
+        # first's retry makes it wait, and it runs once the first is done.
+        assert not is_deduplicated(dup)
+        assert dup.get(timeout=20)["tag"] == "dup#1"
+        assert first.get(timeout=15)["tag"] == "r#1"
+        assert [e["tag"] for e in events.starts()] == ["r#0", "r#1", "dup#0", "dup#1"]
 
 
 @pytest.mark.parametrize("name", ["t.hold", "t.queue", "t.queue_and_run"])

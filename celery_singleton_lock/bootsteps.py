@@ -1,0 +1,94 @@
+"""The worker step: checks every setting at start, wires the signals and the
+revoke command, reports the lock backend and the held locks in ``celery
+inspect stats`` (Flower's worker page), and answers ``celery inspect
+singleton_locks``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from celery import bootsteps
+from celery import signals as celery_signals
+from celery.worker.control import inspect_command
+
+from . import checks, masking, monitor, signals
+from .config import get_config
+from .engine import engine_for
+from .exceptions import ConfigurationError
+from .revoke import watch_revoke_command
+
+logger = logging.getLogger("celery_singleton_lock")
+
+
+def validate_app(app: Any) -> None:
+    """Raise ConfigurationError for the first bad app setting or task option."""
+    get_config(app, reload=True)
+    for task in list(app.tasks.values()):
+        if signals.is_singleton(task):
+            task.singleton_settings(reload=True)
+
+
+def held_locks(app: Any, hostname: str) -> dict[str, Any]:
+    """What ``hostname`` holds: its pool children publish their held locks to
+    the lock Redis each :data:`monitor.PUBLISH_INTERVAL`; read in one call."""
+    config = get_config(app)
+    client = engine_for(app).client
+    try:
+        locks = monitor.read_held(client, config.key_prefix, hostname)
+        totals = monitor.worker_totals(client, config.key_prefix, hostname)
+    except redis.RedisError as exc:
+        return {"held": None, "locks": [], "error": f"lock Redis: {type(exc).__name__}"}
+    return {"held": len(locks), "locks": locks, **totals}
+
+
+class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Added to every app that has a SingletonTask; runs in the main worker process
+    (pool children fork from it, so they inherit the wiring).
+
+    A StartStopStep (with nothing to start) because only those are listed in the
+    worker's steps, and only listed steps have their ``info()`` in ``stats``."""
+
+    name = "celery_singleton_lock"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        masking.install()
+        try:
+            validate_app(parent.app)
+            # Made here, in the main thread, before the pool forks: the reaper
+            # thread then only looks it up.
+            engine = engine_for(parent.app)
+            # A wrong password or a missing ACL permission would fail every lock
+            # call for as long as the worker runs: say so now, and stop.
+            checks.startup_check(engine)
+        except ConfigurationError as exc:
+            logger.critical("celery-singleton-lock: %s", exc)
+            raise SystemExit(f"celery-singleton-lock configuration error: {exc}") from None
+        signals.connect()
+        watch_revoke_command()
+        # Before the pool forks: children label their counts with this node
+        # name and send task-skipped only when task events are on (-E).
+        monitor.configure_worker(parent.hostname, getattr(parent, "task_events", False))
+        celery_signals.worker_process_shutdown.connect(
+            _flush_stats, weak=False, dispatch_uid="celery_singleton_lock.flush_stats")
+
+    def info(self, parent: Any) -> dict[str, Any]:
+        config = get_config(parent.app)
+        return {"singleton": {"redis": masking.mask_url(config.redis_url), "ttl": config.ttl,
+                              **held_locks(parent.app, parent.hostname)}}
+
+
+def _flush_stats(**_: Any) -> None:
+    """A pool child exits without atexit: write its last counts."""
+    try:
+        monitor.PUBLISHER.flush()
+    except Exception as exc:
+        logger.debug("Could not publish singleton lock stats at exit: %r", exc)
+
+
+@inspect_command()  # type: ignore[untyped-decorator]
+def singleton_locks(state: Any) -> dict[str, Any]:
+    """The singleton locks this worker's processes hold (task, id, key, token, age)."""
+    return held_locks(state.app, state.hostname)

@@ -1,0 +1,449 @@
+"""``celery -A app singleton list|key|release|purge|doctor``: see and fix locks.
+
+Plugged into Celery's command line through the ``celery.commands`` entry point.
+Tables for people, ``--json`` for scripts. Exit codes: 0 done / nothing to
+report, 1 refused, nothing to do, or findings to look at, 2 usage, settings or
+connection error. Only key hashes are ever printed, never argument values, and
+every URL goes out with its password masked.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, cast
+
+import click
+import redis
+from celery.bin.base import CeleryCommand, CeleryOption
+
+from . import masking
+
+# Celery loads this module for every `celery` command (it is an entry point),
+# so `celery report` and a worker's `inspect conf` replies mask our secrets
+# whatever else the worker wires.
+masking.install()
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_ERROR = 2
+
+STATES = ("run", "queued", "done")
+_URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^@\s]*@")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _scrub(text: str) -> str:
+    """Any URL password in an error message masked (a setting may quote one)."""
+    return _URL_PASSWORD.sub(rf"\1{masking.MASK}@", text)
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> None:
+    click.echo(_scrub(message), err=True)
+    raise click.exceptions.Exit(code)
+
+
+def _guarded(func: F) -> F:
+    """Settings and connection errors as one line and exit code 2, never a traceback."""
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from .exceptions import ConfigurationError, KeyEncodingError
+
+        try:
+            return func(*args, **kwargs)
+        except ConfigurationError as exc:
+            _fail(f"configuration error: {exc}")
+        except KeyEncodingError as exc:
+            _fail(str(exc))
+        except redis.AuthenticationError as exc:
+            _fail(f"lock Redis refused the credentials: {exc}")
+        except redis.exceptions.NoPermissionError as exc:
+            _fail(f"lock Redis denied a command (NOPERM): {exc}; "
+                  "run `celery singleton doctor` as this user for the missing permission")
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            _fail(f"lock Redis unreachable: {type(exc).__name__}: {exc}")
+        return None
+    return cast(F, wrapper)
+
+
+def _json_option(func: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, cls=CeleryOption,
+                        help_group="Output Options",
+                        help="Print JSON for scripts instead of a table.")(func)
+
+
+# -- reading locks -----------------------------------------------------------------
+
+@dataclass
+class Row:
+    """One thing held under a key: a running lock, a send-time marker, or a done window."""
+
+    key: str
+    state: str
+    task: str
+    holder: str
+    host: str = ""
+    pid: int = 0
+    token: str = ""
+    ttl: Optional[float] = None
+    age: Optional[float] = None
+    live: str = ""
+    exec: str = ""
+
+    def cells(self) -> list[str]:
+        return [self.key, self.state, self.task or "?", self.holder, self.host,
+                str(self.pid or ""), self.token, _seconds(self.ttl), _seconds(self.age),
+                self.live]
+
+
+HEADERS = ["KEY", "STATE", "TASK", "HOLDER", "HOST", "PID", "TOKEN", "TTL", "AGE", "LIVE"]
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.1f}s"
+
+
+def _liveness(record: dict[str, str]) -> str:
+    """dead: its process is gone from this host; alive: it runs here; unknown:
+    another host (treated as alive: nothing here can tell)."""
+    from .process import HOST_KEY, Holder
+
+    holder = Holder(task_id=record.get("task", ""), exec_id=record.get("exec", ""),
+                    host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
+                    hostname=record.get("host", ""))
+    if holder.provably_dead():
+        return "dead"
+    return "alive" if holder.host_key == HOST_KEY else "unknown"
+
+
+def _key_pattern(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(lock|queued|done)$")
+
+
+def _scan_digests(client: redis.Redis, prefix: str) -> list[str]:
+    """Every key hash with a lock, marker or done window: SCAN, never KEYS."""
+    glob = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}:*"
+    pattern = _key_pattern(prefix)
+    found: dict[str, None] = {}
+    for name in client.scan_iter(match=glob, count=1000):
+        match = pattern.match(str(name))
+        if match:
+            found.setdefault(match.group(1), None)
+    return list(found)
+
+
+def _rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]:
+    from .keys import LockKeys
+
+    seconds, micros = client.execute_command("TIME")  # type: ignore[no-untyped-call]
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    rows: list[Row] = []
+    for start in range(0, len(digests), 500):
+        chunk = [LockKeys(prefix, d) for d in digests[start:start + 500]]
+        pipe = client.pipeline(transaction=False)
+        for keys in chunk:
+            pipe.hgetall(keys.lock)
+            pipe.pttl(keys.lock)
+            pipe.get(keys.queued)
+            pipe.pttl(keys.queued)
+            pipe.get(keys.done)
+            pipe.pttl(keys.done)
+        replies = pipe.execute()
+        for i, keys in enumerate(chunk):
+            record, lock_ttl, queued, queued_ttl, done, done_ttl = replies[6 * i:6 * i + 6]
+            name = record.get("name", "") if record else ""
+            if record:
+                at = int(record.get("at") or 0)
+                rows.append(Row(
+                    key=keys.base, state="run", task=name, holder=record.get("task", ""),
+                    host=record.get("host", ""), pid=int(record.get("pid") or 0),
+                    token=record.get("token", ""), ttl=_ttl(lock_ttl),
+                    age=(now_ms - at) / 1000 if at else None, live=_liveness(record),
+                    exec=record.get("exec", "")))
+            if queued:
+                rows.append(Row(key=keys.base, state="queued", task=name, holder=queued,
+                                ttl=_ttl(queued_ttl)))
+            if done:
+                rows.append(Row(key=keys.base, state="done", task=name, holder=done,
+                                ttl=_ttl(done_ttl)))
+    return rows
+
+
+def _ttl(pttl: Any) -> Optional[float]:
+    return int(pttl) / 1000 if isinstance(pttl, int) and pttl >= 0 else None
+
+
+def _filtered(rows: Iterable[Row], task: Optional[str], state: Optional[str]) -> list[Row]:
+    return [r for r in rows if (task is None or r.task == task)
+            and (state is None or r.state == state)]
+
+
+def _table(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+class _Context:
+    """The app, its settings and its engine, read once per command."""
+
+    def __init__(self, ctx: click.Context) -> None:
+        from .config import get_config
+        from .engine import engine_for
+
+        self.app = ctx.obj.app
+        self.app.loader.import_default_modules()  # tasks listed in `include`
+        self.config = get_config(self.app)
+        self.engine = engine_for(self.app)
+        self.client = self.engine.client
+        self.url = masking.mask_url(self.config.redis_url)
+
+
+# -- the commands ------------------------------------------------------------------
+
+@click.group(name="singleton")
+def singleton() -> None:
+    """See and fix singleton locks (celery-singleton-lock)."""
+
+
+@singleton.command(name="list", cls=CeleryCommand)
+@click.option("--task", "task_name", cls=CeleryOption, help_group="Filter Options",
+              help="Only keys of this task (named by its running lock's record).")
+@click.option("--state", type=click.Choice(STATES), cls=CeleryOption,
+              help_group="Filter Options",
+              help="run: a lock held by an execution; queued: taken when sent; "
+                   "done: a success's window.")
+@_json_option
+@click.pass_context
+@_guarded
+def list_(ctx: click.Context, task_name: Optional[str], state: Optional[str],
+          as_json: bool) -> None:
+    """Every held lock, send-time marker and done window, found with SCAN."""
+    c = _Context(ctx)
+    rows = _filtered(_rows(c.client, c.config.key_prefix,
+                           _scan_digests(c.client, c.config.key_prefix)), task_name, state)
+    if as_json:
+        _echo_json({"redis": c.url, "locks": [asdict(r) for r in rows]})
+    elif rows:
+        click.echo(_table(HEADERS, [r.cells() for r in rows]))
+    else:
+        click.echo(f"no singleton keys in {c.url}")
+
+
+@singleton.command(cls=CeleryCommand)
+@click.argument("task_name", metavar="TASK")
+@click.option("--args", "args_json", default="[]", cls=CeleryOption,
+              help_group="Call Options", help="Positional arguments as a JSON list.")
+@click.option("--kwargs", "kwargs_json", default="{}", cls=CeleryOption,
+              help_group="Call Options", help="Keyword arguments as a JSON object.")
+@_json_option
+@click.pass_context
+@_guarded
+def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
+        as_json: bool) -> None:
+    """The key a call of TASK maps to, and who holds it. The arguments are
+    hashed, never printed."""
+    c = _Context(ctx)
+    task = c.app.tasks.get(task_name)
+    if task is None or not callable(getattr(task, "singleton_keys", None)):
+        _fail(f"no singleton task named {task_name!r} in this app")
+    args = _parse_json(args_json, list, "--args", "a JSON list")
+    kwargs = _parse_json(kwargs_json, dict, "--kwargs", "a JSON object")
+    keys = task.singleton_keys(*args, **kwargs)
+    digest = keys.base[len(c.config.key_prefix) + 1:-1]
+    rows = _rows(c.client, c.config.key_prefix, [digest])
+    if as_json:
+        _echo_json({"task": task_name, "key": keys.base, "lock": keys.lock,
+                    "held": any(r.state == "run" for r in rows),
+                    "locks": [asdict(r) for r in rows]})
+        return
+    click.echo(f"task  {task_name}\nkey   {keys.base}\nlock  {keys.lock}")
+    if rows:
+        click.echo(_table(HEADERS, [r.cells() for r in rows]))
+    else:
+        click.echo("free: nothing holds this key")
+
+
+def _parse_json(text: str, kind: type, option: str, what: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, kind):
+        # the value itself is not echoed: it may be a card number
+        raise click.BadParameter(f"expected {what}", param_hint=option)
+    return value
+
+
+def _lock_keys(text: str, prefix: str) -> Any:
+    from .keys import LockKeys
+
+    match = re.search(r"\{([0-9a-f]{32})\}", text) or re.fullmatch(r"([0-9a-f]{32})", text)
+    if match is None:
+        raise click.BadParameter(f"expected a key like {prefix}{{<32 hex>}} or its 32-hex hash",
+                                 param_hint="KEY")
+    return LockKeys(prefix, match.group(1))
+
+
+@singleton.command(cls=CeleryCommand)
+@click.argument("key_text", metavar="KEY")
+@click.option("--force", is_flag=True, cls=CeleryOption, help_group="Release Options",
+              help="Release even when the holder may still run (it will see .lost).")
+@_json_option
+@click.pass_context
+@_guarded
+def release(ctx: click.Context, key_text: str, force: bool, as_json: bool) -> None:
+    """Free KEY's lock, checked against the recorded owner. A holder that may
+    still run (alive here, or on another host) needs --force."""
+    c = _Context(ctx)
+    keys = _lock_keys(key_text, c.config.key_prefix)
+    record: dict[str, str] = c.engine.owner(keys)
+    result: dict[str, Any] = {"key": keys.base}
+    if record:
+        live = _liveness(record)
+        result.update(holder=record.get("task", ""), host=record.get("host", ""),
+                      pid=int(record.get("pid") or 0), token=record.get("token", ""),
+                      live=live, state="run")
+        who = (f"task {result['holder']} (pid {result['pid']} on {result['host']}, "
+               f"token {result['token']})")
+        if live != "dead" and not force:
+            why = "is alive on this host" if live == "alive" else "runs on another host"
+            _report(result, as_json, "refused", f"refused: {who} {why}; pass --force to "
+                    "release it anyway (the holder then sees its lock lost)")
+        elif c.engine.release(keys, record.get("exec", ""), record.get("task", ""),
+                              finished=False):
+            _report(result, as_json, "released", f"released {keys.base} held by {who}")
+        else:
+            _report(result, as_json, "changed", f"not released: {keys.base} changed hands "
+                    "since it was read; run release again")
+        return
+    queued = str(c.client.get(keys.queued) or "")
+    if queued:
+        result.update(holder=queued, state="queued")
+        if not force:
+            _report(result, as_json, "refused", f"refused: task {queued} took {keys.base} when "
+                    "it was sent and waits in the queue; pass --force to free the key")
+        elif c.engine.unqueue(keys, queued):
+            _report(result, as_json, "released", f"freed {keys.base} taken at send time by "
+                    f"task {queued}")
+        else:
+            _report(result, as_json, "changed", f"not released: {keys.base} changed hands")
+        return
+    _report(result, as_json, "not-held", f"nothing holds {keys.base}")
+
+
+def _report(result: dict[str, Any], as_json: bool, action: str, text: str) -> None:
+    result["action"] = action
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(text)
+    if action != "released":
+        raise click.exceptions.Exit(EXIT_FINDINGS)
+
+
+@singleton.command(cls=CeleryCommand)
+@click.option("--task", "task_name", required=True, cls=CeleryOption,
+              help_group="Filter Options", help="The task whose keys go.")
+@click.option("--yes", is_flag=True, cls=CeleryOption, help_group="Purge Options",
+              help="Delete; without it, only say what would be deleted.")
+@_json_option
+@click.pass_context
+@_guarded
+def purge(ctx: click.Context, task_name: str, yes: bool, as_json: bool) -> None:
+    """Free every key of TASK: its locks (owner-checked), send-time markers and
+    done windows. A dry run unless --yes. Fencing counters stay: tokens only go up."""
+    c = _Context(ctx)
+    rows = _filtered(_rows(c.client, c.config.key_prefix,
+                           _scan_digests(c.client, c.config.key_prefix)), task_name, None)
+    outcome: list[dict[str, Any]] = []
+    for row in rows:
+        entry = {**asdict(row), "action": "would delete"}
+        if yes:
+            entry["action"] = "deleted" if _purge_row(c, row) else "changed hands: kept"
+        outcome.append(entry)
+    kept = any(e["action"].startswith("changed") for e in outcome)
+    if as_json:
+        _echo_json({"task": task_name, "dry_run": not yes, "keys": outcome})
+    elif outcome:
+        click.echo(_table(["ACTION", "KEY", "STATE", "HOLDER", "LIVE"],
+                          [[e["action"], e["key"], e["state"], e["holder"], e["live"]]
+                           for e in outcome]))
+        if not yes:
+            click.echo(f"dry run: nothing deleted; pass --yes to delete these "
+                       f"{len(outcome)} key(s)")
+    else:
+        click.echo(f"no keys of task {task_name!r}")
+    if kept:
+        raise click.exceptions.Exit(EXIT_FINDINGS)
+
+
+def _purge_row(c: _Context, row: Row) -> bool:
+    from .keys import LockKeys
+
+    keys = LockKeys(c.config.key_prefix, row.key[len(c.config.key_prefix) + 1:-1])
+    if row.state == "run":
+        return c.engine.release(keys, row.exec, row.holder, finished=False)
+    if row.state == "queued":
+        return c.engine.unqueue(keys, row.holder)
+    c.client.delete(keys.done)
+    return True
+
+
+@singleton.command(cls=CeleryCommand)
+@_json_option
+@click.pass_context
+@_guarded
+def doctor(ctx: click.Context, as_json: bool) -> None:
+    """Check the lock Redis for what can make a lock lie or fail: credentials,
+    ACL permissions, scripts, eviction, clock, version, persistence, replicas."""
+    from .checks import OK, run_checks
+
+    c = _Context(ctx)
+    findings = run_checks(c.client, c.config)
+    if as_json:
+        _echo_json({"redis": c.url, "findings": [f.as_dict() for f in findings]})
+    else:
+        for f in findings:
+            click.echo(f"{f.level.upper():8} {f.code:20} {f.message}")
+            if f.action:
+                click.echo(f"{'':8} {'':20} -> {f.action}")
+    if any(f.code == "unreachable" for f in findings):
+        raise click.exceptions.Exit(EXIT_ERROR)
+    if any(f.level != OK for f in findings):
+        raise click.exceptions.Exit(EXIT_FINDINGS)
+
+
+@singleton.command(cls=CeleryCommand)
+@click.option("--port", type=int, default=9808, show_default=True, cls=CeleryOption,
+              help_group="Metrics Options", help="Port of the HTTP server.")
+@click.option("--address", default="0.0.0.0", show_default=True, cls=CeleryOption,
+              help_group="Metrics Options", help="Address to listen on.")
+@click.pass_context
+@_guarded
+def metrics(ctx: click.Context, port: int, address: str) -> None:
+    """Serve the lock metrics for Prometheus on /metrics (needs the `metrics`
+    extra: prometheus_client). Runs until stopped."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from .metrics import SingletonCollector
+    except ImportError:
+        _fail("prometheus_client is not installed: pip install 'celery-singleton-lock[metrics]'")
+    c = _Context(ctx)
+    c.client.ping()  # unreachable or refused: exit 2 now, not at the first scrape
+    registry = CollectorRegistry()
+    registry.register(SingletonCollector(c.client, c.config.key_prefix))
+    start_http_server(port, addr=address, registry=registry)
+    click.echo(f"serving lock metrics of {c.url} on http://{address}:{port}/metrics")
+    import threading
+
+    threading.Event().wait()

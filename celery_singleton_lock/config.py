@@ -1,0 +1,220 @@
+"""Settings: one table gives every setting's name, default, check and whether a
+task may override it. Read once from ``app.conf`` (every name starts with
+``singleton_``) into a :class:`SingletonConfig` cached per app.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from .exceptions import ConfigurationError
+from .process import ForkSafeLock
+
+DUPLICATE_POLICIES = ("skip", "retry", "raise")
+BACKEND_ERROR_POLICIES = ("retry", "run", "raise")
+SCOPES = ("run", "queue", "queue_and_run")
+WAIT_POLICIES = ("release", "proceed")
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_DEPLOY_SCHEMES = ("sentinel://", "sentinels://", "cluster://", "clusters://")
+
+
+# -- checks: each takes the setting's name and value, returns the value to keep ------
+
+def check_ttl(setting: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(setting, f"expected a number of seconds, got {value!r}")
+    if not value > 0:
+        raise ConfigurationError(setting, f"must be greater than 0, got {value!r}")
+    return float(value)
+
+
+def check_optional_ttl(setting: str, value: Any) -> float:
+    """A number of seconds, or 0 / None for off."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return 0.0
+    return check_ttl(setting, value)
+
+
+def choice(choices: tuple[str, ...], what: str = "policy") -> Callable[[str, Any], str]:
+    def check(setting: str, value: Any) -> str:
+        if value not in choices:
+            raise ConfigurationError(
+                setting, f"unknown {what} {value!r}; expected one of: {', '.join(choices)}")
+        return str(value)
+    return check
+
+
+def check_count(setting: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(setting, f"expected a whole number >= 0, got {value!r}")
+    return value
+
+
+def check_ms(setting: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigurationError(setting, f"expected milliseconds, a whole number > 0, "
+                                          f"got {value!r}")
+    return value
+
+
+def check_str(setting: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigurationError(setting, f"expected a string, got {value!r}")
+    return value
+
+
+def check_dict(setting: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(setting, f"expected a dict, got {value!r}")
+    return dict(value)
+
+
+def check_url(setting: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(_REDIS_SCHEMES + _DEPLOY_SCHEMES):
+        raise ConfigurationError(
+            setting, f"expected a redis://, rediss:// or unix:// URL (or sentinel://, "
+                     f"cluster://: docs/deployments.md), got {value!r}")
+    if value.startswith(_DEPLOY_SCHEMES):
+        from .servers import parse
+
+        try:
+            parse(value)
+        except ValueError as exc:
+            raise ConfigurationError(setting, f"{exc} in {value.split('@')[-1]!r}") from None
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table: ``singleton_<field>``."""
+
+    field: str
+    default: Any
+    check: Callable[[str, Any], Any]
+    #: a task may set it too (decorator argument or class attribute)
+    per_task: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"singleton_{self.field}"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # None: the broker URL when the broker is Redis (see _default_redis_url)
+    Setting("redis_url", None, check_url),
+    Setting("redis_options", {}, check_dict),
+    Setting("key_prefix", "singleton:", check_str),
+    Setting("ttl", 30.0, check_ttl, per_task=True),
+    Setting("on_duplicate", "skip", choice(DUPLICATE_POLICIES), per_task=True),
+    Setting("scope", "run", choice(SCOPES, "scope"), per_task=True),
+    Setting("done_ttl", 0.0, check_optional_ttl, per_task=True),
+    Setting("on_backend_error", "retry", choice(BACKEND_ERROR_POLICIES)),
+    Setting("retry_delay", 1.0, check_ttl),
+    Setting("retry_max_delay", 30.0, check_ttl),
+    Setting("finished_ttl", 3600.0, check_ttl),
+    Setting("queue_ttl", 300.0, check_ttl),
+    # WAIT after each grant and renewal: replicas that must acknowledge (0: off),
+    # how long to wait for them, what to do when fewer did (docs/deployments.md)
+    Setting("wait_replicas", 0, check_count),
+    Setting("wait_timeout", 100, check_ms),
+    Setting("wait_policy", "release", choice(WAIT_POLICIES)),
+)
+
+TASK_OPTIONS = tuple(s for s in SETTINGS if s.per_task)
+
+
+@dataclass(frozen=True)
+class SingletonConfig:
+    """The checked settings of one app, or of one task (the app's with the task's
+    own options over them). Field ``x`` is setting ``singleton_x``; defaults and
+    checks live in :data:`SETTINGS`."""
+
+    redis_url: str
+    redis_options: dict[str, Any]
+    key_prefix: str
+    ttl: float
+    on_duplicate: str
+    scope: str
+    done_ttl: float
+    on_backend_error: str
+    retry_delay: float
+    retry_max_delay: float
+    finished_ttl: float
+    queue_ttl: float
+    wait_replicas: int
+    wait_timeout: int
+    wait_policy: str
+
+    @classmethod
+    def from_app(cls, app: Any) -> SingletonConfig:
+        """Read and check every setting of ``app.conf`` (raises ConfigurationError)."""
+        conf = app.conf
+        values: dict[str, Any] = {}
+        for setting in SETTINGS:
+            value = conf.get(setting.name)
+            if value is None and setting.field == "redis_url":
+                value = _default_redis_url(conf)
+            if value is None:
+                values[setting.field] = setting.default
+            else:
+                values[setting.field] = setting.check(setting.name, value)
+        return cls(**values)
+
+    @classmethod
+    def defaults(cls, redis_url: str, **overrides: Any) -> SingletonConfig:
+        """Every default, for code that uses the engine without a Celery app."""
+        values = {s.field: s.default for s in SETTINGS}
+        values.update(overrides, redis_url=redis_url)
+        return cls(**values)
+
+    def for_task(self, task_name: str, options: Mapping[str, Any]) -> SingletonConfig:
+        """These settings with a task's own options (``singleton_ttl=...``) over them."""
+        overrides: dict[str, Any] = {}
+        for setting in TASK_OPTIONS:
+            value = options.get(setting.name)
+            if value is None:
+                continue
+            try:
+                overrides[setting.field] = setting.check(setting.name, value)
+            except ConfigurationError as exc:
+                raise ConfigurationError(exc.setting, f"task {task_name!r}: {exc.detail}") from None
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
+def _default_redis_url(conf: Any) -> str:
+    broker = conf.get("broker_url")
+    if isinstance(broker, (list, tuple)):
+        broker = broker[0] if broker else None
+    if isinstance(broker, str):
+        first = broker.split(";")[0].strip()
+        if first.startswith(_REDIS_SCHEMES):
+            return first
+    raise ConfigurationError(
+        "singleton_redis_url",
+        "not set, and the broker is not Redis: set singleton_redis_url = "
+        "'redis://host:6379/0'",
+    )
+
+
+_cache: weakref.WeakKeyDictionary[Any, SingletonConfig] = weakref.WeakKeyDictionary()
+_cache_lock = ForkSafeLock()
+
+
+def get_config(app: Any, *, reload: bool = False) -> SingletonConfig:
+    """The app's settings, checked and cached on first use.
+
+    ``reload=True`` reads ``app.conf`` again (the worker does at start, so a
+    setting changed after the first send still counts there).
+    """
+    config: Optional[SingletonConfig] = None if reload else _cache.get(app)
+    if config is None:
+        with _cache_lock:
+            config = None if reload else _cache.get(app)
+            if config is None:
+                config = SingletonConfig.from_app(app)
+                _cache[app] = config
+    return config

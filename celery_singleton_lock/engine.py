@@ -1,0 +1,372 @@
+"""The lock engine: acquire, release, renew, hand off; no Celery in here.
+
+Every lock operation of the library is one call of a script in ``lua/``; each
+does compare-then-act on the execution id, so nobody frees or extends a lock
+that is no longer theirs. :mod:`.wire` carries the calls, :mod:`.replies`
+names their answers, :mod:`.process` says who holds a key and whether it lives.
+One engine per app and process (:func:`engine_for`), made anew after fork.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence, Union
+
+import redis
+
+from . import replies
+from .cluster import ClusterWire, LazyCluster, slot_of
+from .config import SingletonConfig, get_config
+from .exceptions import TooFewReplicasError
+from .keys import LockKeys
+from .process import HOST_KEY, PROCESS, ForkSafeLock, Holder, forget_seen, pid_alive
+from .replies import Acquire, Acquired, Enqueued, Release, Released, Renew
+from .servers import make_client, mode_of
+from .wire import Script, Wire
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: locks renewed by one script call: each costs Redis a few microseconds, so a
+#: call stays well under 5 ms however many locks a process holds
+RENEW_CHUNK = 250
+
+#: how long a key's fencing counter outlives its last grant
+FENCE_TTL_MS = 24 * 3600 * 1000
+
+#: what redis-py is given unless ``singleton_redis_options`` says otherwise
+CLIENT_DEFAULTS: dict[str, Any] = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "health_check_interval": 30,
+    # the pool serves only rare calls (owner records, start-up checks); the
+    # lock calls use the wire's own connections
+    "max_connections": 8,
+}
+
+
+#: every script, read once at import: making an engine later touches no import
+#: machinery, whose per-module locks a forked child could inherit held (the
+#: main worker process makes engines in its reaper thread while the pool forks)
+SCRIPTS: dict[str, Script] = {
+    name: Script.load(name)
+    for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue")
+}
+
+
+class LockEngine:
+    """All Redis work of one process for one app."""
+
+    def __init__(self, client: redis.Redis, config: SingletonConfig) -> None:
+        self.heartbeat: Optional[Any] = None  # set by heartbeat.heartbeat_for
+        self.client = client
+        self.config = config
+        self.wire: Union[Wire, ClusterWire]
+        if isinstance(client, LazyCluster):
+            self.wire = ClusterWire(client, tuple(SCRIPTS.values()))
+        else:
+            self.wire = Wire(client, SCRIPTS.values())
+        self._acquire = SCRIPTS["acquire"]
+        self._release = SCRIPTS["release"]
+        self._renew = SCRIPTS["renew"]
+        self._handoff = SCRIPTS["handoff"]
+        self._enqueue = SCRIPTS["enqueue"]
+        self._unqueue = SCRIPTS["unqueue"]
+        self._fin_ms = int(config.finished_ttl * 1000)
+        self.renew_chunk = RENEW_CHUNK
+        #: sent right after each grant and renewal, in the same write
+        self._wait: tuple[Any, ...] = (
+            ("WAIT", config.wait_replicas, config.wait_timeout) if config.wait_replicas else ())
+
+    @classmethod
+    def from_config(cls, config: SingletonConfig) -> LockEngine:
+        options = dict(CLIENT_DEFAULTS)
+        options.update(config.redis_options)
+        options["decode_responses"] = True
+        url = config.redis_url
+        if mode_of(url) == "cluster":
+            return cls(LazyCluster(lambda: make_client(url, options)), config)  # type: ignore[arg-type]
+        return cls(make_client(url, options), config)
+
+    @property
+    def scripts(self) -> tuple[Script, ...]:
+        return (self._acquire, self._release, self._renew, self._handoff, self._enqueue,
+                self._unqueue)
+
+    def settle(self) -> None:
+        """Read every reply still owed to this process (see :meth:`release_later`)."""
+        self.wire.settle()
+
+    @property
+    def unsettled(self) -> int:
+        return self.wire.unsettled
+
+    def acquire(
+        self,
+        keys: LockKeys,
+        *,
+        task_id: str,
+        exec_id: str,
+        lease_ms: int,
+        hostname: str,
+        retries: int,
+        task_name: str,
+        scope: str = "run",
+    ) -> Acquired:
+        """Take the lock for an execution that starts now.
+
+        A refused execution that owns the key it took at send time keeps it
+        (``queued_by_it`` in the answer): it was accepted, so it will wait and run.
+        """
+        keys_ = [keys.lock, keys.fence, keys.fin, keys.queued, keys.done]
+        args = [task_id, exec_id, lease_ms, hostname, HOST_KEY, PROCESS.pid,
+                retries, task_name, FENCE_TTL_MS, scope]
+        if not self._wait:
+            reply, _ = self.wire.call(self._acquire, keys_, args)
+            return replies.acquired(reply)
+        reply, _, acked = self.wire.call_with(self._acquire, keys_, args, after=self._wait)
+        answer = replies.acquired(reply)
+        if answer.status is Acquire.GRANTED:
+            self._replicated(keys, acked, exec_id, task_id)
+        return answer
+
+    def _replicated(self, keys: LockKeys, acked: Any, exec_id: str, task_id: str) -> None:
+        """Act on WAIT's answer after a grant (``singleton_wait_policy``)."""
+        wanted = self.config.wait_replicas
+        count = acked if isinstance(acked, int) else 0
+        if count >= wanted:
+            return
+        if isinstance(acked, Exception):
+            logger.warning("WAIT after granting %s failed: %r", keys.base, acked)
+        if self.config.wait_policy == "proceed":
+            logger.warning("Singleton lock %s granted but only %d of %d replicas acknowledged "
+                           "it: a failover now could lose it (policy: proceed)",
+                           keys.base, count, wanted)
+            return
+        try:
+            self.release(keys, exec_id, task_id, finished=False)
+        except redis.RedisError as exc:  # it expires with its lease
+            logger.warning("Could not give back %s after WAIT fell short: %r", keys.base, exc)
+        raise TooFewReplicasError(keys.base, count, wanted)
+
+    def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
+                always_record: bool = False, done_ttl: float = 0.0) -> bool:
+        """Free the lock if ``exec_id`` still owns it; True when this call freed it.
+
+        A repeat after a lost reply that finds the key free counts as freed: its
+        first attempt did it. ``done_ttl`` > 0: the task succeeded and its key
+        stays done that long.
+        """
+        reply, repeated = self.wire.call(self._release, *self._release_call(
+            keys, exec_id, task_id, finished, always_record, done_ttl))
+        answer = replies.released(reply, repeated)
+        return answer.status is Release.RELEASED or (
+            answer.status is Release.FREE and answer.repeated)
+
+    def _release_call(self, keys: LockKeys, exec_id: str, task_id: str, finished: bool,
+                      always_record: bool, done_ttl: float) -> tuple[list[str], list[Any]]:
+        return (
+            [keys.lock, keys.fin, keys.done],
+            [exec_id, task_id, int(finished), self._fin_ms, int(always_record),
+             int(done_ttl * 1000)],
+        )
+
+    def release_later(
+        self,
+        keys: LockKeys,
+        exec_id: str,
+        task_id: str,
+        answered: Callable[[Optional[Released], Optional[Exception]], None],
+        *,
+        always_record: bool = False,
+        done_ttl: float = 0.0,
+    ) -> None:
+        """:meth:`release` without waiting for the reply.
+
+        Redis frees the key as soon as the command arrives, before anything
+        this process sends next; ``answered(reply, error)`` is called when the
+        reply has been read, with a :class:`~.replies.Released` (``error`` once
+        repeating the command failed).
+        """
+        def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+            if error is not None:
+                answered(None, error)
+            else:
+                answered(replies.released(reply, repeated), None)
+
+        self.wire.call_later(self._release, *self._release_call(
+            keys, exec_id, task_id, True, always_record, done_ttl), done)
+
+    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Enqueued:
+        """Take the key for a task about to be sent."""
+        reply, _ = self.wire.call(
+            self._enqueue, [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1)])
+        return replies.enqueued(reply)
+
+    def unqueue(self, keys: LockKeys, task_id: str) -> bool:
+        """Free a key taken at send time, if ``task_id`` still has it."""
+        reply, _ = self.wire.call(self._unqueue, [keys.queued], [task_id])
+        return replies.flag(reply, "unqueue")
+
+    def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
+        """Renew ``(lock key, exec id, lease ms)`` entries in one round trip.
+
+        At most :data:`RENEW_CHUNK` locks go in one script call, the calls all in
+        one write: Redis is never busy with one renewal for long (10,000 locks
+        in one call kept it busy 45-90 ms, stalling every other client).
+        """
+        if not entries:
+            return []
+        if isinstance(self.wire, ClusterWire):
+            return self._renew_per_slot(entries)
+        chunk = self.renew_chunk
+        calls: list[tuple[list[str], list[Any]]] = []
+        for start in range(0, len(entries), chunk):
+            part = entries[start:start + chunk]
+            args: list[Any] = []
+            for _, exec_id, lease_ms in part:
+                args.append(exec_id)
+                args.append(lease_ms)
+            calls.append(([e[0] for e in part], args))
+        if len(calls) == 1 and not self._wait:
+            reply, _ = self.wire.call(self._renew, *calls[0])
+            return replies.renewed(reply, len(entries))
+        answers, acked = self.wire.call_many(self._renew, calls, after=self._wait or ())
+        if self._wait and (not isinstance(acked, int) or acked < self.config.wait_replicas):
+            # renewed on the primary all the same: only a failover now could cost them
+            logger.warning("Renewed %d singleton lock(s) but only %s of %d replicas "
+                           "acknowledged", len(entries), acked, self.config.wait_replicas)
+        out: list[Renew] = []
+        for (keys, _), reply in zip(calls, answers):
+            out.extend(replies.renewed(reply, len(keys)))
+        return out
+
+    def _renew_per_slot(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
+        """Renew on a Cluster: one call per slot (a script may touch one slot
+        only), all sent before any reply is read, so a round costs about one
+        round trip per node."""
+        groups: dict[int, list[int]] = {}
+        for i, entry in enumerate(entries):
+            groups.setdefault(slot_of(entry[0]), []).append(i)
+        out: list[Optional[Renew]] = [None] * len(entries)
+        errors: list[Exception] = []
+
+        def answer(indexes: list[int]) -> Any:
+            def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+                if error is not None:
+                    errors.append(error)
+                    return
+                for i, result in zip(indexes, replies.renewed(reply, len(indexes))):
+                    out[i] = result
+            return done
+
+        for indexes in groups.values():
+            group = [entries[i] for i in indexes]
+            args: list[Any] = []
+            for _, exec_id, lease_ms in group:
+                args.append(exec_id)
+                args.append(lease_ms)
+            try:
+                self.wire.call_later(self._renew, [e[0] for e in group], args, answer(indexes))
+            except redis.RedisError as exc:
+                errors.append(exc)
+        self.wire.settle()
+        if errors and all(result is None for result in out):
+            raise errors[0]
+        # a slot whose node failed this round: its locks are left alone, as on
+        # any Redis error; their own deadlines make them lost if it lasts
+        return [Renew.UNANSWERED if result is None else result for result in out]
+
+    def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
+        reply, _ = self.wire.call(self._handoff, [keys.lock], [exec_id, next_retries, lease_ms])
+        return replies.flag(reply, "handoff")
+
+    def owner(self, keys: LockKeys) -> dict[str, str]:
+        """The owner record, empty when the key is free."""
+        return self.client.hgetall(keys.lock)  # type: ignore[return-value]
+
+    def clear_dead_holder(self, keys: LockKeys, holder: Holder) -> bool:
+        """Free a lock whose holder process is provably gone from this host."""
+        if not holder.provably_dead():
+            return False
+        released = self.release(keys, holder.exec_id, holder.task_id, finished=False)
+        if released:
+            logger.warning(
+                "Released singleton lock %s of task %s: its process %s has died",
+                keys.base, holder.task_id, holder.pid,
+            )
+        return released
+
+    def reap(self, keys: LockKeys, task_id: str, wait: float = 3.0) -> bool:
+        """Free ``task_id``'s lock once its process on this host is gone.
+
+        Called by the main worker process when a child was killed or timed out;
+        waits up to ``wait`` seconds for the child to exit.
+        """
+        record = self.owner(keys)
+        if record.get("task") != task_id:
+            return False
+        holder = Holder(
+            task_id=task_id,
+            exec_id=record.get("exec", ""),
+            host_key=record.get("hostkey", ""),
+            pid=int(record.get("pid") or 0),
+            hostname=record.get("host", ""),
+        )
+        if holder.host_key != HOST_KEY:
+            return False
+        deadline = time.monotonic() + wait
+        while pid_alive(holder.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        forget_seen(holder.pid)  # seen gone just now: no remembered answer
+        return self.clear_dead_holder(keys, holder)
+
+
+# -- one engine per app and process ------------------------------------------------
+
+_engines: weakref.WeakKeyDictionary[Any, tuple[int, LockEngine]] = weakref.WeakKeyDictionary()
+_engines_lock = ForkSafeLock()
+
+
+def engine_for(app: Any) -> LockEngine:
+    """The engine of ``app`` in this process (a new one after fork)."""
+    generation = PROCESS.generation
+    entry = _engines.get(app)
+    if entry is None or entry[0] != generation:
+        with _engines_lock:
+            entry = _engines.get(app)
+            if entry is None or entry[0] != generation:
+                entry = (generation, LockEngine.from_config(get_config(app)))
+                _engines[app] = entry
+                _register_exit_settle()
+    return entry[1]
+
+
+def settle_all() -> None:
+    """Read the replies every engine of this process still owes (at process exit)."""
+    generation = PROCESS.generation
+    for entry in list(_engines.values()):
+        if entry[0] == generation:
+            try:
+                entry[1].settle()
+            except Exception as exc:  # exiting: say so, never raise
+                logger.warning("Could not read a lock reply at exit: %r", exc)
+
+
+_exit_settle_registered = False
+
+
+def _register_exit_settle() -> None:
+    global _exit_settle_registered
+    if not _exit_settle_registered:
+        _exit_settle_registered = True
+        atexit.register(settle_all)
+
+
+def forget_engine(app: Any) -> None:
+    with _engines_lock:
+        _engines.pop(app, None)

@@ -1,0 +1,172 @@
+"""One hierarchy for every error the library raises; each names what it is about.
+
+Each error keeps its constructor arguments as ``args`` so it survives the trip
+through a result backend (Celery rebuilds an exception as ``cls(*args)``), and
+builds its message from them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import redis
+
+
+class SingletonError(Exception):
+    """Base class of every error raised by celery-singleton-lock."""
+
+    key: Optional[str] = None
+
+    def _message(self) -> str:
+        return " ".join(str(a) for a in self.args)
+
+    def __str__(self) -> str:
+        return self._message()
+
+
+class ConfigurationError(SingletonError):
+    """A setting or task option has a value the library cannot work with.
+
+    ``setting`` is the name the user typed (``singleton_ttl``, ...).
+    """
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(setting, message)
+        self.setting = setting
+        self.detail = message
+
+    def _message(self) -> str:
+        return f"{self.setting}: {self.detail}"
+
+
+class KeyEncodingError(SingletonError, TypeError):
+    """An argument cannot be turned into a stable lock key.
+
+    The message names the task and the argument, never the value (it may be a
+    card number or an e-mail address).
+    """
+
+    def __init__(self, task: str, argument: str, reason: str) -> None:
+        super().__init__(task, argument, reason)
+        self.task = task
+        self.argument = argument
+        self.reason = reason
+
+    def _message(self) -> str:
+        return (
+            f"task {self.task!r}: argument {self.argument!r} cannot be part of a singleton "
+            f"key: {self.reason}. Choose the key's arguments with singleton_key=(...) "
+            "or a function."
+        )
+
+
+class DuplicateTaskError(SingletonError):
+    """The ``raise`` policy: another execution holds this task's key."""
+
+    def __init__(self, task: str, key: str, holder: Optional[str]) -> None:
+        super().__init__(task, key, holder)
+        self.task = task
+        self.key = key
+        self.holder = holder
+
+    def _message(self) -> str:
+        return (
+            f"task {self.task!r} is already running under key {self.key} "
+            f"(holder task id {self.holder})"
+        )
+
+
+class WaitingForKey(SingletonError):
+    """Why a duplicate under ``retry`` was sent again: Celery records it as the
+    reason of the RETRY, so Flower shows whom the duplicate waits for."""
+
+    def __init__(self, task: str, key: str, holder: Optional[str]) -> None:
+        super().__init__(task, key, holder)
+        self.task = task
+        self.key = key
+        self.holder = holder
+
+    def _message(self) -> str:
+        return f"waits for {self.key}: held by task id {self.holder}"
+
+
+class LockLostError(SingletonError):
+    """The running task no longer owns its lock (lease ran out or was taken over)."""
+
+    def __init__(self, key: str, token: int, reason: str) -> None:
+        super().__init__(key, token, reason)
+        self.key = key
+        self.token = token
+        self.reason = reason
+
+    def _message(self) -> str:
+        return f"lock {self.key} (token {self.token}) was lost: {self.reason}"
+
+
+class LockBackendError(SingletonError):
+    """The lock's Redis could not be reached and the policy is ``raise``."""
+
+    def __init__(self, key: Optional[str], cause: str) -> None:
+        super().__init__(key, cause)
+        self.key = key
+        self.cause = cause
+
+    def _message(self) -> str:
+        return f"lock backend unavailable for key {self.key}: {self.cause}"
+
+
+class StaleTokenError(SingletonError):
+    """A fenced write was refused: the row carries a newer fencing token than the
+    writer's, so a later holder of the lock has written it (see
+    :mod:`celery_singleton_lock.fencing`).
+
+    ``table`` and ``row`` say where (``row`` as the caller selected it, e.g.
+    ``{"id": 42}``), ``token`` is the refused writer's token, ``stored`` the
+    token the row holds, ``key`` the lock's key when the writer gave its lock.
+    """
+
+    def __init__(self, table: str, row: object, token: int, stored: Optional[int],
+                 key: Optional[str] = None) -> None:
+        super().__init__(table, row, token, stored, key)
+        self.table = table
+        self.row = row
+        self.token = token
+        self.stored = stored
+        self.key = key
+
+    def _message(self) -> str:
+        lock = f" (lock {self.key})" if self.key else ""
+        return (
+            f"stale write to {self.table} {self.row!r} refused: token {self.token}{lock} "
+            f"is older than the token {self.stored} the row holds; a later holder of the "
+            "lock has written it"
+        )
+
+
+class TooFewReplicasError(SingletonError, redis.RedisError):
+    """``WAIT`` after a grant heard from fewer replicas than
+    ``singleton_wait_replicas`` and the policy is ``release``: the lock was
+    given back. A Redis error too, so ``singleton_on_backend_error`` decides
+    what the task does (by default: retry later)."""
+
+    def __init__(self, key: Optional[str], acked: int, wanted: int) -> None:
+        super().__init__(key, acked, wanted)
+        self.key = key
+        self.acked = acked
+        self.wanted = wanted
+
+    def __str__(self) -> str:
+        return (f"{self.acked} of {self.wanted} replicas acknowledged the lock {self.key} "
+                f"within singleton_wait_timeout; released it")
+
+
+class UnexpectedReplyError(SingletonError):
+    """A script answered with something it never returns (a Redis or library mismatch)."""
+
+    def __init__(self, script: str, reply: object) -> None:
+        super().__init__(script, repr(reply))
+        self.script = script
+        self.reply = reply
+
+    def _message(self) -> str:
+        return f"script {self.script!r} gave a reply it never gives: {self.args[1]}"

@@ -1,0 +1,298 @@
+"""Renewal: one renewer per worker process, every held lock in one Redis call
+per interval.
+
+The thread starts with the first lock the process takes (so after fork). It
+sleeps in ``select`` on two things: a wake-up pipe (a lock with a shorter lease
+arrived) and a connection of its own to the lock Redis that never carries a
+command. That connection turns readable the moment the server goes away (a
+crash, a restart, a kill), so the renewer learns of it at once instead of at
+its next round: it reconnects as soon as Redis answers again and re-asserts
+every held lock right away.
+
+Each round, per lock: renewed; handed to a retry (left alone); held by another
+execution (lost, at once); or absent (lost: released by an operator, or
+expired). After the server restarted (its run_id changed), an absent key whose
+local lease is still valid was forgotten, not released: it is taken back, the
+owner record written again with a new, higher fencing token, so later grants
+stay above it; the task keeps the token it was granted, so a resource that saw a
+newer writer meanwhile still refuses it. A Redis error leaves the locks alone,
+and each lock's own monotonic deadline makes it lost if no renewal succeeds in
+time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from typing import Any, Optional
+
+import redis
+
+from . import monitor
+from .engine import LockEngine
+from .lock import SingletonLock
+from .process import ForkSafeLock
+from .replies import Acquire, Renew
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: a lease is renewed when a third of it has passed
+RENEW_FRACTION = 3.0
+#: how soon the watch tries again to reach a Redis that went away (doubling)
+RECONNECT_FIRST, RECONNECT_MAX = 0.02, 0.5
+
+
+class RedisWatch:
+    """A connection that only waits: readable means the server closed it."""
+
+    def __init__(self, engine: LockEngine) -> None:
+        self.engine = engine
+        self._conn: Optional[Any] = None
+        self.run_id: Optional[str] = None
+        self._retry_at = 0.0
+        self._backoff = RECONNECT_FIRST
+        self.down = False  # the server went away and has not answered since
+        #: the server that answered last is a new one (its run_id changed)
+        self.restarted = False
+        self.losses = 0
+
+    @property
+    def retry_in(self) -> Optional[float]:
+        """Seconds until the next reconnect attempt; None while connected."""
+        if self._conn is not None:
+            return None
+        return max(self._retry_at - time.monotonic(), 0.0)
+
+    def fileno(self) -> tuple[Optional[int], bool]:
+        """The socket to wait on (connecting first if due), and whether the
+        server just came back after going away (True once per loss)."""
+        if self._conn is not None:
+            return self._conn._sock.fileno(), False
+        if time.monotonic() < self._retry_at:
+            return None, False
+        try:
+            conn = self.engine.wire.new_connection()
+        except redis.RedisError:  # a Cluster whose slot map cannot be read now
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, RECONNECT_MAX)
+            return None, False
+        try:
+            conn.connect()
+            conn.send_command("INFO", "server", check_health=False)
+            info = conn.read_response()
+        except redis.RedisError:
+            conn.disconnect()
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, RECONNECT_MAX)
+            return None, False
+        self._conn = conn
+        self._backoff = RECONNECT_FIRST
+        previous, self.run_id = self.run_id, _run_id(info)
+        self.restarted = previous is not None and self.run_id != previous
+        came_back, self.down = self.down, False
+        return conn._sock.fileno(), came_back
+
+    def gone(self) -> bool:
+        """The socket turned readable: true when the server closed it (or sent
+        what an idle connection never gets); then start over."""
+        if self._conn is not None:
+            try:
+                if not self._conn.can_read(timeout=0):
+                    return False  # transport bytes only (a TLS session ticket)
+            except (redis.RedisError, OSError):
+                pass
+            self._conn.disconnect()
+            self._conn = None
+        self.down = True
+        self.losses += 1
+        self._retry_at = 0.0
+        return True
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
+
+
+def _run_id(info: Any) -> Optional[str]:
+    if isinstance(info, dict):
+        value = info.get("run_id")
+        return str(value) if value is not None else None
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        if line.startswith("run_id:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+class Heartbeat:
+    def __init__(self, engine: LockEngine) -> None:
+        self.engine = engine
+        self._held: dict[int, SingletonLock] = {}
+        self._mutex = ForkSafeLock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread: Optional[threading.Thread] = None
+        self._sleeping: Optional[float] = None  # the renewer's current interval
+        # With nothing held the renewer still wakes this often, so a lock with
+        # the usual lease never has to wake it: taking a lock is a dict insert.
+        self.idle_interval = engine.config.ttl / RENEW_FRACTION
+        self.watch = RedisWatch(engine)
+        self.rounds = 0
+        self.reasserted = 0
+
+    def add(self, lock: SingletonLock) -> None:
+        with self._mutex:
+            self._held[id(lock)] = lock
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="singleton-heartbeat", daemon=True
+                )
+                self._thread.start()
+            elif self._sleeping is not None and lock.lease / RENEW_FRACTION < self._sleeping:
+                # the renewer sleeps longer than this lease allows: wake it to reschedule
+                os.write(self._wake_w, b"x")
+
+    def discard(self, lock: SingletonLock) -> None:
+        with self._mutex:
+            self._held.pop(id(lock), None)
+
+    def held(self) -> list[SingletonLock]:
+        with self._mutex:
+            return list(self._held.values())
+
+    def _interval_locked(self) -> float:
+        if not self._held:
+            return self.idle_interval
+        return min(lock.lease for lock in self._held.values()) / RENEW_FRACTION
+
+    def _run(self) -> None:
+        with self._mutex:
+            self._sleeping = self._interval_locked()
+        next_round = time.monotonic() + self._sleeping
+        while True:
+            try:
+                next_round = self._step(next_round)
+            except Exception:  # never let the renewer die
+                logger.exception("Singleton heartbeat round failed")
+                time.sleep(RECONNECT_MAX)
+
+    def _step(self, next_round: float) -> float:
+        """Wait for the round, a wake-up or the server going away; act; the next
+        round's time."""
+        fd, came_back = self.watch.fileno()
+        if came_back:
+            logger.warning("Lock Redis is back (%s): re-asserting held locks at once",
+                           "restarted" if self.watch.restarted else "same server")
+            self.renew_now(take_back=self.watch.restarted)
+            return time.monotonic() + self._current_interval()
+        timeout = max(next_round - time.monotonic(), 0.0)
+        retry_in = self.watch.retry_in
+        if retry_in is not None:
+            timeout = min(timeout, retry_in)
+        waiting = [self._wake_r] if fd is None else [self._wake_r, fd]
+        ready, _, _ = select.select(waiting, [], [], timeout)
+        if self._wake_r in ready:
+            self._drain_wake()
+        try:
+            # replies of releases sent without waiting, when no later call read them
+            self.engine.settle()
+        except Exception:
+            logger.exception("Reading singleton lock replies failed")
+        if fd is not None and fd in ready and self.watch.gone():
+            logger.warning("Lost the connection to the lock Redis: watching for its return")
+            return next_round
+        if self._wake_r in ready:
+            # woken by a shorter lease: reschedule (never later than planned)
+            return min(next_round, time.monotonic() + self._current_interval())
+        if time.monotonic() < next_round:
+            return next_round  # a reconnect attempt was due, not the round
+        self.renew_now()
+        return time.monotonic() + self._current_interval()
+
+    def _current_interval(self) -> float:
+        with self._mutex:
+            self._sleeping = self._interval_locked()
+            return self._sleeping
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def renew_now(self, take_back: bool = False) -> None:
+        """One round: renew every held lock in one call.
+
+        ``take_back``: the server restarted (its run_id changed), so an absent
+        key was forgotten, not released: write it back. Otherwise an absent key
+        was released by someone (``celery singleton release --force``) or
+        expired, and the lock is lost.
+        """
+        locks = [lock for lock in self.held() if not lock.handed_off]
+        if not locks:
+            return
+        sent_at = time.monotonic()
+        entries = [(lock.keys.lock, lock.exec_id, int(lock.lease * 1000)) for lock in locks]
+        try:
+            results = self.engine.renew(entries)
+        except redis.RedisError as exc:
+            logger.warning("Could not renew %d singleton lock(s): %r", len(locks), exc)
+            for lock in locks:
+                monitor.count(self.engine, "renew_failed", lock.task_name)  # metrics
+                _ = lock.lost  # mark and log the ones whose deadline passed
+            return
+        self.rounds += 1
+        for lock, result in zip(locks, results):
+            if result is Renew.RENEWED:
+                lock.renewed(sent_at)
+            elif result is Renew.ABSENT and lock.held and not lock.handed_off:
+                if take_back:
+                    self._take_back(lock, sent_at)
+                else:
+                    lock.mark_lost("renewal found the lock gone (released, or expired)")
+            elif result is Renew.NOT_OURS and lock.held and not lock.handed_off:
+                lock.mark_lost("renewal found the lock held by another execution")
+
+    def _take_back(self, lock: SingletonLock, sent_at: float) -> None:
+        """An absent key of a lock whose local lease is still valid: write the
+        owner record again, with a higher fencing token."""
+        if lock.lost:
+            return  # the lease ran out locally: too late to take anything back
+        try:
+            answer = self.engine.acquire(
+                lock.keys, task_id=lock.task_id, exec_id=lock.exec_id,
+                lease_ms=int(lock.lease * 1000), hostname=lock.hostname,
+                retries=lock.retries, task_name=lock.task_name, scope="run")
+        except redis.RedisError as exc:
+            logger.warning("Could not take back singleton lock %s: %r", lock.key, exc)
+            return
+        if answer.status is Acquire.GRANTED:
+            self.reasserted += 1
+            lock.renewed(sent_at)
+            logger.warning(
+                "Took back singleton lock %s of %s[%s]: its key was gone from Redis "
+                "(new record token %s; the task keeps token %s)",
+                lock.key, lock.task_name, lock.task_id, answer.token, lock.token)
+        else:
+            holder = answer.holder.task_id if answer.holder is not None else "?"
+            lock.mark_lost(f"its key was gone from Redis and {holder} has it now")
+
+
+def heartbeat_for(engine: LockEngine) -> Heartbeat:
+    """The heartbeat of ``engine`` (engines are per process already)."""
+    hb = engine.heartbeat
+    if hb is None:
+        with _create_lock:
+            hb = engine.heartbeat
+            if hb is None:
+                hb = engine.heartbeat = Heartbeat(engine)
+    assert isinstance(hb, Heartbeat)
+    return hb
+
+
+_create_lock = ForkSafeLock()

@@ -1,0 +1,119 @@
+"""``self.singleton``: what a running task sees of its lock.
+
+The lease counts on this process's monotonic clock from before the acquire
+left, so the task learns its lock may be gone (``lost``) as soon as the lease
+could have run out, even when no renewal can reach Redis to say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+from . import monitor
+from .exceptions import LockLostError
+from .keys import LockKeys
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: the clock leases are counted on; a test may hand a lock another
+Clock = Callable[[], float]
+
+
+class SingletonLock:
+    """What a running task sees as ``self.singleton``.
+
+    ``key``     the lock's key (a hash: no argument value in it)
+    ``token``   fencing token, increasing with every grant of this key (0: no lock)
+    ``lost``    true once the lock is known or presumed no longer ours
+    ``check()`` raises :class:`LockLostError` when ``lost``
+    """
+
+    __slots__ = (
+        "_clock",
+        "_deadline",
+        "_lost_reason",
+        "acquired_at",
+        "exec_id",
+        "handed_off",
+        "held",
+        "hostname",
+        "key",
+        "keys",
+        "lease",
+        "retries",
+        "task_id",
+        "task_name",
+        "token",
+    )
+
+    def __init__(
+        self,
+        keys: LockKeys,
+        *,
+        task_id: str = "",
+        task_name: str = "",
+        exec_id: str = "",
+        token: int = 0,
+        lease: float = 0.0,
+        started: float = 0.0,
+        held: bool = False,
+        hostname: str = "",
+        retries: int = 0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.keys = keys
+        self.key = keys.base
+        self.task_id = task_id
+        self.task_name = task_name
+        self.exec_id = exec_id
+        self.token = token
+        self.lease = lease
+        self.held = held
+        self.handed_off = False
+        # what the owner record says, to write it again (see Heartbeat)
+        self.hostname = hostname
+        self.retries = retries
+        # The lease counts from before the request left: a conservative deadline.
+        self._deadline = started + lease if held else float("inf")
+        self._lost_reason: Optional[str] = None
+        self._clock = clock
+        #: wall-clock time of the grant: the age shown by ``celery inspect stats``
+        self.acquired_at = time.time()
+
+    @property
+    def lost(self) -> bool:
+        if self._lost_reason is not None:
+            return True
+        if self.held and self._clock() > self._deadline:
+            self.mark_lost("lease ran out before it could be renewed")
+            return True
+        return False
+
+    def check(self) -> None:
+        """Raise :class:`LockLostError` if this execution may no longer hold the lock."""
+        if self.lost:
+            raise LockLostError(self.key, self.token, self._lost_reason or "lost")
+
+    @property
+    def expired(self) -> bool:
+        """The lease's local deadline has passed (a grant read this late is no grant)."""
+        return self.held and self._clock() > self._deadline
+
+    def renewed(self, sent_at: float) -> None:
+        if self._lost_reason is None:
+            self._deadline = sent_at + self.lease
+
+    def mark_lost(self, reason: str) -> None:
+        if self._lost_reason is None:
+            self._lost_reason = reason
+            monitor.count(None, "lost", self.task_name)  # the locks_lost metric
+            logger.warning(
+                "Lost singleton lock %s (token %s) of %s[%s]: %s",
+                self.key, self.token, self.task_name, self.task_id, reason,
+            )
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost_reason else ("held" if self.held else "unlocked")
+        return f"<SingletonLock {self.key} token={self.token} {state}>"

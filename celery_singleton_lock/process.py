@@ -1,0 +1,187 @@
+"""Who holds a key, and whether that process still lives.
+
+A lock's owner record names the process that took it: a host key (boot id and
+pid namespace), a pid and an execution id. This module makes those values,
+answers "is that process provably gone?", and keeps the process's own state
+right across ``fork``: a prefork pool forks children from a main process whose
+threads (the reaper, a revoke watcher) may be inside one of our critical
+sections at that very moment, so no mutex of ours is inherited held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Callable, ClassVar, Optional
+
+_after_fork: list[Callable[[], None]] = []
+
+
+def at_fork_in_child(func: Callable[[], None]) -> Callable[[], None]:
+    """Run ``func`` in every child this process forks (before any other code of ours)."""
+    _after_fork.append(func)
+    return func
+
+
+def _run_after_fork() -> None:
+    for func in _after_fork:
+        func()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_run_after_fork)
+
+
+class ForkSafeLock:
+    """A mutex that a forked child always gets free.
+
+    ``os.fork`` copies a held ``threading.Lock`` as held, and the thread that
+    would release it does not exist in the child: the child's first ``with``
+    blocks for ever. Every mutex of the library is one of these, replaced by a
+    fresh one in the child (which runs one thread at that point).
+    """
+
+    __slots__ = ("__weakref__", "_lock")
+
+    _all: ClassVar[weakref.WeakSet[ForkSafeLock]] = weakref.WeakSet()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        ForkSafeLock._all.add(self)
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, exc_type: Optional[type[BaseException]],
+                 exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    @classmethod
+    def _renew_all(cls) -> None:
+        for lock in list(cls._all):
+            lock._lock = threading.Lock()
+
+
+at_fork_in_child(ForkSafeLock._renew_all)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _host_key() -> str:
+    """Identifies the pid namespace of this process: same key, same meaning of a pid."""
+    boot = _read("/proc/sys/kernel/random/boot_id") or socket.gethostname()
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = "0"
+    return f"{boot}:{ns}"
+
+
+HOST_KEY = _host_key()
+
+
+class _Process:
+    """What identifies this process, kept current across fork without a system
+    call per task: the pid, a fork generation, and a random prefix that makes
+    execution ids unique across processes (a counter makes them unique within)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.pid = os.getpid()
+        self.generation += 1
+        self.prefix = uuid.uuid4().hex[:16]
+        self.counter = itertools.count(1)
+
+    def new_exec_id(self) -> str:
+        """An id no other execution attempt anywhere has."""
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+PROCESS = _Process()
+at_fork_in_child(PROCESS.reset)
+
+
+def pid_alive(pid: int) -> bool:
+    """True unless ``pid`` is surely gone (a zombie counts as gone)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is gone too: "pid (comm) S ...", the state follows the last
+    # parenthesis. Read with bare system calls: this runs for every duplicate.
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        stat = os.read(fd, 512)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    state = stat.rpartition(b")")[2][1:2]
+    return state not in (b"Z", b"X")
+
+
+#: seconds a holder process seen alive is taken to be alive without asking the
+#: kernel again: a storm of duplicates of one running task costs one check per
+#: this interval instead of four system calls per duplicate, and a holder that
+#: died is noticed at most this late (its lease, seconds long, is the backstop)
+ALIVE_RECHECK = 0.25
+_seen_alive: dict[int, float] = {}
+at_fork_in_child(_seen_alive.clear)
+
+
+def forget_seen(pid: int) -> None:
+    """``pid`` was just seen gone: no remembered "alive" answer for it."""
+    _seen_alive.pop(pid, None)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The execution that has a key, as its owner record names it."""
+
+    task_id: str
+    exec_id: str = ""
+    host_key: str = ""
+    pid: int = 0
+    hostname: str = ""
+
+    def provably_dead(self) -> bool:
+        """Its process ran in our pid namespace and no longer exists."""
+        if self.host_key != HOST_KEY or self.pid <= 0:
+            return False
+        now = time.monotonic()
+        seen = _seen_alive.get(self.pid)
+        if seen is not None and now - seen < ALIVE_RECHECK:
+            return False
+        if pid_alive(self.pid):
+            if len(_seen_alive) >= 4096:
+                _seen_alive.clear()
+            _seen_alive[self.pid] = now
+            return False
+        _seen_alive.pop(self.pid, None)
+        return True

@@ -1,0 +1,138 @@
+"""Every reply of every script in ``lua/``, named once.
+
+The scripts answer with small integers (and arrays that start with one); this
+module is the only place that reads them. Each family has its own enum, so a
+release's "taken" can never be mistaken for an acquire's "held", and a reply
+no script gives raises :class:`UnexpectedReplyError` instead of being guessed at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Optional
+
+from .exceptions import UnexpectedReplyError
+from .process import Holder
+
+
+class Acquire(IntEnum):
+    """``acquire.lua``: what an execution that starts found."""
+
+    HELD = 0  #: another task holds the key (running, or queued under queue_and_run)
+    GRANTED = 1  #: the lock is this execution's
+    SAME_TASK = 2  #: another execution of this very task id holds it (a redelivery)
+    FINISHED = 3  #: this task id already finished: a late redelivery
+    DONE = 4  #: another task succeeded within ``singleton_done_ttl``
+
+
+class Release(IntEnum):
+    """``release.lua``: what a release found."""
+
+    TAKEN = 0  #: another execution holds the key
+    RELEASED = 1  #: freed
+    FREE = -1  #: no owner record: the lease ran out, or an earlier copy freed it
+
+
+class Renew(IntEnum):
+    """``renew.lua``: one per lock renewed."""
+
+    NOT_OURS = 0  #: held by another execution
+    RENEWED = 1
+    HANDED_OFF = 2  #: kept for this task's retry; the retry renews it
+    ABSENT = 3  #: no record at all (Redis restarted empty, an eviction, a lapsed lease)
+    #: not answered this round (never a script's reply: a Cluster node that
+    #: failed while others answered); the lock is left alone, like on an error
+    UNANSWERED = -1
+
+
+class Enqueue(IntEnum):
+    """``enqueue.lua``: what a send under the queue scopes found."""
+
+    HELD = 0  #: queued, or running (queue_and_run), as another task
+    TAKEN = 1  #: the key is this send's
+    DONE = 4  #: another task succeeded within ``singleton_done_ttl``
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """An acquire's answer: a grant with its fencing token, or who is in the way."""
+
+    status: Acquire
+    token: int = 0
+    holder: Optional[Holder] = None
+    #: the refused execution owns the key it took at send time (it was accepted)
+    queued_by_it: bool = False
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    status: Enqueue
+    holder: Optional[Holder] = None
+
+
+@dataclass(frozen=True)
+class Released:
+    """What a release sent without waiting found, read later.
+
+    ``repeated``: the command was sent again after its reply was lost with the
+    connection, so FREE most likely means the first attempt worked.
+    """
+
+    status: Release
+    repeated: bool = False
+
+
+def _enum(family: type[IntEnum], value: Any, script: str) -> Any:
+    try:
+        return family(int(value))
+    except (TypeError, ValueError):
+        raise UnexpectedReplyError(script, value) from None
+
+
+def _first(reply: Any, script: str) -> Any:
+    if not isinstance(reply, list) or not reply:
+        raise UnexpectedReplyError(script, reply)
+    return reply[0]
+
+
+def acquired(reply: Any) -> Acquired:
+    status: Acquire = _enum(Acquire, _first(reply, "acquire"), "acquire")
+    try:
+        if status is Acquire.GRANTED:
+            return Acquired(status, token=int(reply[1]))
+        if status in (Acquire.FINISHED, Acquire.DONE):
+            return Acquired(status, holder=Holder(reply[1]))
+        holder = Holder(task_id=reply[1], exec_id=reply[2], host_key=reply[3],
+                        pid=int(reply[4] or 0), hostname=reply[5])
+        return Acquired(status, holder=holder, queued_by_it=reply[6] == 1)
+    except (IndexError, TypeError, ValueError):
+        raise UnexpectedReplyError("acquire", reply) from None
+
+
+def enqueued(reply: Any) -> Enqueued:
+    status: Enqueue = _enum(Enqueue, _first(reply, "enqueue"), "enqueue")
+    if status is Enqueue.TAKEN:
+        return Enqueued(status)
+    try:
+        return Enqueued(status, holder=Holder(reply[1]))
+    except IndexError:
+        raise UnexpectedReplyError("enqueue", reply) from None
+
+
+def released(reply: Any, repeated: bool = False) -> Released:
+    status: Release = _enum(Release, reply, "release")
+    return Released(status, repeated)
+
+
+def renewed(reply: Any, count: int) -> list[Renew]:
+    if not isinstance(reply, list) or len(reply) != count:
+        raise UnexpectedReplyError("renew", reply)
+    return [_enum(Renew, x, "renew") for x in reply]
+
+
+def flag(reply: Any, script: str) -> bool:
+    """A yes/no script (``handoff``, ``unqueue``): 1 or 0."""
+    if reply not in (0, 1):
+        raise UnexpectedReplyError(script, reply)
+    return bool(reply)

@@ -1,0 +1,500 @@
+"""SingletonTask: take the key's lock before the body runs, hold it while it runs.
+
+Orchestration only: the engine does the Redis work, :mod:`.policies` decides
+what a conflict gets, and this module carries the decision out with Celery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import redis
+from celery import Task
+from celery.exceptions import Ignore, Retry
+from kombu.utils.uuid import uuid
+
+from . import monitor, policies
+from .bootsteps import SingletonStep
+from .config import SingletonConfig, get_config
+from .engine import LockEngine, engine_for
+from .exceptions import LockBackendError, WaitingForKey
+from .heartbeat import heartbeat_for
+from .keys import KeyBuilder, KeySpec, LockKeys
+from .lock import SingletonLock
+from .policies import Decision, Do
+from .process import PROCESS, ForkSafeLock
+from .replies import Acquire, Acquired, Release, Released
+from .results import DeduplicatedResult, skip_result
+
+logger = logging.getLogger("celery_singleton_lock")
+
+_LOCK_ATTR = "_singleton_lock"
+_ENTERED_ATTR = "_singleton_entered"
+#: header counting how often a request was sent again to wait for its key
+WAITS_HEADER = "singleton_waits"
+_CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """A task's settings (the app's, its own options over them) and its key builder."""
+
+    config: SingletonConfig
+    builder: KeyBuilder
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task of which at most one execution per key runs at a time.
+
+    Options (task decorator arguments or class attributes):
+
+    ``singleton_key``          argument names, a function of the task's arguments,
+                               or None for all arguments
+    ``singleton_on_duplicate`` ``"skip"``, ``"retry"`` or ``"raise"``
+    ``singleton_ttl``          lease in seconds, renewed while the task runs
+    ``singleton_scope``        ``"run"``, ``"queue"`` or ``"queue_and_run"``
+    ``singleton_done_ttl``     seconds a success keeps its key done (0 or None: off)
+    """
+
+    singleton_key: KeySpec = None
+    singleton_on_duplicate: Optional[str] = None
+    singleton_ttl: Optional[float] = None
+    singleton_scope: Optional[str] = None
+    singleton_done_ttl: Optional[float] = None
+
+    _singleton_settings_cache: Optional[TaskSettings] = None
+    _singleton_settings_mutex = ForkSafeLock()
+
+    @classmethod
+    def bind(cls, app: Any) -> Any:
+        # the worker step checks the settings at start and wires the signals
+        app.steps["worker"].add(SingletonStep)
+        return super().bind(app)
+
+    # -- settings ---------------------------------------------------------------
+
+    def singleton_settings(self, *, reload: bool = False) -> TaskSettings:
+        """Checked settings of this task (raises ConfigurationError naming the option).
+
+        ``reload=True`` reads the app's settings and the task's options again.
+        """
+        settings = None if reload else self._singleton_settings_cache
+        if settings is None:
+            with self._singleton_settings_mutex:
+                settings = None if reload else self._singleton_settings_cache
+                if settings is None:
+                    config = get_config(self.app, reload=reload).for_task(self.name, {
+                        s: getattr(self, s, None)
+                        for s in ("singleton_ttl", "singleton_on_duplicate", "singleton_scope",
+                                  "singleton_done_ttl")})
+                    builder = KeyBuilder(self.name, self.run, self.singleton_key,
+                                         config.key_prefix)
+                    settings = TaskSettings(config, builder)
+                    self._singleton_settings_cache = settings
+        return settings
+
+    def singleton_keys(self, *args: Any, **kwargs: Any) -> LockKeys:
+        """The lock keys a call with these arguments uses."""
+        return self.singleton_settings().builder.keys(args, kwargs)
+
+    # -- what the running task sees -------------------------------------------
+
+    @property
+    def singleton(self) -> SingletonLock:
+        """This execution's lock: ``.key``, ``.token``, ``.lost``, ``.check()``."""
+        req = self.request
+        lock: Optional[SingletonLock] = getattr(req, _LOCK_ATTR, None)
+        if lock is None:
+            keys = self.singleton_keys(*(req.args or ()), **(req.kwargs or {}))
+            lock = SingletonLock(keys, task_id=req.id or "", task_name=self.name)
+            setattr(req, _LOCK_ATTR, lock)
+        return lock
+
+    # -- sending ----------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: Optional[str] = None,
+                    **options: Any) -> Any:
+        """Celery's apply_async; under the queue scopes the key is taken here.
+
+        When the key is already taken, no message is sent and the result of the
+        task holding it comes back: a :class:`DeduplicatedResult`.
+        """
+        config = self.singleton_settings().config
+        if (
+            config.scope == "run"
+            or self.app.conf.task_always_eager
+            or (task_id is not None and task_id == self.request.id)  # its own retry or wait
+        ):
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        fresh_id = task_id is None
+        task_id = task_id or uuid()
+        keys = self.singleton_settings().builder.keys(args or (), kwargs or {})
+        engine = engine_for(self.app)
+        marker_ms = int((_send_delay(self, options) + config.queue_ttl) * 1000)
+        try:
+            answer = engine.enqueue(keys, task_id, config.scope, marker_ms)
+        except redis.RedisError as exc:
+            monitor.count(engine, "backend_errors", self.name, "send")  # metrics
+            decision = policies.on_backend_error(config.on_backend_error, phase="send",
+                                                 key=keys.base, error=exc)
+            if decision.do is Do.FAIL:
+                assert decision.error is not None
+                raise decision.error from exc
+            logger.warning("Lock backend unavailable when sending %s[%s] (%r): sent without "
+                           "its key; the lock is still taken when it runs", self.name, task_id, exc)
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        if fresh_id and answer.holder is not None and answer.holder.task_id == task_id:
+            # Nobody else has an id made just now: the engine's repeat after a
+            # broken connection found its own first attempt's work.
+            decision = Decision(Do.SEND, keyed=True)
+        else:
+            in_canvas = "chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
+            decision = policies.at_send(answer, on_duplicate=config.on_duplicate,
+                                        task_name=self.name, key=keys.base, in_canvas=in_canvas)
+        if decision.do is Do.FAIL:
+            assert decision.error is not None
+            raise decision.error
+        if decision.do is Do.REFUSE:
+            assert decision.holder is not None
+            logger.info("Not sent %s[%s]: %s is %s by %s", self.name, task_id, keys.base,
+                        "done" if decision.reason == "done" else "taken", decision.holder)
+            # Visible to operators: a counter, and a task-refused event (Flower
+            # state REFUSED) when this caller sends task events.
+            monitor.count(engine, "refused", self.name, decision.reason)
+            monitor.send_caller_event(
+                self.app, "task-refused", task_id, name=self.name, holder=decision.holder,
+                reason=decision.reason, key=keys.base,
+                result=f"{'done by' if decision.reason == 'done' else 'duplicate of'} "
+                       f"{decision.holder} ({keys.base})")
+            return DeduplicatedResult(decision.holder, key=keys.base, reason=decision.reason,
+                                      refused_id=task_id, task=self)
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        except BaseException:
+            if decision.keyed:
+                with contextlib.suppress(redis.RedisError):  # else it expires on its own
+                    engine.unqueue(keys, task_id)
+            raise
+
+    # -- execution --------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        req = self.request_stack.top
+        if req is None or req.called_directly or getattr(req, _ENTERED_ATTR, False):
+            # A plain function call (also from inside a running task): no lock.
+            return super().__call__(*args, **kwargs)
+        setattr(req, _ENTERED_ATTR, True)
+        if req.is_eager:
+            setattr(req, _LOCK_ATTR, SingletonLock(
+                self.singleton_keys(*args, **kwargs), task_id=req.id or "", task_name=self.name
+            ))
+            return self.run(*args, **kwargs)
+        return self._run_locked(req, args, kwargs)
+
+    def _run_locked(self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        config = self.singleton_settings().config
+        keys = self.singleton_settings().builder.keys(args, kwargs)
+        engine = engine_for(self.app)
+        if getattr(req, "singleton_beat_tick", None):
+            # Sent by a singleton beat: one run per (entry, tick) even if two beats
+            # sent it (a claim lost in a failover). Checked before the lock, so the
+            # extra copy neither takes the key nor waits for it (docs/beat.md).
+            from .beat import claim_tick_run
+            if not claim_tick_run(engine.client, config.key_prefix, req):
+                raise Ignore()
+        exec_id = PROCESS.new_exec_id()
+        started = time.monotonic()
+        try:
+            answer = self._acquire(engine, config, keys, req, exec_id)
+        except redis.RedisError as exc:
+            monitor.count(engine, "backend_errors", self.name, "run")  # metrics
+            decision = policies.on_backend_error(config.on_backend_error, phase="run",
+                                                 key=keys.base, error=exc)
+            return self._carry_out(decision, config, keys, args, kwargs, backend_error=exc)
+
+        if answer.status is not Acquire.GRANTED:
+            decision = policies.at_run(answer, on_duplicate=config.on_duplicate,
+                                       task_name=self.name, key=keys.base)
+            return self._carry_out(decision, config, keys, args, kwargs)
+
+        lock = SingletonLock(
+            keys, task_id=req.id, task_name=self.name, exec_id=exec_id,
+            token=answer.token, lease=config.ttl, started=started, held=True,
+            hostname=req.hostname or "", retries=req.retries or 0,
+        )
+        if lock.expired:
+            # The grant arrived after its lease could have run out (a stall on
+            # the way): another execution may hold the key by now. Not a grant.
+            self._release(engine, lock)
+            stale = LockBackendError(keys.base, "the grant arrived after its lease ran out")
+            decision = policies.on_backend_error(config.on_backend_error, phase="run",
+                                                 key=keys.base, error=stale)
+            return self._carry_out(decision, config, keys, args, kwargs, backend_error=stale)
+        setattr(req, _LOCK_ATTR, lock)
+        logger.debug("Acquired singleton lock %s for %s[%s] token=%s",
+                     keys.base, self.name, req.id, lock.token)
+        heartbeat = heartbeat_for(engine)
+        heartbeat.add(lock)
+        # counted in memory; a thread of this process publishes it and the held lock
+        monitor.count(engine, "acquired", self.name)
+        succeeded = False
+        try:
+            result = self.run(*args, **kwargs)
+            succeeded = True
+            return result
+        except Retry as exc:
+            if not lock.handed_off:
+                self._hand_off(engine, lock, _delay_of(self, exc.when))
+            raise
+        finally:
+            heartbeat.discard(lock)
+            if not lock.handed_off:
+                self._release(engine, lock, config.done_ttl if succeeded else 0.0)
+            monitor.observe_hold(engine, self.name, time.monotonic() - started)
+
+    def _carry_out(self, decision: Decision, config: SingletonConfig, keys: LockKeys,
+                   args: Sequence[Any], kwargs: Mapping[str, Any],
+                   backend_error: Optional[Exception] = None) -> Any:
+        """Do what :mod:`.policies` decided for an execution that did not get its lock."""
+        name, task_id, do = self.name, self.request.id, decision.do
+        if do is Do.SKIP:
+            logger.info("Skipped duplicate %s[%s]: %s %s %s", name, task_id, keys.base,
+                        "was done by" if decision.reason == "done" else "is held by",
+                        decision.holder)
+            monitor.count(engine_for(self.app), "skipped", name, decision.reason)
+            return self._end_skipped(skip_result(keys.base, decision.holder,
+                                                 reason=decision.reason))
+        if do is Do.DROP:
+            logger.info("Dropped redelivered %s[%s]: %s", name, task_id, decision.reason)
+            raise Ignore()
+        if do is Do.WAIT_QUIETLY:
+            logger.info("Redelivered %s[%s] waits for %s (%s)", name, task_id, decision.reason,
+                        decision.holder)
+            self._send_again(config, args, kwargs)
+            raise Ignore()
+        if do is Do.WAIT:
+            if backend_error is not None:
+                logger.warning("Lock backend unavailable for %s[%s] (%r): retrying later",
+                               name, task_id, backend_error)
+            else:
+                logger.info("Duplicate %s[%s] waits: %s is held by %s (%s)", name, task_id,
+                            keys.base, decision.holder, decision.reason)
+            try:
+                sig, countdown = self._send_again(config, args, kwargs)
+            except Exception as publish_exc:
+                if backend_error is None:
+                    raise
+                # Neither Redis nor the broker took it: fail loudly, never drop silently.
+                raise LockBackendError(keys.base, f"{backend_error!r}; retry not sent: "
+                                                  f"{publish_exc!r}") from backend_error
+            why = decision.reason if backend_error is not None else (
+                f"{keys.base} is held by {decision.holder}")
+            if backend_error is not None:
+                raise Retry(why, when=countdown, sig=sig)
+            monitor.count(engine_for(self.app), "waited", name)
+            # The reason Celery records for the RETRY (Flower's "exception"):
+            # that it waits, and for whom.
+            raise Retry(why, exc=WaitingForKey(name, keys.base, decision.holder),
+                        when=countdown, sig=sig)
+        if do is Do.RUN_UNLOCKED:
+            logger.warning("Lock backend unavailable for %s[%s] (%r): running WITHOUT the lock",
+                           name, task_id, backend_error)
+            setattr(self.request, _LOCK_ATTR, SingletonLock(keys, task_id=task_id,
+                                                            task_name=name))
+            return self.run(*args, **kwargs)
+        assert do is Do.FAIL and decision.error is not None, decision
+        raise decision.error
+
+    def _end_skipped(self, result: dict[str, Any]) -> Any:
+        """End a skipped duplicate so that Flower shows it as SKIPPED while its
+        caller, its chain and its chord see an ordinary success.
+
+        The result is stored here (``.get()`` returns it at once; a chord
+        counts the member done), the chain and links it belongs to are sent on
+        with it, a ``task-skipped`` event carries holder, reason and key, and
+        ``Ignore`` ends the run: a ``task-succeeded`` would outrank SKIPPED.
+
+        Only when the worker sends task events (``-E``): with none, no monitor
+        can show a state, and Celery's handling of ``Ignore`` (it formats the
+        traceback twice) costs about 4 ms of CPU per skip, where returning the
+        result costs a tenth of that. Without a worker (``apply()``) the result
+        is simply returned too.
+        """
+        req = self.request
+        if req.is_eager or req.called_directly or not req.id or not (
+                monitor.worker_events_on(self)):
+            return result
+        ignored = getattr(req, "ignore_result", None)
+        if ignored is None:
+            ignored = self.ignore_result
+        if req.callbacks or req.chain:
+            _send_on(self, result, req)
+        self.backend.mark_as_done(req.id, result, request=req, store_result=not ignored)
+        # "result" is the field Flower shows on the task row and page
+        verb = "done by" if result["reason"] == "done" else "duplicate of"
+        monitor.send_task_event(self, "task-skipped", holder=result["holder"],
+                                reason=result["reason"], key=result["key"],
+                                result=f"{verb} {result['holder']} ({result['key']})")
+        raise Ignore()
+
+    def _send_again(self, config: SingletonConfig, args: Sequence[Any],
+                    kwargs: Mapping[str, Any]) -> tuple[Any, float]:
+        """Send this very request again (same task id, same retries) after a backoff."""
+        req = self.request
+        waits = int(getattr(req, WAITS_HEADER, None) or 0)
+        countdown = policies.backoff(config, waits)
+        headers = dict(req.headers or {}) if isinstance(req.headers, dict) else {}
+        headers[WAITS_HEADER] = waits + 1
+        sig = self.signature_from_request(
+            req, list(args), dict(kwargs), countdown=countdown, retries=req.retries,
+            headers=headers)
+        sig.apply_async()
+        return sig, countdown
+
+    def _acquire(self, engine: LockEngine, config: SingletonConfig, keys: LockKeys, req: Any,
+                 exec_id: str) -> Acquired:
+        def attempt() -> Acquired:
+            return engine.acquire(
+                keys, task_id=req.id, exec_id=exec_id, lease_ms=int(config.ttl * 1000),
+                hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
+                scope=config.scope,
+            )
+
+        answer = attempt()
+        holder = answer.holder
+        if holder is not None and answer.status is not Acquire.DONE and (
+                engine.clear_dead_holder(keys, holder)):
+            answer = attempt()
+        return answer
+
+    def _release(self, engine: LockEngine, lock: SingletonLock, done_ttl: float = 0.0) -> None:
+        lock.held = False
+        name = self.name
+
+        def answered(reply: Optional[Released], error: Optional[Exception]) -> None:
+            if error is not None or reply is None:
+                logger.error(
+                    "Could not release singleton lock %s of %s[%s] (%r): it frees within %ss",
+                    lock.key, name, lock.task_id, error, lock.lease,
+                )
+            elif reply.status is Release.FREE and reply.repeated:
+                # The reply of the first attempt was lost with its connection;
+                # finding the key free, the repeat most likely sees that attempt's work.
+                logger.info("Released singleton lock %s of %s[%s] (the release was repeated "
+                            "after a lost reply and found the key free)",
+                            lock.key, name, lock.task_id)
+            elif reply.status is Release.FREE:
+                lock.mark_lost("at release the lease had run out (the key was free)")
+            elif reply.status is Release.TAKEN:
+                lock.mark_lost(
+                    "at release another execution held the key" + (
+                        " (the release was repeated after a lost reply: the first attempt "
+                        "may have freed it before that execution took it)"
+                        if reply.repeated else ""))
+
+        # The command leaves now and Redis frees the key before anything this
+        # process sends next; its reply is read on the next call.
+        engine.release_later(lock.keys, lock.exec_id, lock.task_id, answered,
+                             always_record=bool(self.acks_late), done_ttl=done_ttl)
+
+    def _hand_off(self, engine: LockEngine, lock: SingletonLock, delay: float) -> None:
+        lease_ms = int((max(delay, 0.0) + lock.lease) * 1000)
+        try:
+            lock.handed_off = engine.hand_off(
+                lock.keys, lock.exec_id, (self.request.retries or 0) + 1, lease_ms
+            )
+        except redis.RedisError as exc:
+            logger.error("Could not keep singleton lock %s for the retry: %r", lock.key, exc)
+
+    def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
+              eta: Any = None, countdown: Any = None, max_retries: Any = None,
+              **options: Any) -> Any:
+        """Celery's retry; the key stays held for the retried execution."""
+        lock: Optional[SingletonLock] = getattr(self.request, _LOCK_ATTR, None)
+        handing_off = lock is not None and lock.held and not lock.handed_off
+        if handing_off:
+            assert lock is not None
+            if eta is not None:
+                delay = _delay_of(self, eta)
+            elif countdown is not None:
+                delay = float(countdown)
+            else:
+                delay = float(self.default_retry_delay or 0)
+            # Before the message leaves: a fast retry must find the key kept for it.
+            self._hand_off(engine_for(self.app), lock, delay)
+        try:
+            return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                                 countdown=countdown, max_retries=max_retries, **options)
+        except Retry:
+            raise
+        except BaseException:
+            if handing_off and lock is not None:
+                lock.handed_off = False  # no retry was sent: release as usual
+            raise
+
+
+def _send_on(task: Task, result: Any, req: Any) -> None:
+    """Send a skipped member's links and the rest of its chain, as Celery does
+    after a success (``celery.app.trace``), with the skip result as input."""
+    from celery import group
+    from celery.canvas import maybe_signature
+
+    app = task.app
+    options = {"parent_id": req.id, "root_id": req.root_id or req.id}
+    callbacks = [maybe_signature(sig, app=app) for sig in req.callbacks or ()]
+    if len(callbacks) == 1:
+        callbacks[0].apply_async((result,), **options)
+    elif callbacks:
+        groups = [sig for sig in callbacks if isinstance(sig, group)]
+        for grp in groups:
+            grp.apply_async((result,), **options)
+        rest = [sig for sig in callbacks if not isinstance(sig, group)]
+        if rest:
+            group(rest, app=app).apply_async((result,), **options)
+    if req.chain:
+        chain = list(req.chain)
+        maybe_signature(chain[-1], app=app).apply_async((result,), chain=chain[:-1], **options)
+
+
+def _send_delay(task: Task, options: dict[str, Any]) -> float:
+    """Seconds until a message sent with these options may start."""
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        try:
+            eta = dt.datetime.fromisoformat(eta)
+        except ValueError:
+            eta = None
+    if isinstance(eta, dt.datetime):
+        return _delay_of(task, eta)
+    countdown = options.get("countdown")
+    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
+        return max(float(countdown), 0.0)
+    return 0.0
+
+
+def _delay_of(task: Task, when: Any) -> float:
+    if isinstance(when, dt.datetime):
+        now = task.app.now() if when.tzinfo is not None else dt.datetime.now()
+        return max((when - now).total_seconds(), 0.0)
+    if isinstance(when, (int, float)):
+        return float(when)
+    return float(task.default_retry_delay or 0)
+
+
+def send_task(app: Any, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+    """``app.send_task`` that honours the queue scopes.
+
+    When ``name`` is a :class:`SingletonTask` registered in ``app`` (its module
+    imported by the caller), the send goes through the task, so the key is taken
+    at send time and a duplicate is refused as with ``apply_async``. Any other
+    name is sent by ``app.send_task`` unchanged.
+    """
+    task = app.tasks.get(name)
+    if isinstance(task, SingletonTask):
+        return task.apply_async(args, kwargs, **options)
+    return app.send_task(name, args, kwargs, **options)

@@ -1,0 +1,346 @@
+"""The Redis wire: EVALSHA of our scripts, written on connections of our own.
+
+Every lock call is one script call by SHA, one round trip. The hot path writes
+the command itself on a connection it keeps out of redis-py's pool: taking one
+is a list pop, where the pool's checkout and redis-py's generic command layer
+cost more CPU than the round trip on a fast network.
+
+Connections are bounded: a connection goes back to the idle list on every
+path, broken or not (a broken one is disconnected and reconnects when next
+used), so a process holds at most one per thread inside a lock call plus one
+per release whose reply is still owed (each lock call reads those first).
+However long Redis is down, however many calls fail meanwhile, nothing is
+left behind: the next call after Redis is back connects and works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import redis
+from redis.exceptions import NoScriptError
+
+from .process import ForkSafeLock
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: the errors after which a command may or may not have run, and the
+#: connection is no longer in step: disconnect, and repeat the command once
+BROKEN = (redis.ConnectionError, redis.TimeoutError)
+
+
+@dataclass(frozen=True)
+class Script:
+    """One of the ``lua/*.lua`` scripts, called by its SHA."""
+
+    name: str
+    source: str
+    sha: str
+
+    @classmethod
+    def load(cls, name: str) -> Script:
+        source = resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+        return cls(name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+def pack(parts: Sequence[Any]) -> bytes:
+    """One RESP command; our arguments are only str and int."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else b"%d" % part
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
+    return pack(["EVALSHA", script.sha, len(keys), *keys, *args])
+
+
+#: told the reply of a command sent without waiting: (reply, error, repeated)
+Answered = Callable[[Any, Optional[Exception], bool], None]
+
+
+class _Pending:
+    """A command sent without waiting: what to repeat, whom to tell."""
+
+    __slots__ = ("answered", "args", "keys", "script")
+
+    def __init__(self, script: Script, keys: Sequence[str], args: Sequence[Any],
+                 answered: Answered) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.answered = answered
+
+    def answer(self, reply: Any, error: Optional[Exception], repeated: bool = False) -> None:
+        try:
+            self.answered(reply, error, repeated)
+        except Exception:  # a reply read on someone else's call must not break it
+            logger.exception("Handling a lock reply failed")
+
+
+class Wire:
+    """Script calls of one process to one Redis."""
+
+    def __init__(self, client: redis.Redis, scripts: Iterable[Script] = ()) -> None:
+        self.client = client
+        # loaded on every connect: a fresh or restarted Redis knows them before
+        # the first call, so a release sent without waiting never meets NOSCRIPT
+        self._scripts = tuple(scripts)
+        pool = client.connection_pool
+        self._connection_class = pool.connection_class
+        self._connection_kwargs = dict(pool.connection_kwargs)
+        # a Sentinel-managed connection learns the primary's address in
+        # connect(); a reconnect on send would go to the address it had
+        self._resolving = hasattr(self._connection_class, "connect_to")
+        self._idle: list[Any] = []
+        # connections owing the reply of a command sent without waiting
+        self._unsettled: list[tuple[Any, _Pending]] = []
+        self._made = 0
+        self._making = ForkSafeLock()
+
+    @property
+    def connections(self) -> int:
+        """Connections this wire has made (each is kept and reused, never dropped)."""
+        return self._made
+
+    @property
+    def unsettled(self) -> int:
+        """Commands sent whose reply has not been read yet."""
+        return len(self._unsettled)
+
+    def _take(self) -> Any:
+        """A connection in step: every reply owed on this wire read first."""
+        self.settle()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            with self._making:
+                self._made += 1
+            conn = self._connection_class(**self._connection_kwargs)
+            if self._scripts:
+                conn.register_connect_callback(self._load_scripts)
+            return conn
+
+    def new_connection(self) -> Any:
+        """A connection for other uses (not in the idle list, no scripts loaded)."""
+        with self._making:
+            self._made += 1
+        return self._connection_class(**self._connection_kwargs)
+
+    def _load_scripts(self, conn: Any) -> None:
+        """SCRIPT LOAD of every script, pipelined: one round trip per connect."""
+        for script in self._scripts:
+            conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
+        for _ in self._scripts:
+            # a user not allowed SCRIPT LOAD: NOSCRIPT handling reports it later
+            with contextlib.suppress(redis.ResponseError):
+                conn.read_response()
+
+    def _give(self, conn: Any, broken: bool = False) -> None:
+        if broken:
+            conn.disconnect()  # it reconnects when next used
+        self._idle.append(conn)
+
+    def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, bool]:
+        """EVALSHA ``script`` in one round trip: (reply, whether it was sent twice).
+
+        A broken connection is retried once on a fresh connect (every script is
+        safe to repeat: the owner check makes a repeat a no-op or a "not
+        ours"); a server that lost its scripts gets them loaded again.
+        """
+        reply, repeated, _ = self.call_with(script, keys, args)
+        return reply, repeated
+
+    def call_many(self, script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+                  *, after: Sequence[Any] = ()) -> tuple[list[Any], Any]:
+        """Several EVALSHAs of ``script`` in one write, their replies read after
+        it: still one round trip, but Redis runs them one at a time and serves
+        its other clients in between (a renewal of many locks never stalls it).
+        ``after`` is one more command in the same write (``WAIT``); its reply,
+        or its error, comes back second. Every call must be safe to repeat.
+        """
+        packed = b"".join(evalsha(script, keys, args) for keys, args in calls)
+        if after:
+            packed += pack(after)
+        for attempt in (1, 2):
+            conn = self._take()
+            try:
+                if self._resolving and conn._sock is None:
+                    conn.connect()
+                conn.send_packed_command([packed], check_health=False)
+                answers: list[Any] = []
+                for _ in calls:  # every reply read, errors included: stay in step
+                    try:
+                        answers.append(conn.read_response())
+                    except redis.ResponseError as exc:
+                        answers.append(exc)
+                late = _read_late(conn) if after else None
+            except BROKEN:
+                self._give(conn, broken=True)
+                if attempt == 2:
+                    raise
+                continue
+            except BaseException:
+                self._give(conn, broken=True)
+                raise
+            if any(isinstance(a, NoScriptError) for a in answers):
+                try:
+                    conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
+                    conn.read_response()
+                except BaseException:
+                    self._give(conn, broken=True)
+                    raise
+                self._give(conn)
+                continue  # the server lost its scripts: send them all again
+            self._give(conn)
+            for answer in answers:
+                if isinstance(answer, redis.ResponseError):
+                    raise answer
+            return answers, late
+        raise redis.ConnectionError("the script calls could not be sent")
+
+    def call_with(self, script: Script, keys: Sequence[str], args: Sequence[Any], *,
+                  before: Sequence[Any] = (), after: Sequence[Any] = ()
+                  ) -> tuple[Any, bool, Any]:
+        """:meth:`call` with one command sent just before the script (``ASKING``)
+        and/or one just after it (``WAIT``), in the same write on the same
+        connection: (script reply, sent twice, reply of ``after`` or None).
+
+        Still one round trip. An error reply of ``after`` is returned as its
+        reply, not raised: the script's own reply is what the caller acts on.
+        """
+        head = pack(before) if before else b""
+        tail = pack(after) if after else b""
+        packed = head + evalsha(script, keys, args) + tail
+        for attempt in (1, 2):
+            conn = self._take()
+            try:
+                if self._resolving and conn._sock is None:
+                    conn.connect()
+                conn.send_packed_command([packed], check_health=False)
+                if before:
+                    conn.read_response()
+                try:
+                    reply = conn.read_response()
+                except NoScriptError:
+                    if after:
+                        conn.read_response()
+                    conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
+                    conn.read_response()
+                    conn.send_packed_command([packed], check_health=False)
+                    if before:
+                        conn.read_response()
+                    reply = conn.read_response()
+                except redis.ResponseError:
+                    if after:
+                        conn.read_response()  # keep the connection in step
+                    raise
+                late = _read_late(conn) if after else None
+            except BROKEN:
+                self._give(conn, broken=True)
+                if attempt == 2:
+                    raise
+                continue
+            except redis.RedisError:
+                self._give(conn)
+                raise
+            except BaseException:
+                self._give(conn, broken=True)
+                raise
+            self._give(conn)
+            return reply, attempt == 2, late
+        raise AssertionError("unreachable")
+
+    def call_asking(self, script: Script, keys: Sequence[str], args: Sequence[Any]
+                    ) -> tuple[Any, bool]:
+        """:meth:`call` on a node importing the slot (after an ASK redirection)."""
+        reply, repeated, _ = self.call_with(script, keys, args, before=["ASKING"])
+        return reply, repeated
+
+    def call_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
+                   answered: Answered) -> None:
+        """Send ``script`` now and read its reply later; ``answered(reply, error, repeated)``.
+
+        The command leaves at once, so Redis runs it in order before anything
+        this process sends afterwards; only the wait for the reply is saved.
+        The reply is read by the next call on this wire or by :meth:`settle`.
+        Nothing is lost when it fails: a server that lost its scripts or a
+        broken connection gets the command again, waiting this time.
+        """
+        pending = _Pending(script, keys, args, answered)
+        packed = evalsha(script, keys, args)
+        try:
+            conn = self._take()
+            try:
+                if self._resolving and conn._sock is None:
+                    conn.connect()
+                conn.send_packed_command([packed], check_health=False)
+            except BaseException:
+                self._give(conn, broken=True)
+                raise
+        except BROKEN:
+            self._redo(pending, repeated=True)  # some of it may have left
+            return
+        self._unsettled.append((conn, pending))
+
+    def _settle(self, conn: Any, pending: _Pending) -> None:
+        try:
+            reply = conn.read_response()
+        except NoScriptError:
+            self._give(conn)
+            self._redo(pending, repeated=False)  # it never ran; loads the script again
+            return
+        except BROKEN:
+            self._give(conn, broken=True)
+            self._redo(pending, repeated=True)  # it may have run
+            return
+        except redis.RedisError as exc:
+            self._give(conn)
+            pending.answer(None, exc)
+            return
+        except BaseException:
+            self._give(conn, broken=True)
+            raise
+        self._give(conn)
+        pending.answer(reply, None)
+
+    def _redo(self, pending: _Pending, repeated: bool) -> None:
+        try:
+            reply, again = self.call(pending.script, pending.keys, pending.args)
+        except redis.RedisError as exc:
+            pending.answer(None, exc, repeated)
+        else:
+            pending.answer(reply, None, repeated or again)
+
+    def settle(self) -> None:
+        """Read every reply still owed on this wire."""
+        unsettled = self._unsettled
+        while unsettled:  # every call starts here: nothing raised when none is owed
+            try:
+                conn, pending = unsettled.pop()
+            except IndexError:  # another thread read the last one
+                return
+            self._settle(conn, pending)
+
+    def close(self) -> None:
+        """Read what is owed, then close every connection."""
+        try:
+            self.settle()
+        finally:
+            while self._idle:
+                self._idle.pop().disconnect()
+
+
+def _read_late(conn: Any) -> Any:
+    """The reply of a command sent after the script (``WAIT``): an error reply
+    comes back as the reply, since the script's own reply is what counts."""
+    try:
+        return conn.read_response()
+    except redis.ResponseError as exc:
+        return exc

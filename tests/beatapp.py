@@ -1,0 +1,108 @@
+"""The Celery app of the beat tests: `celery beat` and `celery worker` both run it.
+
+Configured from the environment like ``tests.workerapp`` (whose tasks it has
+too), plus:
+
+``SLT_BEAT_SCHEDULE``  JSON ``{name: {"task", "every" | "crontab", "kwargs", "options"}}``
+``SLT_CLOCK_OFFSET``   seconds added to this beat's clock (clock-skew tests)
+``SLT_BEAT_NAME``      where this beat publishes ``singleton_stats`` (db 3, ``beatstats:<name>``)
+
+Tasks ``t.tick`` (plain) and ``t.tick_hold`` (SingletonTask) record the beat
+headers they arrive with in db 3 list ``events``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+from typing import Any
+
+from celery import Celery
+from celery.schedules import crontab
+
+from celery_singleton_lock import SingletonTask
+from celery_singleton_lock.beat import SingletonScheduler
+from tests.workerapp import make_app, recorder
+
+HEADERS = ("singleton_beat_entry", "singleton_beat_tick", "singleton_beat_id",
+           "periodic_task_name", "celery_beat_task")
+
+
+def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
+                  conf: dict[str, Any] | None = None,
+                  schedule: dict[str, Any] | None = None) -> Celery:
+    app = make_app(redis_url, queue, lock_url, conf)
+    rec = recorder(redis_url)
+
+    def record(task: Any, ev: str, **extra: Any) -> None:
+        event = {h: getattr(task.request, h, None) for h in HEADERS}
+        event.update(ev=ev, id=task.request.id, at=time.time(), pid=os.getpid(), **extra)
+        rec.rpush("events", json.dumps(event))
+
+    @app.task(bind=True, name="t.tick", shared=False)
+    def tick(self: Any, tag: str = "") -> None:
+        record(self, "tick", tag=tag)
+
+    @app.task(base=SingletonTask, bind=True, name="t.tick_hold", shared=False,
+              singleton_key=("key",))
+    def tick_hold(self: Any, key: str, seconds: float = 0.0) -> None:
+        n = rec.incr(f"active:{key}")
+        record(self, "start", key=key, concurrent=n)
+        try:
+            time.sleep(seconds)
+        finally:
+            rec.decr(f"active:{key}")
+            record(self, "end", key=key)
+
+    entries: dict[str, Any] = {}
+    for name, spec in (schedule or {}).items():
+        entries[name] = {
+            "task": spec["task"],
+            "schedule": (crontab(minute=spec["crontab"]) if "crontab" in spec
+                         else dt.timedelta(seconds=spec["every"])),
+            "kwargs": spec.get("kwargs", {}),
+            "options": spec.get("options", {}),
+        }
+    app.conf.beat_schedule = entries
+    return app
+
+
+class RecordingScheduler(SingletonScheduler):
+    """The library's scheduler with a shifted clock, publishing its counters."""
+
+    offset = dt.timedelta(seconds=float(os.environ.get("SLT_CLOCK_OFFSET") or 0))
+    _published: dict[str, int] = {}  # noqa: RUF012 - replaced per instance on first publish
+
+    def singleton_now(self) -> dt.datetime:
+        return super().singleton_now() + self.offset
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        delay = super().tick(*args, **kwargs)
+        stats = dict(self.singleton_stats)
+        if stats != self._published:
+            self._published = stats
+            name = os.environ.get("SLT_BEAT_NAME") or self.beat_id
+            client = recorder(os.environ["SLT_REDIS_URL"])
+            client.hset(f"beatstats:{name}", mapping={"beat_id": self.beat_id, **stats})
+            client.close()
+        return delay
+
+
+def _from_env() -> Celery:
+    return make_beat_app(
+        os.environ.get("SLT_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        os.environ.get("SLT_QUEUE", "celery"),
+        os.environ.get("SLT_LOCK_URL") or None,
+        json.loads(os.environ.get("SLT_CONF") or "{}"),
+        json.loads(os.environ.get("SLT_BEAT_SCHEDULE") or "{}"),
+    )
+
+
+def __getattr__(name: str) -> Celery:
+    if name == "app":
+        app = _from_env()
+        globals()["app"] = app
+        return app
+    raise AttributeError(name)

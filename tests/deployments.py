@@ -1,0 +1,250 @@
+"""Real Redis deployments for the tests: a Sentinel group, a Cluster, a TLS server.
+
+Every process is our own, on free loopback ports, killed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import redis
+
+from celery_singleton_lock.testing import RedisServer, free_port, redis_server_binary, wait_for
+
+
+class SentinelProcess:
+    """``redis-server <conf> --sentinel`` on a free port."""
+
+    def __init__(self, master: str, primary_port: int, quorum: int, down_ms: int) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="singleton-sentinel-")
+        self.conf = Path(self.dir) / "sentinel.conf"
+        self.conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
+            f"sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}\n"
+            f"sentinel down-after-milliseconds {master} {down_ms}\n"
+            f"sentinel failover-timeout {master} {max(down_ms * 3, 3000)}\n"
+            f"sentinel parallel-syncs {master} 1\n")
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True, socket_timeout=5)
+
+    def start(self) -> SentinelProcess:
+        binary = redis_server_binary()
+        assert binary is not None
+        self.proc = subprocess.Popen([binary, str(self.conf), "--sentinel"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self._ping, 10, what=f"sentinel on port {self.port}")
+        return self
+
+    def _ping(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except redis.RedisError:
+            return False
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SentinelGroup:
+    """A primary, its replicas and the sentinels watching them (quorum 2 of 3)."""
+
+    def __init__(self, master: str = "mymaster", replicas: int = 1, sentinels: int = 3,
+                 quorum: int = 2, down_ms: int = 1000) -> None:
+        self.master = master
+        self.primary = RedisServer(["--repl-diskless-sync-delay", "0"])
+        self.replicas = [RedisServer(["--replicaof", "127.0.0.1", str(self.primary.port)])
+                         for _ in range(replicas)]
+        self.sentinels = [SentinelProcess(master, self.primary.port, quorum, down_ms)
+                          for _ in range(sentinels)]
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [self.primary, *self.replicas]
+
+    def url(self, db: int = 0) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"sentinel://{hosts}/{self.master}/{db}"
+
+    def start(self) -> SentinelGroup:
+        self.primary.start()
+        for replica in self.replicas:
+            replica.start()
+        wait_for(lambda: all(r.client().info("replication").get("master_link_status") == "up"
+                             for r in self.replicas), 20, what="replicas in sync")
+        for sentinel in self.sentinels:
+            sentinel.start()
+        # a failover needs every sentinel to know the replicas and the others
+        wait_for(self._ready, 30, interval=0.2, what="sentinels ready to fail over")
+        return self
+
+    def _ready(self) -> bool:
+        for sentinel in self.sentinels:
+            try:
+                client = sentinel.client()
+                if len(client.sentinel_slaves(self.master)) < len(self.replicas):
+                    return False
+                if len(client.sentinel_sentinels(self.master)) < len(self.sentinels) - 1:
+                    return False
+            except redis.RedisError:
+                return False
+        return True
+
+    def master_port(self) -> Optional[int]:
+        """The primary's port as the sentinels' majority names it now."""
+        ports: dict[int, int] = {}
+        for sentinel in self.sentinels:
+            with contextlib.suppress(redis.RedisError):
+                addr = sentinel.client().sentinel_get_master_addr_by_name(self.master)
+                if addr:
+                    ports[int(addr[1])] = ports.get(int(addr[1]), 0) + 1
+        for port, votes in ports.items():
+            if votes * 2 > len(self.sentinels):
+                return port
+        return None
+
+    def server_on(self, port: int) -> RedisServer:
+        return next(s for s in self.servers if s.port == port)
+
+    def kill_primary(self, timeout: float = 30.0) -> RedisServer:
+        """kill -9 the primary; wait until the sentinels promoted a replica and it
+        accepts writes. Returns the new primary."""
+        old = self.master_port()
+        assert old is not None
+        self.server_on(old).stop()
+        new = wait_for(lambda: (p := self.master_port()) not in (None, old) and p, timeout,
+                       interval=0.1, what="sentinels to promote a replica")
+        server = self.server_on(int(new))
+        wait_for(lambda: _role(server) == "master", timeout, what="the replica to be promoted")
+        return server
+
+    def cleanup(self) -> None:
+        for sentinel in self.sentinels:
+            sentinel.cleanup()
+        for server in self.servers:
+            server.cleanup()
+
+
+def _role(server: RedisServer) -> Any:
+    try:
+        return server.client().info("replication").get("role")
+    except redis.RedisError:
+        return None
+
+
+class Cluster:
+    """A Redis Cluster of our own: ``primaries`` nodes (each with ``replicas``
+    replicas), made with ``redis-cli --cluster create``."""
+
+    def __init__(self, primaries: int = 3, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
+        self.replicas = replicas
+        # the bus port given outright: port + 10000 may be past 65535
+        self.nodes = [RedisServer(["--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                                   "--cluster-node-timeout", str(node_timeout_ms)])
+                      for _ in range(primaries * (1 + replicas))]
+
+    def url(self) -> str:
+        return "cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:2])
+
+    def start(self) -> Cluster:
+        try:
+            return self._start()
+        except BaseException:
+            self.cleanup()  # no node outlives a cluster that never formed
+            raise
+
+    def _start(self) -> Cluster:
+        for node in self.nodes:
+            node.start()
+        # the redis-cli beside the redis-server the tests run (a Python package
+        # may put an older one first on PATH)
+        server_binary = redis_server_binary()
+        assert server_binary is not None, "redis-server is not installed"
+        beside = Path(server_binary).with_name("redis-cli")
+        cli = str(beside) if beside.exists() else shutil.which("redis-cli")
+        assert cli is not None, "redis-cli is not installed"
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        wait_for(self.ok, 30, interval=0.1, what="cluster_state:ok on every node")
+        return self
+
+    def ok(self) -> bool:
+        for node in self.nodes:
+            if not node.running:
+                continue
+            try:
+                info = node.client().execute_command("CLUSTER", "INFO")
+            except redis.RedisError:
+                return False
+            text = info if isinstance(info, str) else str(info)
+            if "cluster_state:ok" not in text:
+                return False
+        return True
+
+    def client(self) -> Any:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster(host="127.0.0.1", port=self.nodes[0].port, decode_responses=True)
+
+    def node_of(self, key: str) -> RedisServer:
+        """The primary that owns ``key``'s slot now."""
+        client = self.client()
+        try:
+            port = client.get_node_from_key(key).port
+        finally:
+            client.close()
+        return next(n for n in self.nodes if n.port == int(port))
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+
+
+def make_certificates(folder: Path) -> dict[str, str]:
+    """A CA and a server certificate for 127.0.0.1 it signed (openssl CLI)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, cwd=folder,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+        "-keyout", "server.key", "-out", "server.csr")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    return {name: str(folder / f"{name}") for name in
+            ("ca.crt", "server.crt", "server.key")}
+
+
+class TlsServer(RedisServer):
+    """A redis-server that speaks TLS only (``--port 0``), certificate of the test's own."""
+
+    def __init__(self, certs: dict[str, str]) -> None:
+        self.certs = certs
+        port = free_port()
+        super().__init__([
+            "--port", "0", "--tls-port", str(port),
+            "--tls-cert-file", certs["server.crt"], "--tls-key-file", certs["server.key"],
+            "--tls-ca-cert-file", certs["ca.crt"], "--tls-auth-clients", "no"], port=port)
+
+    def url(self, db: int = 0, user: str = "", password: str = "") -> str:
+        auth = f"{user}:{password}@" if password else ""
+        return (f"rediss://{auth}127.0.0.1:{self.port}/{db}"
+                f"?ssl_cert_reqs=required&ssl_ca_certs={self.certs['ca.crt']}")
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.port, db=db, decode_responses=True, ssl=True,
+                           ssl_ca_certs=self.certs["ca.crt"])

@@ -1,0 +1,455 @@
+"""Beat without a leader: real `celery beat` processes, real workers, real Redis.
+
+Each tick is counted by the headers it reaches the worker with
+(``singleton_beat_entry``, ``singleton_beat_tick``), so "sent exactly once" is
+read from what actually ran, not from what a beat believes it did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+from celery.beat import Scheduler
+from celery.schedules import crontab, schedule
+
+from celery_singleton_lock.beat import (
+    BeatConfig,
+    SingletonSchedulerMixin,
+    beat_config,
+    claim_tick_run,
+    entry_base,
+    interval_ticks,
+    ticks_around,
+)
+from celery_singleton_lock.exceptions import ConfigurationError
+from tests.beatapp import make_beat_app
+from tests.support import ROOT, RedisServer, Worker, wait_for
+
+pytestmark = pytest.mark.worker
+
+UTC = dt.timezone.utc
+
+
+def at(*parts: int) -> dt.datetime:
+    return dt.datetime(*parts, tzinfo=UTC)  # type: ignore[misc]
+
+
+def parse(tick: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(tick)
+
+
+# -- tick naming: no servers ------------------------------------------------------------
+
+
+def test_interval_ticks_are_aligned_to_the_epoch_whatever_the_start():
+    """Two beats started 0.4 s apart name the same ticks; stock Celery would not."""
+    period = dt.timedelta(seconds=10)
+    a = interval_ticks(period, at(2024, 5, 1, 12, 0, 3))
+    b = interval_ticks(period, at(2024, 5, 1, 12, 0, 7, 400000))
+    assert a == b == (at(2024, 5, 1, 12, 0, 0), at(2024, 5, 1, 12, 0, 10))
+    # stock: due times count from each process's own last run, so they differ
+    stock = schedule(period, nowfun=lambda: at(2024, 5, 1, 12, 0, 8))
+    assert stock.remaining_estimate(at(2024, 5, 1, 12, 0, 3)) != stock.remaining_estimate(
+        at(2024, 5, 1, 12, 0, 7, 400000))
+
+
+def test_crontab_tick_is_the_latest_fire_time_not_after_now_in_utc():
+    """A crontab tick is its nominal fire time (in UTC), never the moment the beat woke."""
+    from celery import Celery
+
+    app = Celery(set_as_current=False)
+    app.conf.timezone = "Europe/Paris"
+    daily = crontab(minute=0, hour=3, app=app)  # 03:00 Paris = 02:00 UTC in winter
+    latest, nxt = ticks_around(daily, at(2024, 1, 10, 2, 0, 41), window=60)
+    assert latest == at(2024, 1, 10, 2, 0)
+    assert nxt == at(2024, 1, 11, 2, 0)
+    every_minute = crontab(app=app)
+    assert ticks_around(every_minute, at(2024, 1, 10, 9, 7, 0), 60)[0] == at(2024, 1, 10, 9, 7)
+    assert ticks_around(every_minute, at(2024, 1, 10, 9, 7, 59, 999000), 60) == (
+        at(2024, 1, 10, 9, 7), at(2024, 1, 10, 9, 8))
+
+
+def test_only_the_latest_missed_tick_within_the_catchup_window_is_named():
+    """After a downtime only the latest tick counts, and only inside the window."""
+    from celery import Celery
+
+    app = Celery(set_as_current=False)
+    every_minute = crontab(app=app)
+    # down since 09:00; it is 09:05:30: only 09:05 is due, 09:01..09:04 never are
+    assert ticks_around(every_minute, at(2024, 1, 10, 9, 5, 30), 60)[0] == at(2024, 1, 10, 9, 5)
+    hourly = crontab(minute=0, app=app)
+    # 10:00 missed by 5 minutes: outside a 60 s window, not sent; next is 11:00
+    assert ticks_around(hourly, at(2024, 1, 10, 10, 5), 60) == (None, at(2024, 1, 10, 11, 0))
+    assert ticks_around(hourly, at(2024, 1, 10, 10, 5), 600)[0] == at(2024, 1, 10, 10, 0)
+    slow = schedule(dt.timedelta(hours=1))
+    assert ticks_around(slow, at(2024, 1, 10, 10, 0, 59), 60)[0] == at(2024, 1, 10, 10, 0)
+    assert ticks_around(slow, at(2024, 1, 10, 10, 1, 1), 60)[0] is None
+
+
+def test_beat_settings_are_checked_and_name_the_setting():
+    from celery import Celery
+
+    app = Celery(set_as_current=False)
+    assert beat_config(app) == BeatConfig(catchup=60.0, on_backend_error="skip",
+                                          overlap="skip", max_clock_skew=30.0)
+    for name, bad in (("singleton_beat_catchup", -1), ("singleton_beat_on_backend_error", "run"),
+                      ("singleton_beat_overlap", "buffer_all"),
+                      ("singleton_beat_max_clock_skew", "5")):
+        app.conf[name] = bad
+        with pytest.raises(ConfigurationError) as info:
+            beat_config(app)
+        assert info.value.setting == name
+        app.conf[name] = None
+
+
+class VirtualScheduler(SingletonSchedulerMixin, Scheduler):  # type: ignore[misc]
+    """The mixin over Celery's in-memory scheduler, on a virtual clock, recording sends."""
+
+    clock: dt.datetime
+    offset = dt.timedelta(0)
+    sent: list[tuple[str, dt.datetime, str]]
+
+    def singleton_now(self) -> dt.datetime:
+        return self.clock + self.offset
+
+    def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        self.sent.append((entry.name, tick, self.beat_id))
+
+
+def test_two_beats_with_clocks_five_seconds_apart_send_each_tick_once(redis_server, r):
+    """Clock skew below singleton_beat_max_clock_skew: one send per tick, none missing."""
+    app = make_beat_app(redis_server.url(), "unused", schedule={
+        "skewed": {"task": "t.tick", "every": 1}})
+    beats = []
+    for offset in (0.0, 5.0):
+        beat = VirtualScheduler(app=app)
+        beat.offset = dt.timedelta(seconds=offset)
+        beat.sent = []
+        beats.append(beat)
+    start = at(2030, 1, 1, 0, 0, 0, 500000)
+    for step in range(0, 30_000, 50):  # 30 virtual seconds, every beat looks every 50 ms
+        for beat in beats:
+            beat.clock = start + dt.timedelta(milliseconds=step)
+            for entry in list(beat.schedule.values()):
+                if beat.is_due(entry)[0]:
+                    beat.apply_entry(entry)
+    sends = Counter(tick for beat in beats for (_, tick, _) in beat.sent)
+    assert set(sends.values()) == {1}, sends
+    ticks = sorted(sends)
+    assert [(b - a).total_seconds() for a, b in zip(ticks, ticks[1:])] == [1.0] * (len(ticks) - 1)
+    assert len(ticks) >= 30
+    # the beat whose clock is ahead reaches each tick first and sends it
+    assert len(beats[1].sent) >= 29
+    assert beats[0].singleton_stats["claimed_elsewhere"] >= 24  # 5 s behind
+
+
+def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(r):
+    """A tick sent twice (a claim lost in a failover) runs once; its own retry still runs."""
+    headers = {"singleton_beat_entry": "report",
+               "singleton_beat_tick": "2030-01-01T00:00:00.000+00:00"}
+    assert claim_tick_run(r, "singleton:", {**headers, "id": "first"})
+    assert claim_tick_run(r, "singleton:", {**headers, "id": "first"})  # its retry/redelivery
+    assert not claim_tick_run(r, "singleton:", {**headers, "id": "second-copy"})
+    assert claim_tick_run(r, "singleton:", {"id": "not-from-beat"})
+    assert claim_tick_run(r, "singleton:", {**headers, "singleton_beat_tick":
+                                            "2030-01-01T00:00:01.000+00:00", "id": "next"})
+
+
+# -- real beats -----------------------------------------------------------------------
+
+
+class Beat:
+    """`celery -A tests.beatapp beat -S tests.beatapp:RecordingScheduler`, its own schedule file."""
+
+    def __init__(self, redis_url: str, queue: str, schedule: dict[str, Any], *, name: str,
+                 offset: float = 0.0, lock_url: Optional[str] = None,
+                 conf: Optional[dict[str, Any]] = None) -> None:
+        self.name = name
+        self.dir = Path(tempfile.mkdtemp(prefix=f"slt-beat-{name}-"))
+        self.log = self.dir / "beat.log"
+        self.env = dict(os.environ)
+        self.env.update({
+            "SLT_REDIS_URL": redis_url, "SLT_LOCK_URL": lock_url or "", "SLT_QUEUE": queue,
+            "SLT_CONF": json.dumps(conf or {}), "SLT_BEAT_SCHEDULE": json.dumps(schedule),
+            "SLT_CLOCK_OFFSET": str(offset), "SLT_BEAT_NAME": name,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), self.env.get("PYTHONPATH", "")]),
+        })
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def start(self) -> Beat:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.beatapp:app", "beat",
+             "-S", "tests.beatapp:RecordingScheduler", "-s", str(self.dir / "schedule"),
+             "--pidfile=", "--loglevel", "INFO", "-f", str(self.log)],
+            env=self.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        return self
+
+    def logs(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """kill -9: no chance to clean anything up."""
+        if self.alive:
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def beat_worker(redis_server: RedisServer) -> Iterator[Worker]:
+    """A worker of tests.beatapp: runs t.tick and t.tick_hold for every beat of the module."""
+    worker = Worker(redis_server.url(), f"beat-{uuid.uuid4().hex[:8]}", concurrency=4)
+    worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.beatapp:app"
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+def beats() -> Iterator[list[Beat]]:
+    started: list[Beat] = []
+    yield started
+    for beat in started:
+        beat.stop()
+
+
+def tick_events(events: Any, entry: str, ev: str = "tick") -> list[dict[str, Any]]:
+    return [e for e in events.all() if e.get("singleton_beat_entry") == entry and e["ev"] == ev]
+
+
+def claimed(r: Any, entry: str) -> set[str]:
+    """The ticks of an entry some beat claimed, read from the claim keys themselves."""
+    base = entry_base("singleton:", entry)
+    out = set()
+    for key in r.scan_iter(f"{base}:*"):
+        last = key.rsplit(":", 1)[1]
+        if ":run:" not in key and last.isdigit():
+            ms = int(last)
+            tick = dt.datetime.fromtimestamp(ms / 1000, UTC)
+            out.add(tick.isoformat(timespec="milliseconds"))
+    return out
+
+
+def stats(events: Any) -> dict[str, dict[str, str]]:
+    client = events.client
+    return {k.split(":", 1)[1]: client.hgetall(k) for k in client.scan_iter("beatstats:*")}
+
+
+@pytest.fixture
+def clean_stats(events: Any) -> None:
+    for k in events.client.scan_iter("beatstats:*"):
+        events.client.delete(k)
+
+
+def test_three_beats_send_every_tick_exactly_once_and_survive_kill_9(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """Three beats (clocks up to 0.7 s apart), a 1 s interval and a crontab, 20+ s:
+    every nominal tick ran exactly once; kill -9 of the beat sending the ticks
+    leaves no gap; headers name the entry, the tick and the beat."""
+    sched = {"every-second": {"task": "t.tick", "every": 1},
+             "every-minute": {"task": "t.tick", "crontab": "*"}}
+    for name, offset in (("a", 0.0), ("b", 0.35), ("c", -0.35)):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name,
+                          offset=offset).start())
+
+    def seconds() -> list[str]:
+        return sorted({e["singleton_beat_tick"] for e in tick_events(events, "every-second")})
+
+    wait_for(lambda: len(seconds()) >= 10, 40, what="10 ticks from three beats")
+    last = max(tick_events(events, "every-second"), key=lambda e: e["singleton_beat_tick"])
+    pid = int(last["singleton_beat_id"].split(":")[1])
+    victim = next(b for b in beats if b.proc is not None and b.proc.pid == pid)
+    victim.kill()
+    killed_at = last["singleton_beat_tick"]
+    wait_for(lambda: len([t for t in seconds() if t > killed_at]) >= 11, 40,
+             what="10 ticks after kill -9 of the sending beat")
+    for beat in beats:
+        beat.stop()
+    # every tick a beat claimed reaches the worker
+    wait_for(lambda: claimed(r, "every-second") <= set(seconds()), 20,
+             what="every claimed tick to run")
+
+    runs = tick_events(events, "every-second")
+    counts = Counter(e["singleton_beat_tick"] for e in runs)
+    assert set(counts.values()) == {1}, [t for t, n in counts.items() if n > 1]
+    ticks = sorted(parse(t) for t in counts)
+    gaps = [(b - a).total_seconds() for a, b in zip(ticks, ticks[1:])]
+    assert gaps == [1.0] * len(gaps), gaps  # no tick missing, kill -9 included
+    assert (ticks[-1] - ticks[0]).total_seconds() >= 20
+    after_kill = [e for e in runs if e["singleton_beat_tick"] > killed_at]
+    assert after_kill and all(
+        int(e["singleton_beat_id"].split(":")[1]) != pid for e in after_kill)
+    for e in runs:
+        assert e["periodic_task_name"] == "every-second" and e["celery_beat_task"] is True
+        assert parse(e["singleton_beat_tick"]).microsecond == 0
+
+    minutes = Counter(e["singleton_beat_tick"] for e in tick_events(events, "every-minute"))
+    assert set(minutes.values()) <= {1}, minutes
+    assert all(parse(t).second == 0 for t in minutes)
+    for m in range(int(ticks[0].timestamp()) + 1, int(ticks[-1].timestamp())):
+        if m % 60 == 0:  # a minute boundary inside the run: its crontab tick ran
+            assert dt.datetime.fromtimestamp(m, UTC).isoformat(timespec="milliseconds") in minutes
+
+    # claims: one hash tag per entry, each expiring on its own
+    keys = list(r.scan_iter(f"{entry_base('singleton:', 'every-second')}:*"))
+    assert keys and all(0 < r.pttl(k) <= BeatConfig(60, "skip", "skip", 30).claim_ttl_ms
+                        for k in keys if ":run:" not in k)
+
+
+def test_after_every_beat_was_down_one_comes_back_with_one_send_not_a_storm(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """All beats killed for 4+ ticks; the one restarted sends the latest tick only."""
+    sched = {"catchup": {"task": "t.tick", "every": 1}}
+    for name in ("a", "b"):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name).start())
+
+    def seen() -> list[str]:
+        return [e["singleton_beat_tick"] for e in tick_events(events, "catchup")]
+
+    wait_for(lambda: len(seen()) >= 3, 30, what="3 ticks")
+    for beat in beats:
+        beat.kill()
+    wait_for(lambda: claimed(r, "catchup") <= set(seen()), 20, what="claimed ticks to run")
+    before = max(seen())
+    wait_for(lambda: time.time() - parse(before).timestamp() > 4.5, 10, what="downtime")
+    beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="back").start())
+    wait_for(lambda: len([t for t in seen() if t > before]) >= 3, 30,
+             what="3 ticks after the restart")
+    for beat in beats:
+        beat.stop()
+
+    counts = Counter(seen())
+    assert set(counts.values()) == {1}, counts
+    after = sorted(parse(t) for t in counts if t > before)
+    missed = (after[0] - parse(before)).total_seconds()
+    assert missed >= 4.0, "the beats were down for more than four ticks"
+    # of the ticks nominally due while every beat was down, only the latest ran
+    assert [t for t in counts if before < t < after[0].isoformat(timespec="milliseconds")] == []
+    assert [(b - a).total_seconds() for a, b in zip(after, after[1:])] == [1.0] * (len(after) - 1)
+
+
+@pytest.mark.parametrize("mode", ["skip", "buffer_one"])
+def test_overlapping_ticks_of_a_long_singleton_task_are_skipped_or_buffered_and_counted(
+        redis_server, beat_worker, beats, events, r, clean_stats, mode):
+    """A 2.4 s SingletonTask every second: runs never overlap; every claimed tick
+    either ran or was counted (overlap_skipped / buffer_dropped) and logged."""
+    key = uuid.uuid4().hex[:8]
+    sched = {"long": {"task": "t.tick_hold", "every": 1,
+                      "kwargs": {"key": key, "seconds": 2.4},
+                      "options": {"singleton_overlap": mode}}}
+    for name in ("a", "b"):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name).start())
+    wait_for(lambda: len(tick_events(events, "long", "end")) >= 3, 40, what="3 runs")
+    for beat in beats:
+        beat.stop()
+
+    def counted() -> Counter[str]:
+        total = Counter[str]()
+        for st in stats(events).values():
+            total.update({k: int(v) for k, v in st.items() if k != "beat_id"})
+        return total
+
+    def accounted() -> int:
+        """Claimed ticks not yet run, skipped, or dropped from the buffer."""
+        c = counted()
+        return len(claimed(r, "long")) - len(tick_events(events, "long", "start")) - c[
+            "overlap_skipped"] - c["buffer_dropped"]
+
+    # A beat stopped between its claim and its send, or holding a buffered tick,
+    # leaves that one tick unsent: at most one per beat.
+    wait_for(lambda: 0 <= accounted() <= len(beats), 15,
+             what="every claimed tick to run or be counted")
+    wait_for(lambda: len(tick_events(events, "long", "end")) == len(
+        tick_events(events, "long", "start")), 10, what="the last run to end")
+
+    starts = tick_events(events, "long", "start")
+    ends = tick_events(events, "long", "end")
+    assert all(e["concurrent"] == 1 for e in starts)
+    ran = Counter(e["singleton_beat_tick"] for e in starts)
+    assert set(ran.values()) == {1}
+    logs = "".join(b.logs() for b in beats)
+    if mode == "skip":
+        assert counted()["overlap_skipped"] >= 2
+        assert "Beat entry 'long' tick" in logs and "skipped: the previous run still runs" in logs
+    else:
+        assert counted()["buffered"] >= 2 and counted()["buffer_dropped"] >= 1
+        assert "buffered: the previous run still runs" in logs
+        # a buffered tick (nominally due while the previous run ran) started right after it
+        end_times = [e["at"] for e in ends]
+        assert any(parse(s["singleton_beat_tick"]).timestamp() < end_at < s["at"]
+                   for s in starts for end_at in end_times)
+
+
+def test_redis_down_at_a_tick_sends_nothing_logs_the_entry_and_the_beat_lives_on(
+        redis_server, beat_worker, beats, events, own_redis, clean_stats):
+    """Lock Redis stopped: those ticks are not sent (error names the entry), never
+    sent later either; the beats keep running and ticks resume when Redis is back."""
+    sched = {"outage": {"task": "t.tick", "every": 1}}
+    for name in ("a", "b"):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name,
+                          lock_url=own_redis.url(2)).start())
+
+    def seen() -> list[str]:
+        return [e["singleton_beat_tick"] for e in tick_events(events, "outage")]
+
+    wait_for(lambda: len(seen()) >= 2, 30, what="2 ticks")
+    own_redis.stop()
+    down_since = time.time()
+    wait_for(lambda: sum(b.logs().count("Beat entry 'outage' tick") for b in beats) >= 4, 20,
+             what="errors naming the entry")
+    own_redis.start()
+    back_at = time.time()
+    wait_for(lambda: len([t for t in seen() if parse(t).timestamp() > back_at]) >= 2, 30,
+             what="ticks after Redis is back")
+    assert all(b.alive for b in beats)
+    for beat in beats:
+        beat.stop()
+    counts = Counter(seen())
+    assert set(counts.values()) == {1}, counts
+    errors = [line for b in beats for line in b.logs().splitlines()
+              if "not sent: Redis unreachable" in line]
+    assert errors and all("'outage'" in line for line in errors)
+    during = {t for t in counts if down_since + 0.5 < parse(t).timestamp() < back_at - 1.5}
+    assert not during, f"ticks of the outage were sent: {during}"
+
+
+def test_redis_down_with_send_policy_still_sends_the_tick(
+        redis_server, beat_worker, beats, events, own_redis, clean_stats):
+    """singleton_beat_on_backend_error="send": an unclaimed tick is sent, with a warning."""
+    sched = {"fail-open": {"task": "t.tick", "every": 1}}
+    own_redis.stop()
+    beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="open",
+                      lock_url=own_redis.url(2),
+                      conf={"singleton_beat_on_backend_error": "send"}).start())
+    wait_for(lambda: len(tick_events(events, "fail-open")) >= 2, 30,
+             what="ticks sent while Redis is down")
+    assert "sent WITHOUT a claim: Redis unreachable" in beats[0].logs()

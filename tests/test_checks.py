@@ -1,0 +1,244 @@
+"""The checks of the lock Redis (``checks.py``), each against a real redis-server
+configured to show the problem: wrong password, a restricted ACL user, an
+evicting policy, a replica, no persistence, a clock set off, Redis down."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from celery_singleton_lock import ConfigurationError, SingletonConfig, checks
+from celery_singleton_lock.engine import LockEngine
+from tests.support import ROOT, RedisServer, Worker, wait_for
+from tests.workerapp import make_app
+
+DOCS = ROOT / "docs" / "redis-acl.md"
+
+
+def docs_rule() -> str:
+    """The `ACL SETUSER` line of docs/redis-acl.md, as a reader copies it."""
+    block = DOCS.read_text().split("## The minimal rule", 1)[1].split("```\n", 2)[1]
+    line = block.strip()
+    assert line.startswith("ACL SETUSER locks on >CHANGE-ME ")
+    return line.split(">CHANGE-ME ", 1)[1]
+
+
+def engine_for_url(url: str, **overrides: Any) -> LockEngine:
+    return LockEngine.from_config(SingletonConfig.defaults(url, **overrides))
+
+
+def by_code(findings: list[checks.Finding]) -> dict[str, checks.Finding]:
+    return {f.code: f for f in findings}
+
+
+@pytest.fixture
+def acl_server() -> Iterator[RedisServer]:
+    """A server of our own with user `locks` holding exactly the documented rule."""
+    server = RedisServer().start()
+    server.client().execute_command("ACL", "SETUSER", "locks", "on", ">lockpw",
+                                    *docs_rule().split())
+    yield server
+    server.cleanup()
+
+
+def locks_url(server: RedisServer, password: str = "lockpw") -> str:
+    return f"redis://locks:{password}@127.0.0.1:{server.port}/2"
+
+
+def test_docs_acl_rule_is_the_one_the_scripts_need():
+    """The documented rule lists every command the Lua scripts and the library call:
+    a script calling a new command without the docs saying so fails here."""
+    assert docs_rule() == checks.acl_rule("singleton:", 2)
+    for script in checks.SCRIPTS.values():
+        for command in checks.script_commands(script):
+            assert f"+{command}" in docs_rule().split()
+
+
+def test_documented_acl_rule_runs_a_real_worker_and_every_check_passes(acl_server):
+    """With only the documented rule, every script loads and runs, and a real worker
+    takes and frees a singleton lock; nothing is reported as an error."""
+    engine = engine_for_url(locks_url(acl_server))
+    findings = checks.run_checks(engine.client, engine.config)
+    assert [f for f in findings if f.level == checks.ERROR] == []
+    assert by_code(findings)["scripts"].level == checks.OK
+    checks.startup_check(engine)  # raises nothing
+
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    worker = Worker(acl_server.url(), queue, lock_url=locks_url(acl_server)).start()
+    try:
+        app = make_app(acl_server.url(), queue, lock_url=locks_url(acl_server))
+        key = uuid.uuid4().hex
+        result = app.tasks["t.hold"].delay(key, 0.3, "acl")
+        assert result.get(timeout=20)["tag"] == "acl"
+        assert "NOPERM" not in worker.logs()
+        assert acl_server.client(2).exists(app.tasks["t.hold"].singleton_keys(key).lock) == 0
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("command", checks.required_commands(2))
+def test_each_command_taken_from_the_rule_is_named(acl_server, command):
+    """Removing any one command of the minimal rule gives an error naming that
+    command (inside scripts Redis does not name it: the checks find it), and the
+    worker start-up check refuses to start."""
+    acl_server.client().execute_command("ACL", "SETUSER", "locks", f"-{command}")
+    engine = engine_for_url(locks_url(acl_server))
+    findings = checks.run_checks(engine.client, engine.config)
+    errors = [f for f in findings if f.level == checks.ERROR]
+    assert errors, findings
+    assert errors[0].code == "noperm"
+    assert re.search(rf"\b{re.escape(command)}\b", errors[0].message), errors[0]
+    assert f"+{command}" in errors[0].action
+    assert "lockpw" not in repr(findings)
+    with pytest.raises(ConfigurationError, match=re.escape(command)):
+        checks.startup_check(engine)
+
+
+def test_a_key_pattern_missing_the_prefix_is_named(acl_server):
+    """A user allowed other keys only: the error names the prefix it cannot touch."""
+    acl_server.client().execute_command("ACL", "SETUSER", "locks", "resetkeys", "~other:*")
+    engine = engine_for_url(locks_url(acl_server))
+    errors = [f for f in checks.run_checks(engine.client, engine.config)
+              if f.level == checks.ERROR]
+    assert errors[0].code == "noperm"
+    assert "keys under the prefix 'singleton:'" in errors[0].message
+    assert "~singleton:*" in errors[0].action
+
+
+def test_acl_log_is_quoted_when_the_user_may_read_it(acl_server):
+    """A user allowed ACL LOG sees Redis's own record of the denied command."""
+    acl_server.client().execute_command("ACL", "SETUSER", "locks", "-hmget", "+acl|log")
+    engine = engine_for_url(locks_url(acl_server))
+    error = by_code(checks.run_checks(engine.client, engine.config))["noperm"]
+    assert "ACL LOG: command hmget" in error.message
+
+
+def test_wrong_password_is_an_auth_error_with_the_url_masked(acl_server, caplog):
+    """A wrong password is `auth`, not `unreachable` nor a permission problem; the
+    password never appears; the start-up check raises ConfigurationError."""
+    engine = engine_for_url(locks_url(acl_server, "not-the-password"))
+    findings = checks.run_checks(engine.client, engine.config)
+    assert [f.code for f in findings] == ["auth"]
+    assert "redis://locks:********@127.0.0.1" in findings[0].message
+    assert "not-the-password" not in repr(findings)
+    with pytest.raises(ConfigurationError) as raised:
+        checks.startup_check(engine)
+    assert "not-the-password" not in str(raised.value)
+
+
+def test_missing_password_is_an_auth_error():
+    """A server that requires a password and a URL without one: `auth`."""
+    server = RedisServer(["--requirepass", "pw"]).start()
+    try:
+        engine = engine_for_url(f"redis://127.0.0.1:{server.port}/2")
+        assert [f.code for f in checks.run_checks(engine.client, engine.config)] == ["auth"]
+    finally:
+        server.cleanup()
+
+
+def test_redis_down_is_unreachable_and_startup_only_logs_it(own_redis, caplog):
+    """Redis merely down is `unreachable` (not auth, not NOPERM), and the start-up
+    check logs an error and lets the worker start: its backend-error policy then
+    decides each task until Redis is back."""
+    engine = engine_for_url(own_redis.url(2), redis_options={"socket_connect_timeout": 1})
+    own_redis.stop()
+    findings = checks.run_checks(engine.client, engine.config)
+    assert [f.code for f in findings] == ["unreachable"]
+    assert "NOPERM" not in findings[0].message
+    with caplog.at_level(logging.ERROR, logger="celery_singleton_lock"):
+        checks.startup_check(engine)
+    assert any("unreachable" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "allkeys-random", "volatile-lru",
+                                    "volatile-ttl"])
+def test_a_policy_that_may_evict_lock_keys_is_a_warning(policy, caplog):
+    """allkeys-* may evict anything; volatile-* evicts keys with a TTL, and every lock
+    key has one: both warn, naming the policy and what to set; the start-up check
+    logs the warning."""
+    server = RedisServer(["--maxmemory-policy", policy]).start()
+    try:
+        engine = engine_for_url(server.url(2))
+        finding = by_code(checks.run_checks(engine.client, engine.config))["eviction"]
+        assert finding.level == checks.WARNING
+        assert policy in finding.message
+        assert "noeviction" in finding.action
+        with caplog.at_level(logging.WARNING, logger="celery_singleton_lock"):
+            checks.startup_check(engine)
+        assert any(policy in r.getMessage() for r in caplog.records)
+    finally:
+        server.cleanup()
+
+
+def test_noeviction_is_ok(own_redis):
+    engine = engine_for_url(own_redis.url(2))
+    assert by_code(checks.run_checks(engine.client, engine.config))["eviction"].level == "ok"
+
+
+def test_eviction_policy_unreadable_is_said_so(acl_server):
+    """A user that may not CONFIG GET: the check says it could not tell, not ok."""
+    engine = engine_for_url(locks_url(acl_server))
+    finding = by_code(checks.run_checks(engine.client, engine.config))["eviction-unknown"]
+    assert finding.level == checks.WARNING
+    assert "config|get" in finding.message
+
+
+def test_a_host_clock_off_by_more_than_a_tenth_of_the_lease_warns(own_redis, monkeypatch):
+    """The host clock 5 s ahead of Redis TIME with a 30 s lease: a warning giving the
+    offset; the real clock is within it."""
+    engine = engine_for_url(own_redis.url(2))
+    assert by_code(checks.run_checks(engine.client, engine.config))["clock"].level == "ok"
+    real = checks.wall_clock
+    monkeypatch.setattr(checks, "wall_clock", lambda: real() + 5.0)
+    finding = by_code(checks.run_checks(engine.client, engine.config))["clock"]
+    assert finding.level == checks.WARNING
+    assert "-5.0" in finding.message
+
+
+def test_no_persistence_warns_and_an_append_only_file_is_ok(own_redis):
+    """Without AOF or snapshots a restart forgets every lock: a warning; with AOF: ok."""
+    engine = engine_for_url(own_redis.url(2))
+    finding = by_code(checks.run_checks(engine.client, engine.config))["persistence"]
+    assert finding.level == checks.WARNING
+    assert "forgets every held lock" in finding.message
+    server = RedisServer(["--appendonly", "yes"]).start()
+    try:
+        engine = engine_for_url(server.url(2))
+        assert by_code(checks.run_checks(engine.client, engine.config))["persistence"].level \
+            == "ok"
+    finally:
+        server.cleanup()
+
+
+def test_replicas_warn_and_a_replica_as_lock_redis_is_an_error(own_redis):
+    """A primary with a replica: async replication is a warning; pointing the locks
+    at the replica itself is an error (no lock can be taken there)."""
+    replica = RedisServer(["--replicaof", "127.0.0.1", str(own_redis.port)]).start()
+    try:
+        wait_for(lambda: own_redis.client().info("replication")["connected_slaves"] == 1,
+                 10, what="replica connected")
+        engine = engine_for_url(own_redis.url(2))
+        assert by_code(checks.run_checks(engine.client, engine.config))["replication"].level \
+            == checks.WARNING
+        engine = engine_for_url(replica.url(2))
+        errors = [f for f in checks.run_checks(engine.client, engine.config)
+                  if f.level == checks.ERROR]
+        assert {f.code for f in errors} == {"readonly", "replica"}
+        with pytest.raises(ConfigurationError, match="primary"):
+            checks.startup_check(engine)
+    finally:
+        replica.cleanup()
+
+
+def test_the_probe_leaves_no_key_without_a_ttl(own_redis):
+    """Running every script once leaves only keys that expire within seconds."""
+    engine = engine_for_url(own_redis.url(2))
+    checks.run_checks(engine.client, engine.config)
+    client = own_redis.client(2)
+    names = list(client.scan_iter("*"))
+    assert names, "the probe ran the scripts"
+    assert all(0 < client.pttl(n) <= 10_000 for n in names)

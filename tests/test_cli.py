@@ -1,0 +1,367 @@
+"""`celery -A app singleton ...` run as users run it, against a real Redis holding
+real locks: one held by a running task, one taken when a task was sent, one done
+window, and stale ones whose holder process is dead."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_singleton_lock.keys import LockKeys
+from tests.support import ROOT, RedisServer, Worker, free_port, wait_for
+from tests.workerapp import make_app
+
+#: an argument value that must never be printed by any command
+SECRET = f"4111-1111-1111-{uuid.uuid4().hex[:8]}"
+
+STALE_HOLDER = """
+import os, sys
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.keys import LockKeys
+url, digest, name, task_id = sys.argv[1:5]
+engine = LockEngine.from_config(SingletonConfig.defaults(url))
+reply = engine.acquire(LockKeys("singleton:", digest), task_id=task_id, exec_id=task_id + "x",
+                       lease_ms=120000, hostname="gone@host", retries=0, task_name=name)
+print(os.getpid(), flush=True)
+os._exit(0)  # dies holding the lock, as a killed process would
+"""
+
+
+def digest(keys: LockKeys) -> str:
+    return keys.base.split("{", 1)[1].rstrip("}")
+
+
+def hold_stale(server: RedisServer, keys: LockKeys, name: str) -> tuple[str, int]:
+    """A lock taken by a process that then died: (task id, dead pid)."""
+    task_id = f"stale-{uuid.uuid4().hex[:8]}"
+    out = subprocess.run([sys.executable, "-c", STALE_HOLDER, server.url(2), digest(keys), name,
+                          task_id], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                         check=True)
+    return task_id, int(out.stdout.strip())
+
+
+@dataclass
+class Scene:
+    server: RedisServer
+    worker: Worker
+    app: Celery
+    locks: redis.Redis
+    held: LockKeys
+    held_id: str
+    held_pid: int
+    held_token: int
+    queued: LockKeys
+    queued_id: str
+    done: LockKeys
+    done_id: str
+    stale: LockKeys
+    stale_id: str
+    stale_pid: int
+
+
+def run_cli(env: dict[str, str], *args: str, app: str = "tests.workerapp:app",
+            command: str = "singleton") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", app, command, *args],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def scene() -> Iterator[Scene]:
+    server = RedisServer().start()
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    worker = Worker(server.url(), queue).start()
+    try:
+        app = make_app(server.url(), queue)
+        events = server.client(3)
+        hold = app.tasks["t.hold"]
+        held = hold.delay(SECRET, 60.0, "held")
+        start = wait_for(lambda: [json.loads(e) for e in events.lrange("events", 0, -1)
+                                  if json.loads(e)["tag"] == "held"], 20, what="held start")[0]
+        queued = app.tasks["t.queue"].apply_async(kwargs={"key": f"q-{SECRET}"}, countdown=60)
+        done = app.tasks["t.run_done_long"].delay(f"d-{SECRET}", 0.0, "done")
+        done.get(timeout=20)
+        stale = hold.singleton_keys(f"s-{SECRET}")
+        stale_id, stale_pid = hold_stale(server, stale, "t.hold")
+        scene = Scene(
+            server, worker, app, server.client(2),
+            hold.singleton_keys(SECRET), held.id, start["pid"], start["token"],
+            app.tasks["t.queue"].singleton_keys(f"q-{SECRET}"), queued.id,
+            app.tasks["t.run_done_long"].singleton_keys(f"d-{SECRET}"), done.id,
+            stale, stale_id, stale_pid)
+        # results hold a subscription to the result backend: gone before the server
+        del held, queued, done
+        yield scene
+    finally:
+        worker.kill_all()  # its held task would hold a warm shutdown for a minute
+        worker.stop()
+        server.cleanup()
+
+
+def cli(scene: Scene, *args: str) -> subprocess.CompletedProcess[str]:
+    out = run_cli(scene.worker.env, *args)
+    assert SECRET not in out.stdout + out.stderr, "an argument value was printed"
+    return out
+
+
+def rows(out: subprocess.CompletedProcess[str]) -> dict[tuple[str, str], dict[str, Any]]:
+    assert out.returncode == 0, out.stderr
+    return {(r["key"], r["state"]): r for r in json.loads(out.stdout)["locks"]}
+
+
+def test_list_json_shows_running_queued_done_and_stale_keys_with_their_holders(scene):
+    """Each kind of key is one row: the running lock names the task, the worker child's
+    pid and token, alive; the stale one is dead; queued and done name their task ids."""
+    found = rows(cli(scene, "list", "--json"))
+    held = found[(scene.held.base, "run")]
+    assert (held["task"], held["holder"], held["pid"], held["live"]) == (
+        "t.hold", scene.held_id, scene.held_pid, "alive")
+    assert int(held["token"]) == scene.held_token
+    assert 0 < held["ttl"] <= 2.0 and held["age"] >= 0
+    assert found[(scene.queued.base, "queued")]["holder"] == scene.queued_id
+    assert found[(scene.done.base, "done")]["holder"] == scene.done_id
+    stale = found[(scene.stale.base, "run")]
+    assert (stale["holder"], stale["pid"], stale["live"]) == (
+        scene.stale_id, scene.stale_pid, "dead")
+
+
+def test_list_table_is_for_people_and_exits_0(scene):
+    out = cli(scene, "list")
+    assert out.returncode == 0, out.stderr
+    header, *lines = out.stdout.splitlines()
+    assert header.split() == ["KEY", "STATE", "TASK", "HOLDER", "HOST", "PID", "TOKEN", "TTL",
+                              "AGE", "LIVE"]
+    assert any(scene.held.base in line and "alive" in line for line in lines)
+    assert any(scene.stale.base in line and "dead" in line for line in lines)
+
+
+def test_list_filters_by_task_and_state(scene):
+    """--task keeps the task's rows, --state one state; the filters combine."""
+    by_task = rows(cli(scene, "list", "--json", "--task", "t.hold"))
+    assert {k[0] for k in by_task} == {scene.held.base, scene.stale.base}
+    assert set(rows(cli(scene, "list", "--json", "--state", "done"))) == {
+        (scene.done.base, "done")}
+    assert set(rows(cli(scene, "list", "--json", "--state", "queued"))) == {
+        (scene.queued.base, "queued")}
+    assert rows(cli(scene, "list", "--json", "--task", "t.hold", "--state", "queued")) == {}
+
+
+def test_key_maps_a_call_to_its_key_and_holder_in_any_call_form(scene):
+    """Positional and keyword forms of one call give the key the worker locked, and
+    its holder; the argument itself is hashed, never printed."""
+    by_args = cli(scene, "key", "t.hold", "--args", json.dumps([SECRET]), "--json")
+    by_kwargs = cli(scene, "key", "t.hold", "--kwargs", json.dumps({"key": SECRET}), "--json")
+    assert by_args.returncode == by_kwargs.returncode == 0, by_args.stderr
+    first, second = json.loads(by_args.stdout), json.loads(by_kwargs.stdout)
+    assert first["key"] == second["key"] == scene.held.base
+    assert first["held"] is True
+    assert first["locks"][0]["holder"] == scene.held_id
+    table = cli(scene, "key", "t.hold", "--args", json.dumps([SECRET]))
+    assert scene.held.base in table.stdout and scene.held_id in table.stdout
+    free = json.loads(cli(scene, "key", "t.hold", "--args", '["nobody"]', "--json").stdout)
+    assert free["held"] is False and free["locks"] == []
+
+
+def test_key_usage_errors_exit_2_without_echoing_the_value(scene):
+    unknown = cli(scene, "key", "t.nope", "--args", "[]")
+    assert unknown.returncode == 2 and "t.nope" in unknown.stderr
+    not_singleton = cli(scene, "key", "t.plain", "--args", "[]")
+    assert not_singleton.returncode == 2
+    bad = cli(scene, "key", "t.hold", "--args", "{" + SECRET)  # cli() asserts it is not echoed
+    assert bad.returncode == 2 and "--args" in bad.stderr
+
+
+def test_release_refuses_a_live_holder_without_force_then_force_frees_it(scene):
+    """A lock held by a running task stays held without --force (exit 1, nothing
+    changed); --force releases it (exit 0) and the running task sees its lock lost."""
+    key = uuid.uuid4().hex
+    hold = scene.app.tasks["t.hold"]
+    result = hold.delay(key, 4.0, f"force-{key}")
+    keys = hold.singleton_keys(key)
+    wait_for(lambda: scene.locks.exists(keys.lock), 20, what="lock taken")
+    refused = cli(scene, "release", keys.base, "--json")
+    assert refused.returncode == 1
+    answer = json.loads(refused.stdout)
+    assert (answer["action"], answer["holder"], answer["live"]) == ("refused", result.id,
+                                                                     "alive")
+    assert scene.locks.exists(keys.lock)
+    forced = cli(scene, "release", keys.lock, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert f"released {keys.base}" in forced.stdout and result.id in forced.stdout
+    assert not scene.locks.exists(keys.lock)
+    assert result.get(timeout=20)["lost"] is True
+
+
+def test_release_frees_a_dead_holders_lock_without_force(scene):
+    """A holder whose process is gone from this host needs no --force."""
+    keys = scene.app.tasks["t.hold"].singleton_keys(f"dead-{SECRET}")
+    task_id, _ = hold_stale(scene.server, keys, "t.hold")
+    out = cli(scene, "release", keys.base, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    answer = json.loads(out.stdout)
+    assert (answer["action"], answer["holder"], answer["live"]) == ("released", task_id, "dead")
+    assert not scene.locks.exists(keys.lock)
+
+
+def test_release_of_a_free_key_or_a_bad_key_says_so(scene):
+    free = cli(scene, "release", "0" * 32, "--json")
+    assert free.returncode == 1 and json.loads(free.stdout)["action"] == "not-held"
+    assert cli(scene, "release", "not-a-key").returncode == 2
+
+
+def test_release_of_a_send_time_marker_needs_force(scene):
+    """A key taken when a task was sent belongs to a task waiting in the queue."""
+    key = f"m-{uuid.uuid4().hex}"
+    sent = scene.app.tasks["t.queue"].apply_async(kwargs={"key": key}, countdown=60)
+    keys = scene.app.tasks["t.queue"].singleton_keys(key)
+    assert scene.locks.get(keys.queued) == sent.id
+    assert cli(scene, "release", keys.base).returncode == 1
+    assert scene.locks.get(keys.queued) == sent.id
+    out = cli(scene, "release", keys.base, "--force")
+    assert out.returncode == 0 and sent.id in out.stdout
+    assert scene.locks.get(keys.queued) is None
+    sent.revoke()
+
+
+def test_purge_is_a_dry_run_unless_yes_and_keeps_the_fencing_counters(scene):
+    fenced = scene.app.tasks["t.fenced"]
+    keys = [fenced.singleton_keys(f"p{i}-{SECRET}") for i in range(2)]
+    for k in keys:
+        hold_stale(scene.server, k, "t.fenced")
+    dry = cli(scene, "purge", "--task", "t.fenced", "--json")
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert plan["dry_run"] is True
+    assert {(e["key"], e["action"]) for e in plan["keys"]} == {
+        (k.base, "would delete") for k in keys}
+    assert all(scene.locks.exists(k.lock) for k in keys)
+    table = cli(scene, "purge", "--task", "t.fenced")
+    assert "dry run: nothing deleted" in table.stdout
+    done = cli(scene, "purge", "--task", "t.fenced", "--yes", "--json")
+    assert done.returncode == 0, done.stderr
+    assert {e["action"] for e in json.loads(done.stdout)["keys"]} == {"deleted"}
+    assert not any(scene.locks.exists(k.lock) for k in keys)
+    assert all(scene.locks.exists(k.fence) for k in keys)
+    assert scene.locks.exists(scene.held.lock), "other tasks' locks are untouched"
+
+
+def test_doctor_prints_findings_with_what_to_do_and_exits_1_on_warnings(scene):
+    """The test server keeps nothing on disk: a persistence warning, exit 1."""
+    out = cli(scene, "doctor", "--json")
+    assert out.returncode == 1, out.stderr
+    findings = {f["code"]: f for f in json.loads(out.stdout)["findings"]}
+    assert findings["scripts"]["level"] == "ok"
+    assert findings["persistence"]["level"] == "warning"
+    table = cli(scene, "doctor")
+    assert "WARNING  persistence" in table.stdout and "-> " in table.stdout
+
+
+def env_with_lock_url(scene: Scene, url: str) -> dict[str, str]:
+    env = dict(scene.worker.env)
+    env["SLT_LOCK_URL"] = url
+    return env
+
+
+def test_redis_down_exits_2_and_says_unreachable(scene):
+    env = env_with_lock_url(scene, f"redis://127.0.0.1:{free_port()}/2")
+    doctor = run_cli(env, "doctor", "--json")
+    assert doctor.returncode == 2
+    assert [f["code"] for f in json.loads(doctor.stdout)["findings"]] == ["unreachable"]
+    listing = run_cli(env, "list")
+    assert listing.returncode == 2 and "unreachable" in listing.stderr
+    assert "Traceback" not in listing.stderr
+
+
+def test_a_wrong_password_is_named_and_never_printed():
+    """doctor reports `auth` (exit 1); other commands exit 2; the password is masked."""
+    server = RedisServer(["--requirepass", "right-pw"]).start()
+    try:
+        env = Worker(server.url(), "unused").env
+        env["SLT_REDIS_URL"] = f"redis://:right-pw@127.0.0.1:{server.port}/0"
+        env["SLT_LOCK_URL"] = f"redis://:wrong-pw-123@127.0.0.1:{server.port}/2"
+        doctor = run_cli(env, "doctor", "--json")
+        assert doctor.returncode == 1
+        assert [f["code"] for f in json.loads(doctor.stdout)["findings"]] == ["auth"]
+        listing = run_cli(env, "list")
+        assert listing.returncode == 2 and "credentials" in listing.stderr
+        for out in (doctor, listing):
+            assert "wrong-pw-123" not in out.stdout + out.stderr
+            assert "right-pw" not in out.stdout + out.stderr
+    finally:
+        server.cleanup()
+
+
+# -- masked secrets in Celery's printed config ------------------------------------
+
+def conf_table(app: Celery) -> dict[str, Any]:
+    return dict(app.conf.table())
+
+
+def test_masking_install_hides_our_url_and_option_passwords_celery_would_print(monkeypatch):
+    """Celery alone prints singleton_redis_url with its password; after install()
+    the URL and every password in singleton_redis_options are masked."""
+    from celery.app import utils
+
+    from celery_singleton_lock import masking
+
+    monkeypatch.setattr(utils, "filter_hidden_settings", utils.filter_hidden_settings)
+    app = make_app("redis://127.0.0.1:1/0", lock_url="redis://locks:url-pw@h:6379/2",
+                   conf={"singleton_redis_options": {"sentinel_kwargs": {"passwd": "x-pw"},
+                                                     "password": "opt-pw"}})
+    if not masking.installed():
+        assert "url-pw" in str(conf_table(app)), "Celery alone leaks it"
+    masking.install()
+    table = conf_table(app)
+    assert table["singleton_redis_url"] == "redis://locks:********@h:6379/2"
+    assert not {"url-pw", "opt-pw", "x-pw"} & set(str(table).split("'"))
+
+
+@pytest.fixture
+def secret_worker() -> Iterator[tuple[Worker, RedisServer]]:
+    """A worker whose lock Redis needs a password, given in the URL and the options."""
+    broker = RedisServer().start()
+    locks = RedisServer(["--requirepass", "lock-secret-pw"]).start()
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    worker = Worker(broker.url(), queue,
+                    lock_url=f"redis://:lock-secret-pw@127.0.0.1:{locks.port}/2",
+                    conf={"singleton_redis_options": {"password": "lock-secret-pw"}})
+    worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.cliapp:app"
+    worker.start()
+    try:
+        yield worker, locks
+    finally:
+        worker.stop()
+        locks.cleanup()
+        broker.cleanup()
+
+
+def test_inspect_conf_and_report_mask_the_lock_redis_password(secret_worker):
+    """`celery inspect conf` (what Flower's config page shows) from a real worker, and
+    `celery report`, print the lock URL masked and no password anywhere."""
+    worker, locks = secret_worker
+    out: Optional[subprocess.CompletedProcess[str]] = None
+
+    def answered() -> bool:
+        nonlocal out
+        out = run_cli(worker.env, "conf", "--json", "--timeout", "5", command="inspect")
+        return out.returncode == 0 and "singleton_redis_url" in out.stdout
+
+    wait_for(answered, 30, interval=0.5, what="inspect conf reply")
+    assert out is not None
+    replies = json.loads(out.stdout)
+    (conf,) = replies.values()
+    assert conf["singleton_redis_url"] == f"redis://:********@127.0.0.1:{locks.port}/2"
+    assert conf["singleton_redis_options"] == {"password": "********"}
+    assert "lock-secret-pw" not in out.stdout
+    report = run_cli(worker.env, command="report")
+    assert report.returncode == 0, report.stderr
+    assert "singleton_redis_url" in report.stdout
+    assert "lock-secret-pw" not in report.stdout

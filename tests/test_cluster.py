@@ -1,0 +1,227 @@
+"""Redis Cluster: the core promises against a real three-primary cluster.
+
+The lock Redis here is a cluster of three primaries of the module's own
+(``redis-cli --cluster create``); the broker and the test events stay on the
+session's standalone server. Workers get ``singleton_redis_url = cluster://...``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from celery_singleton_lock import SingletonConfig, is_deduplicated, is_skipped
+from celery_singleton_lock.beat import ENTRY_HEADER, TICK_HEADER, claim_tick_run
+from celery_singleton_lock.cluster import ClusterWire, slot_of
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.replies import Acquire, Release, Renew
+from tests.deployments import Cluster
+from tests.support import RedisServer, Worker, wait_for
+from tests.workerapp import make_app
+
+CONF = {"singleton_ttl": 30.0}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(primaries=3).start()
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture
+def engine(cluster: Cluster) -> Iterator[LockEngine]:
+    e = LockEngine.from_config(SingletonConfig.defaults(cluster.url()))
+    yield e
+    assert isinstance(e.wire, ClusterWire)
+    e.wire.close()
+
+
+def new_keys() -> LockKeys:
+    return LockKeys("singleton:", uuid.uuid4().hex)
+
+
+def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str = "") -> Any:
+    return engine.acquire(keys, task_id=task_id, exec_id=exec_id or uuid.uuid4().hex,
+                          lease_ms=5000, hostname="w1@host", retries=0, task_name="t.x")
+
+
+def test_each_lock_lives_in_one_slot_and_locks_spread_over_every_primary(cluster, engine):
+    """All five keys of a lock hash to one slot; grants land on the node owning
+    that slot; 30 locks use all three primaries; a second task is refused."""
+    owners = set()
+    for i in range(30):
+        keys = new_keys()
+        assert len({slot_of(k) for k in (keys.lock, keys.fence, keys.fin, keys.queued,
+                                         keys.done)}) == 1
+        assert take(engine, keys, f"t{i}").status is Acquire.GRANTED
+        node = cluster.node_of(keys.lock)
+        assert node.client().hget(keys.lock, "task") == f"t{i}"
+        owners.add(node.port)
+        assert take(engine, keys, "other").status is Acquire.HELD
+    assert len(owners) == 3
+    # each node is reached on its own connections, made once
+    assert engine.wire.connections <= 3 * 2
+
+
+def test_one_renewal_round_renews_locks_of_every_slot_without_crossslot(cluster, engine):
+    """A renewal of 40 locks in 40 slots on 3 nodes: every lease extended, one
+    call per slot, no CROSSSLOT; a lock taken over by another execution answers
+    NOT_OURS and an absent one ABSENT, in the right places."""
+    entries = []
+    for i in range(40):
+        keys, exec_id = new_keys(), uuid.uuid4().hex
+        take(engine, keys, f"t{i}", exec_id)
+        entries.append((keys.lock, exec_id, 20_000))
+    stolen = entries[5][0]
+    cluster.node_of(stolen).client().hset(stolen, "exec", "someone-else")
+    entries.append((new_keys().lock, "nobody", 20_000))
+    results = engine.renew(entries)
+    assert results[5] is Renew.NOT_OURS and results[-1] is Renew.ABSENT
+    assert all(r is Renew.RENEWED for i, r in enumerate(results[:-1]) if i != 5)
+    ttl = cluster.node_of(entries[0][0]).client().pttl(entries[0][0])
+    assert 15_000 < ttl <= 20_000
+
+
+def test_a_release_sent_without_waiting_is_answered_on_its_node(cluster, engine):
+    keys, exec_id = new_keys(), uuid.uuid4().hex
+    take(engine, keys, "t1", exec_id)
+    answers: list[Any] = []
+    engine.release_later(keys, exec_id, "t1", lambda reply, error: answers.append(reply))
+    engine.settle()
+    assert answers[0].status is Release.RELEASED
+    assert not cluster.node_of(keys.lock).client().exists(keys.lock)
+
+
+def migrate_slot(cluster: Cluster, slot: int, source: RedisServer, target: RedisServer) -> None:
+    """Move one slot with its keys (what ``redis-cli --cluster reshard`` does)."""
+    src, dst = source.client(), target.client()
+    src_id = src.execute_command("CLUSTER", "MYID")
+    dst_id = dst.execute_command("CLUSTER", "MYID")
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+    for node in cluster.nodes:
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def test_a_slot_migrated_under_a_held_lock_is_followed_on_the_next_call(cluster, engine):
+    """The slot of a held lock moves to another primary while it is held: the
+    next renewal and the release follow MOVED to the new owner (slot map read
+    again), the lock stays this execution's and the key ends up freed."""
+    keys, exec_id = new_keys(), uuid.uuid4().hex
+    first = take(engine, keys, "t1", exec_id)
+    source = cluster.node_of(keys.lock)
+    target = next(n for n in cluster.nodes if n.port != source.port)
+    migrate_slot(cluster, slot_of(keys.lock), source, target)
+    assert target.client().hget(keys.lock, "exec") == exec_id
+    assert engine.renew([(keys.lock, exec_id, 5000)]) == [Renew.RENEWED]
+    assert take(engine, keys, "t2").status is Acquire.HELD
+    assert engine.release(keys, exec_id, "t1") is True
+    later = take(engine, keys, "t3")
+    assert later.status is Acquire.GRANTED and later.token > first.token
+    assert target.client().hget(keys.lock, "task") == "t3"
+
+
+def test_tick_claims_go_to_the_node_of_their_key(cluster, engine):
+    """A beat tick's run claim through the engine's cluster client: the first
+    task id of a tick runs, another id for the same tick is dropped, the same
+    id again (a retry) runs."""
+    tick = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.timezone.utc).isoformat()
+    req = {ENTRY_HEADER: "nightly", TICK_HEADER: tick, "id": "a"}
+    assert claim_tick_run(engine.client, "singleton:", req) is True
+    assert claim_tick_run(engine.client, "singleton:", {**req, "id": "b"}) is False
+    assert claim_tick_run(engine.client, "singleton:", req) is True
+
+
+# -- through real workers ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def worker(cluster: Cluster, redis_server: RedisServer) -> Iterator[Worker]:
+    w = Worker(redis_server.url(), f"cl-{uuid.uuid4().hex[:8]}", concurrency=3,
+               lock_url=cluster.url(), conf=CONF).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def app(cluster: Cluster, redis_server: RedisServer, worker: Worker) -> Any:
+    return make_app(redis_server.url(), worker.queue, lock_url=cluster.url(), conf=CONF)
+
+
+def lock_exists(cluster: Cluster, app: Any, task: str, key: str) -> bool:
+    lock = app.tasks[task].singleton_keys(key).lock
+    return bool(cluster.node_of(lock).client().exists(lock))
+
+
+@pytest.mark.worker
+def test_duplicate_storm_on_a_cluster_runs_one_at_a_time(app, events, key):
+    """Twelve sends of one key at once and again while the first runs: one
+    execution at any moment, every other send skipped naming the holder."""
+    hold = app.tasks["t.hold"]
+    first = hold.delay(key, 1.5, "first")
+    wait_for(lambda: events.starts("first"), 15, what="first start")
+    dups = [hold.delay(key, 0.0, f"dup{i}") for i in range(12)]
+    for d in dups:
+        result = d.get(timeout=15)
+        assert is_skipped(result) and result["holder"] == first.id
+    assert first.get(timeout=15)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first"]
+    assert all(e["concurrent"] == 1 for e in events.starts())
+
+
+@pytest.mark.worker
+def test_child_killed_on_a_cluster_is_freed_by_the_main_process(cluster, app, events, key):
+    """kill -9 of the pool process holding a lock: the worker's main process
+    frees its key on the node of its slot long before the 30 s lease."""
+    res = app.tasks["t.hold"].delay(key, 20.0, "kill9")
+    pid = wait_for(lambda: events.starts("kill9"), 15, what="start")[0]["pid"]
+    assert lock_exists(cluster, app, "t.hold", key)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not lock_exists(cluster, app, "t.hold", key), 10, what="key freed")
+    assert time.monotonic() - t0 < 15
+    with pytest.raises(Exception, match=r"WorkerLost|exited prematurely"):
+        res.get(timeout=10)
+
+
+@pytest.mark.worker
+def test_redelivery_on_a_cluster_runs_once_more_with_a_higher_token(cluster, app, events, key):
+    """acks_late task whose child is killed: the requeued copy (same id) finds
+    the dead holder's lock on the cluster, runs at once, with a higher token."""
+    res = app.tasks["t.hold_late"].delay(key, 2.0, "lost")
+    first = wait_for(lambda: events.starts("lost"), 15, what="first start")[0]
+    os.kill(first["pid"], signal.SIGKILL)
+    assert res.get(timeout=30)["tag"] == "lost"
+    starts = [e for e in events.starts("lost") if e["id"] == res.id]
+    assert len(starts) == 2 and starts[1]["token"] > first["token"]
+    assert not lock_exists(cluster, app, "t.hold_late", key)
+
+
+@pytest.mark.worker
+def test_queue_scopes_on_a_cluster_refuse_while_queued_and_while_running(app, events, key):
+    """queue: a send while one is queued is refused as that task; queue_and_run:
+    refused while queued and while running; free again once it finished."""
+    q = app.tasks["t.queue"]
+    first = q.apply_async((key, 0.2, "q-first"), countdown=1.0)
+    dup = q.delay(key, 0.0, "q-dup")
+    assert is_deduplicated(dup) and dup.id == first.id
+    assert first.get(timeout=15)["tag"] == "q-first"
+    t = app.tasks["t.queue_and_run"]
+    other = key + "-qar"
+    running = t.apply_async((other, 1.5, "r-first"), countdown=0.3)
+    assert is_deduplicated(t.delay(other, 0.0, "r-dup-queued"))
+    wait_for(lambda: events.starts("r-first"), 15, what="queue_and_run start")
+    assert t.delay(other, 0.0, "r-dup-running").id == running.id
+    assert running.get(timeout=15)["tag"] == "r-first"
+    after = t.delay(other, 0.0, "r-after")
+    assert not is_deduplicated(after) and after.get(timeout=15)["tag"] == "r-after"
+    assert [e["tag"] for e in events.starts()] == ["q-first", "r-first", "r-after"]

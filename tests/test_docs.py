@@ -1,0 +1,168 @@
+"""The documentation site builds strictly, and the code the docs say runs, runs.
+
+A page marks a block that runs with an HTML comment on the line before it
+(invisible on the site and on GitHub)::
+
+    <!-- runs: SCENARIO file NAME -->   the block is the file NAME
+    <!-- runs: SCENARIO worker -->      the block is a `celery ... worker` command
+    <!-- runs: SCENARIO run -->         the block is run with Python
+    <!-- runs: SCENARIO output -->      what that run prints
+
+Each scenario runs in a fresh directory against a redis-server of its own
+(``localhost:6379`` in the blocks becomes that server) and, when it has a worker
+block, that worker as a subprocess on a queue of its own. Task ids and key
+hashes are compared as shapes, everything else exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from celery_singleton_lock.testing import CeleryWorker, RedisServer
+from tests.support import ROOT
+
+DOCS = ROOT / "docs"
+MARKED = re.compile(
+    r"<!-- runs: (?P<scenario>[\w-]+) (?P<role>file|worker|run|output)(?: (?P<arg>\S+))? -->\n"
+    r"```[^\n]*\n(?P<body>.*?)\n```",
+    re.DOTALL,
+)
+# an app module is pointed at the scenario's own queue
+QUEUE_LINE = '\nimport os as _os\napp.conf.task_default_queue = _os.environ["DOCS_QUEUE"]\n'
+
+
+@dataclass
+class Scenario:
+    page: str
+    name: str
+    files: dict[str, str] = field(default_factory=dict)
+    worker: Optional[str] = None
+    runs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.name}"
+
+    @property
+    def needs_rabbitmq(self) -> bool:
+        return any("amqp://" in text for text in self.files.values())
+
+
+def scenarios() -> list[Scenario]:
+    found: dict[tuple[str, str], Scenario] = {}
+    for page in sorted(DOCS.glob("*.md")):
+        for m in MARKED.finditer(page.read_text()):
+            sc = found.setdefault((page.name, m["scenario"]), Scenario(page.name, m["scenario"]))
+            body = m["body"]
+            if m["role"] == "file":
+                sc.files[m["arg"]] = body
+            elif m["role"] == "worker":
+                sc.worker = body.strip()
+            elif m["role"] == "run":
+                sc.runs.append(body)
+            else:
+                sc.outputs.append(body)
+    return list(found.values())
+
+
+def shape(text: str) -> str:
+    text = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<id>", text)
+    text = re.sub(r"\{[0-9a-f]{32}\}", "{<hash>}", text)
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def rabbitmq_reachable() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """`mkdocs build --strict`: a broken link, a missing page or image, a nav entry
+    without its file or a docstring mkdocstrings cannot render fails the suite."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    site = tmp_path / "site"
+    for page in ("getting-started", "concepts", "migration", "redis-keys", "reference"):
+        assert (site / page / "index.html").exists(), page
+    assert (site / "benchmarks" / "results" / "throughput.png").exists(), "plots are served"
+    reference = (site / "reference" / "index.html").read_text()
+    assert "SingletonTask" in reference and "StaleTokenError" in reference
+
+
+def test_every_marked_block_belongs_to_a_complete_scenario():
+    """A marked block that no scenario would run (a typo in its marker) fails here."""
+    marks = sum(page.read_text().count("<!-- runs: ") for page in DOCS.glob("*.md"))
+    found = scenarios()
+    blocks = sum(len(s.files) + bool(s.worker) + len(s.runs) + len(s.outputs) for s in found)
+    assert marks == blocks, "a <!-- runs: --> marker is not followed by a code block"
+    for sc in found:
+        assert sc.runs, f"{sc.id}: nothing to run"
+        assert len(sc.outputs) == len(sc.runs), f"{sc.id}: every run block needs its output"
+    assert {"getting-started.md:redis", "getting-started.md:rabbitmq"} <= {s.id for s in found}
+
+
+@pytest.mark.worker
+@pytest.mark.parametrize("sc", scenarios(), ids=lambda s: s.id)
+def test_marked_blocks_run_and_print_what_the_page_says(sc: Scenario, tmp_path: Path):
+    """Each scenario's files, worker command and scripts, run as a reader runs them,
+    print exactly the output the page shows."""
+    if sc.needs_rabbitmq and not rabbitmq_reachable():
+        pytest.skip("no RabbitMQ answers on 127.0.0.1:5672")
+    queue = f"docs-{uuid.uuid4().hex[:8]}"
+    with RedisServer() as server:
+        here = f"127.0.0.1:{server.port}"
+        for name, text in sc.files.items():
+            text = text.replace("localhost:6379", here)
+            if "app = Celery(" in text:
+                text += QUEUE_LINE
+            (tmp_path / name).write_text(text)
+        env = {"DOCS_QUEUE": queue,
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        worker = None
+        if sc.worker is not None:
+            argv = shlex.split(sc.worker)
+            assert argv[0] == "celery" and "worker" in argv, sc.worker
+            worker = CeleryWorker(argv[argv.index("-A") + 1], queue, env=env, cwd=str(tmp_path))
+            worker.cmd = [sys.executable, "-m", *argv, "-Q", queue, "-n", worker.name,
+                          "--without-gossip", "--without-mingle", "--without-heartbeat",
+                          "-f", str(worker.log)]
+            worker.start()
+        try:
+            for code, expected in zip(sc.runs, sc.outputs):
+                out = subprocess.run([sys.executable, "-c", code.replace("localhost:6379", here)],
+                                     cwd=tmp_path, env={**os.environ, **env},
+                                     capture_output=True, text=True, timeout=60)
+                assert out.returncode == 0, out.stdout + out.stderr + (
+                    worker.logs() if worker else "")
+                assert shape(out.stdout) == shape(expected), out.stdout
+        finally:
+            if worker is not None:
+                worker.stop()
+
+
+def test_the_readme_quick_start_is_the_getting_started_code_the_suite_runs():
+    """The README's Quick start blocks are, verbatim, the blocks of
+    docs/getting-started.md that test_marked_blocks_run... runs and checks."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    ran = re.findall(r"<!-- runs: redis [^>]*-->\n(```[a-z]*\n.*?```)", page, flags=re.S)
+    shown = re.findall(r"(```[a-z]*\n.*?```)", quick, flags=re.S)
+    assert shown and shown == ran

@@ -1,0 +1,142 @@
+"""A pool child forked while a thread of the main process was inside one of our
+critical sections starts free; a long Redis outage leaves no connection behind.
+
+Engine-level and process-level proofs; the real-worker forms are in test_chaos.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_singleton_lock import SingletonConfig, SingletonTask
+from celery_singleton_lock.engine import LockEngine, engine_for
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.process import ForkSafeLock
+from celery_singleton_lock.replies import Acquire
+from tests.support import RedisServer
+
+
+def take(engine: LockEngine, keys: LockKeys, task_id: str) -> Any:
+    return engine.acquire(keys, task_id=task_id, exec_id=uuid.uuid4().hex, lease_ms=5000,
+                          hostname="h", retries=0, task_name="t.x")
+
+
+def fork_and_run(work: Any, timeout: int = 5) -> int:
+    """Run ``work`` in a forked child (killed after ``timeout`` s); its exit code."""
+    pid = os.fork()
+    if pid == 0:  # the child: one thread, whatever the parent's threads held
+        signal.alarm(timeout)
+        try:
+            work()
+        except BaseException:
+            os._exit(2)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_every_mutex_of_the_library_is_free_in_a_forked_child():
+    """A thread of the parent holds every library mutex while the process forks
+    (the reaper making the main process's engine as the pool replaces a child):
+    the child takes each of them at once instead of blocking for ever."""
+    app = Celery("fork", broker="redis://127.0.0.1:1/0", set_as_current=False)
+
+    @app.task(base=SingletonTask, name="fork.t")
+    def t() -> None:
+        return None
+
+    locks = list(ForkSafeLock._all)
+    assert len(locks) >= 4  # engines, config cache, settings, heartbeat registry
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        for lock in locks:
+            lock.__enter__()
+        held.set()
+        release.wait(30)
+        for lock in locks:
+            lock.__exit__(None, None, None)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    assert held.wait(5)
+    try:
+        def child() -> None:
+            assert not any(lock.locked() for lock in ForkSafeLock._all)
+            engine_for(app)  # takes the engine registry's mutex
+            t.singleton_settings(reload=True)  # the settings' and the config's
+        assert fork_and_run(child) == 0
+    finally:
+        release.set()
+        thread.join(5)
+
+
+def test_a_long_outage_leaves_no_connection_behind(own_redis: RedisServer):
+    """Hundreds of calls fail while Redis is down; the first call after it is
+    back succeeds, and the engine never made more than a couple of connections."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    assert take(engine, keys, "a").status is Acquire.GRANTED
+    own_redis.stop()
+    for i in range(300):  # the pool's old limit was 100
+        with pytest.raises(redis.ConnectionError):
+            take(engine, keys, f"down-{i}")
+    own_redis.start()
+    assert take(engine, keys, "back").status is Acquire.GRANTED
+    assert engine.wire.connections <= 2
+
+
+def test_a_wrong_password_stays_named_and_bounded(tmp_path):
+    """Failed logins do not use connections up: the 300th attempt still says
+    AuthenticationError, not 'too many connections'."""
+    server = RedisServer(extra_args=["--requirepass", "right"]).start()
+    try:
+        url = f"redis://:wrong@127.0.0.1:{server.port}/0"
+        engine = LockEngine.from_config(SingletonConfig.defaults(url))
+        keys = LockKeys("singleton:", uuid.uuid4().hex)
+        for i in range(300):
+            with pytest.raises(redis.AuthenticationError):
+                take(engine, keys, f"t{i}")
+        assert engine.wire.connections <= 2
+    finally:
+        server.cleanup()
+
+
+def test_children_forked_while_a_thread_makes_engines_make_their_own_at_once():
+    """Forks race a thread that keeps making engines (what the main process's
+    reaper does after a child is killed): every child makes its own engine."""
+    from celery_singleton_lock.config import get_config
+    from celery_singleton_lock.engine import forget_engine
+
+    app = Celery("race", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    other = Celery("race2", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    # As in a worker, whose step reads the settings and makes an engine in the
+    # main thread at start: later threads never read app.conf (every access
+    # takes kombu's class-wide lock) nor import a module for the first time
+    # (a thread inside either at fork would wedge the child).
+    get_config(other)
+    engine_for(other)
+    forget_engine(other)
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            engine_for(other)
+            forget_engine(other)
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        codes = [fork_and_run(lambda: engine_for(app)) for _ in range(40)]
+    finally:
+        stop.set()
+        thread.join(5)
+    assert codes == [0] * 40

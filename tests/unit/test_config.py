@@ -1,0 +1,123 @@
+"""Settings: one table, each bad value named (no servers)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_singleton_lock import ConfigurationError, SingletonTask, get_config
+from celery_singleton_lock.bootsteps import validate_app
+
+
+def app_with(**conf: Any) -> Celery:
+    app = Celery("cfg", broker=conf.pop("broker", "redis://127.0.0.1:1/0"),
+                 set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+@pytest.mark.parametrize("setting,value,message", [
+    ("singleton_on_duplicate", "ignore", "unknown policy 'ignore'; expected one of: skip, retry"),
+    ("singleton_on_backend_error", "drop", "expected one of: retry, run, raise"),
+    ("singleton_ttl", 0, "must be greater than 0"),
+    ("singleton_ttl", -5, "must be greater than 0"),
+    ("singleton_ttl", "30", "expected a number of seconds"),
+    ("singleton_redis_url", "http://x", "expected a redis://"),
+    ("singleton_scope", "forever", "unknown scope 'forever'; expected one of: run, queue"),
+    ("singleton_done_ttl", -1, "must be greater than 0"),
+    ("singleton_done_ttl", "1h", "expected a number of seconds"),
+    ("singleton_queue_ttl", 0, "must be greater than 0"),
+])
+def test_bad_setting_names_itself(setting, value, message):
+    with pytest.raises(ConfigurationError) as info:
+        get_config(app_with(**{setting: value}))
+    assert info.value.setting == setting
+    assert str(info.value).startswith(f"{setting}: ")
+    assert message in str(info.value)
+
+
+def test_redis_url_defaults_to_a_redis_broker():
+    assert get_config(app_with(broker="redis://h:1/3")).redis_url == "redis://h:1/3"
+
+
+def test_non_redis_broker_needs_singleton_redis_url():
+    with pytest.raises(ConfigurationError, match="singleton_redis_url: not set, and the broker"):
+        get_config(app_with(broker="amqp://guest@localhost//"))
+    cfg = get_config(app_with(broker="amqp://x//", singleton_redis_url="redis://h/1"))
+    assert cfg.redis_url == "redis://h/1"
+
+
+def test_bad_task_option_names_task_and_option():
+    app = app_with()
+
+    @app.task(base=SingletonTask, name="shop.refund", singleton_on_duplicate="later",
+              shared=False)
+    def refund(order_id: int) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError) as info:
+        validate_app(app)
+    assert info.value.setting == "singleton_on_duplicate"
+    assert "task 'shop.refund'" in str(info.value)
+
+
+def test_bad_task_scope_names_task_and_option():
+    app = app_with()
+
+    @app.task(base=SingletonTask, name="shop.report", singleton_scope="queued", shared=False)
+    def report(day: str) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError) as info:
+        validate_app(app)
+    assert info.value.setting == "singleton_scope"
+    assert "task 'shop.report'" in str(info.value)
+    assert "expected one of: run, queue, queue_and_run" in str(info.value)
+
+
+def test_scope_settings_are_read_with_defaults():
+    cfg = get_config(app_with())
+    assert (cfg.scope, cfg.done_ttl, cfg.queue_ttl) == ("run", 0.0, 300.0)
+    cfg = get_config(app_with(singleton_scope="queue_and_run", singleton_done_ttl=3600,
+                              singleton_queue_ttl=60))
+    assert (cfg.scope, cfg.done_ttl, cfg.queue_ttl) == ("queue_and_run", 3600.0, 60.0)
+
+
+
+
+def test_every_setting_comes_from_one_table_with_a_default_its_check_accepts():
+    from celery_singleton_lock.config import SETTINGS, SingletonConfig
+
+    fields = {f.name for f in dataclasses.fields(SingletonConfig)}
+    assert fields == {s.field for s in SETTINGS}
+    for s in SETTINGS:
+        if s.default is not None:
+            assert s.check(s.name, s.default) == s.default, s.name
+    defaults = SingletonConfig.defaults("redis://h/0")
+    assert defaults.ttl == 30.0 and defaults.on_duplicate == "skip" and defaults.scope == "run"
+
+
+def test_task_options_override_only_per_task_settings_and_name_the_task():
+    from celery_singleton_lock.config import TASK_OPTIONS, SingletonConfig
+
+    assert {s.name for s in TASK_OPTIONS} == {"singleton_ttl", "singleton_on_duplicate",
+                                              "singleton_scope", "singleton_done_ttl"}
+    app_level = SingletonConfig.defaults("redis://h/0", ttl=10.0)
+    task_level = app_level.for_task("t.x", {"singleton_ttl": 2, "singleton_scope": None})
+    assert (task_level.ttl, task_level.scope) == (2.0, "run")
+    assert app_level.for_task("t.x", {}) is app_level
+    with pytest.raises(ConfigurationError, match=r"singleton_ttl: task 't\.x': must be greater"):
+        app_level.for_task("t.x", {"singleton_ttl": -1})
+
+
+def test_every_setting_is_in_the_readme_table():
+    from pathlib import Path
+
+    from celery_singleton_lock.config import SETTINGS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [s.name for s in SETTINGS if f"`{s.name}`" not in readme]
+    assert not missing, missing

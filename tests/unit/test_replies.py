@@ -1,0 +1,57 @@
+"""Every script reply is named in one place; an unknown reply raises (no servers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_singleton_lock import UnexpectedReplyError
+from celery_singleton_lock.replies import (
+    Acquire,
+    Enqueue,
+    Release,
+    Renew,
+    acquired,
+    enqueued,
+    flag,
+    released,
+    renewed,
+)
+
+
+def test_the_families_never_share_a_meaning():
+    """HELD, TAKEN and RELEASED were once bare ints equal across families."""
+    assert Acquire.HELD is not Release.TAKEN
+    assert Acquire.GRANTED is not Release.RELEASED
+    assert Acquire(0) is Acquire.HELD and Release(0) is Release.TAKEN
+
+
+def test_acquire_replies():
+    grant = acquired([1, 1795000000000000])
+    assert grant.status is Acquire.GRANTED and grant.token == 1795000000000000
+    held = acquired([0, "task", "exec", "host:1", "42", "w1@h", 1])
+    assert held.status is Acquire.HELD and held.queued_by_it
+    assert (held.holder.task_id, held.holder.pid, held.holder.hostname) == ("task", 42, "w1@h")
+    assert acquired([2, "t", "e", "", "", "", 0]).status is Acquire.SAME_TASK
+    assert acquired([3, "t"]).status is Acquire.FINISHED
+    done = acquired([4, "winner"])
+    assert done.status is Acquire.DONE and done.holder.task_id == "winner"
+
+
+def test_other_families():
+    assert enqueued([1]).status is Enqueue.TAKEN
+    assert enqueued([0, "q1"]).holder.task_id == "q1"
+    assert enqueued([4, "d"]).status is Enqueue.DONE
+    assert released(-1, repeated=True).status is Release.FREE
+    assert renewed([1, 0, 2], 3) == [Renew.RENEWED, Renew.NOT_OURS, Renew.HANDED_OFF]
+    assert flag(1, "handoff") is True and flag(0, "unqueue") is False
+
+
+@pytest.mark.parametrize("parse,reply", [
+    (acquired, [9, "x"]), (acquired, []), (acquired, "OK"), (acquired, [0, "only-task"]),
+    (enqueued, [2]), (enqueued, [0]), (released, 5), (released, None),
+    (lambda r: renewed(r, 2), [1]), (lambda r: renewed(r, 1), [7]),
+    (lambda r: flag(r, "handoff"), 2),
+])
+def test_an_unknown_reply_raises_naming_the_script(parse, reply):
+    with pytest.raises(UnexpectedReplyError, match="gave a reply it never gives"):
+        parse(reply)
