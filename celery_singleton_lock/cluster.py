@@ -135,7 +135,7 @@ class ClusterWire:
                 reply, again = self._wire_of(node).call_asking(script, keys, args)
                 return reply, repeated or again
             except BROKEN:
-                self._stale()
+                self.stale()
                 raise
             return reply, repeated or again
         raise redis.exceptions.ClusterError(f"too many redirections for {keys[0]!r}")
@@ -152,12 +152,13 @@ class ClusterWire:
             except MovedError:
                 self.refresh()
             except BROKEN:
-                self._stale()
+                self.stale()
                 raise
         raise redis.exceptions.ClusterError(f"too many redirections for {keys[0]!r}")
 
-    def _stale(self) -> None:
-        """A node went away: learn where its slots went before the next call."""
+    def stale(self) -> None:
+        """A node went away: learn where its slots went before the next call
+        (after a failover a replica serves them)."""
         try:
             self.refresh()
         except Exception as exc:  # the cluster may be electing: next call tries again
@@ -177,9 +178,15 @@ class ClusterWire:
                 else:
                     answered(reply, None, repeated or again)
                 return
+            if isinstance(error, BROKEN):
+                self.stale()
             answered(reply, error, repeated)
 
-        self.wire_for(keys[0]).call_later(script, keys, args, done)
+        try:
+            self.wire_for(keys[0]).call_later(script, keys, args, done)
+        except BROKEN:
+            self.stale()
+            raise
 
     def settle(self) -> None:
         for wire in list(self._by_node.values()):

@@ -25,7 +25,7 @@ from .keys import LockKeys
 from .process import HOST_KEY, PROCESS, ForkSafeLock, Holder, forget_seen, pid_alive
 from .replies import Acquire, Acquired, Enqueued, Release, Released, Renew
 from .servers import make_client, mode_of
-from .wire import Script, Wire
+from .wire import BROKEN, Script, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -222,14 +222,8 @@ class LockEngine:
         if isinstance(self.wire, ClusterWire):
             return self._renew_per_slot(entries)
         chunk = self.renew_chunk
-        calls: list[tuple[list[str], list[Any]]] = []
-        for start in range(0, len(entries), chunk):
-            part = entries[start:start + chunk]
-            args: list[Any] = []
-            for _, exec_id, lease_ms in part:
-                args.append(exec_id)
-                args.append(lease_ms)
-            calls.append(([e[0] for e in part], args))
+        calls = [_renew_call(entries, range(start, min(start + chunk, len(entries))))
+                 for start in range(0, len(entries), chunk)]
         if len(calls) == 1 and not self._wait:
             reply, _ = self.wire.call(self._renew, *calls[0])
             return replies.renewed(reply, len(entries))
@@ -246,10 +240,13 @@ class LockEngine:
     def _renew_per_slot(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
         """Renew on a Cluster: one call per slot (a script may touch one slot
         only), all sent before any reply is read, so a round costs about one
-        round trip per node."""
+        round trip per node. With ``WAIT`` on, see :meth:`_renew_per_node`."""
+        assert isinstance(self.wire, ClusterWire)
         groups: dict[int, list[int]] = {}
         for i, entry in enumerate(entries):
             groups.setdefault(slot_of(entry[0]), []).append(i)
+        if self._wait:
+            return self._renew_per_node(entries, groups)
         out: list[Optional[Renew]] = [None] * len(entries)
         errors: list[Exception] = []
 
@@ -263,21 +260,63 @@ class LockEngine:
             return done
 
         for indexes in groups.values():
-            group = [entries[i] for i in indexes]
-            args: list[Any] = []
-            for _, exec_id, lease_ms in group:
-                args.append(exec_id)
-                args.append(lease_ms)
+            keys, args = _renew_call(entries, indexes)
             try:
-                self.wire.call_later(self._renew, [e[0] for e in group], args, answer(indexes))
+                self.wire.call_later(self._renew, keys, args, answer(indexes))
             except redis.RedisError as exc:
                 errors.append(exc)
         self.wire.settle()
-        if errors and all(result is None for result in out):
-            raise errors[0]
-        # a slot whose node failed this round: its locks are left alone, as on
-        # any Redis error; their own deadlines make them lost if it lasts
-        return [Renew.UNANSWERED if result is None else result for result in out]
+        return _renew_answers(out, errors)
+
+    def _renew_per_node(self, entries: Sequence[tuple[str, str, int]],
+                        groups: dict[int, list[int]]) -> list[Renew]:
+        """Renew on a Cluster with ``WAIT``: the calls of every slot a node
+        serves in one write with ``WAIT`` after them, on the same connection,
+        so WAIT counts that node's replicas for exactly these writes. Nodes are
+        asked one after another (each may wait up to ``singleton_wait_timeout``)."""
+        assert isinstance(self.wire, ClusterWire)
+        by_node: dict[int, tuple[Wire, list[list[int]]]] = {}
+        out: list[Optional[Renew]] = [None] * len(entries)
+        errors: list[Exception] = []
+        for indexes in groups.values():
+            try:
+                wire = self.wire.wire_for(entries[indexes[0]][0])
+            except redis.RedisError as exc:
+                errors.append(exc)
+                continue
+            for start in range(0, len(indexes), self.renew_chunk):
+                by_node.setdefault(id(wire), (wire, []))[1].append(
+                    indexes[start:start + self.renew_chunk])
+        short: list[str] = []
+        for wire, parts in by_node.values():
+            calls = [_renew_call(entries, part) for part in parts]
+            try:
+                answers, acked = wire.call_many(self._renew, calls, after=self._wait)
+            except redis.exceptions.AskError:  # MOVED too: the slot map changed
+                self.wire.refresh()
+                answers, acked = [], None
+                for keys, args in calls:  # once more, to the new owners, without WAIT
+                    try:
+                        answers.append(self.wire.call(self._renew, keys, args)[0])
+                    except redis.RedisError as exc:
+                        errors.append(exc)
+                        answers.append(None)
+            except redis.RedisError as exc:
+                if isinstance(exc, BROKEN):
+                    self.wire.stale()  # the node is gone: its replica may serve next round
+                errors.append(exc)
+                continue
+            for part, reply in zip(parts, answers):
+                if reply is not None:
+                    for i, result in zip(part, replies.renewed(reply, len(part))):
+                        out[i] = result
+            if not isinstance(acked, int) or acked < self.config.wait_replicas:
+                short.append(f"{acked} on {wire.name}")
+        if short:
+            # renewed on the primaries all the same: only a failover now could cost them
+            logger.warning("Renewed singleton locks but fewer than %d replicas acknowledged "
+                           "(%s)", self.config.wait_replicas, ", ".join(short))
+        return _renew_answers(out, errors)
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
         reply, _ = self.wire.call(self._handoff, [keys.lock], [exec_id, next_retries, lease_ms])
@@ -330,6 +369,28 @@ class LockEngine:
 
 _engines: weakref.WeakKeyDictionary[Any, tuple[int, LockEngine]] = weakref.WeakKeyDictionary()
 _engines_lock = ForkSafeLock()
+
+
+def _renew_call(entries: Sequence[tuple[str, str, int]], indexes: Sequence[int]
+                ) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of one renewal call of ``entries[indexes]``."""
+    keys: list[str] = []
+    args: list[Any] = []
+    for i in indexes:
+        lock_key, exec_id, lease_ms = entries[i]
+        keys.append(lock_key)
+        args.append(exec_id)
+        args.append(lease_ms)
+    return keys, args
+
+
+def _renew_answers(out: list[Optional[Renew]], errors: list[Exception]) -> list[Renew]:
+    """A round's answers; the first error when no lock was answered at all. A
+    slot whose node failed this round leaves its locks alone, as on any Redis
+    error: their own deadlines make them lost if it lasts."""
+    if errors and all(result is None for result in out):
+        raise errors[0]
+    return [Renew.UNANSWERED if result is None else result for result in out]
 
 
 def engine_for(app: Any) -> LockEngine:

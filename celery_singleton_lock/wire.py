@@ -105,6 +105,14 @@ class Wire:
         self._making = ForkSafeLock()
 
     @property
+    def name(self) -> str:
+        """Where it goes, for messages: ``host:port``, or the socket path."""
+        kw = self._connection_kwargs
+        if "path" in kw:
+            return str(kw["path"])
+        return f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+
+    @property
     def connections(self) -> int:
         """Connections this wire has made (each is kept and reused, never dropped)."""
         return self._made

@@ -205,6 +205,13 @@ class Cluster:
             text = info if isinstance(info, str) else str(info)
             if "cluster_state:ok" not in text:
                 return False
+            try:  # a replica counts once it has the primary's data (WAIT sees it)
+                replication = node.client().info("replication")
+            except redis.RedisError:
+                return False
+            if replication.get("role") == "slave" and replication.get(
+                    "master_link_status") != "up":
+                return False
         return True
 
     def client(self) -> Any:

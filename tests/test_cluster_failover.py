@@ -1,0 +1,191 @@
+"""Redis Cluster with replicas: WAIT on every node, and a primary failing over.
+
+Three primaries, one replica each, a node timeout of one second: a primary
+killed with ``kill -9`` is replaced by its replica within a few seconds. The
+lock Redis is the cluster; the broker and the test events stay on the
+session's standalone server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import Any, Iterator, Optional
+
+import pytest
+import redis
+
+from celery_singleton_lock import SingletonConfig, is_skipped
+from celery_singleton_lock.cluster import ClusterWire, slot_of
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.replies import Acquire, Renew
+from tests.deployments import Cluster
+from tests.support import RedisServer, Worker, wait_for
+from tests.workerapp import make_app
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(primaries=3, replicas=1, node_timeout_ms=1000).start()
+    yield c
+    c.cleanup()
+
+
+def engine_on(cluster: Cluster, **conf: Any) -> LockEngine:
+    return LockEngine.from_config(dataclasses.replace(SingletonConfig.defaults(cluster.url()),
+                                                      **conf))
+
+
+def new_keys() -> LockKeys:
+    return LockKeys("singleton:", uuid.uuid4().hex)
+
+
+def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str) -> Any:
+    return engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=30_000,
+                          hostname="w1@host", retries=0, task_name="t.x")
+
+
+def primary_of(cluster: Cluster, slot: int) -> Optional[RedisServer]:
+    """The node serving ``slot`` now, as any running node sees the map."""
+    for node in cluster.nodes:
+        if not node.running:
+            continue
+        try:
+            shards = node.client().execute_command("CLUSTER", "SLOTS")
+        except redis.RedisError:
+            continue
+        for first, last, owner, *_ in shards:
+            if int(first) <= slot <= int(last):
+                port = int(owner[1])
+                return next((n for n in cluster.nodes if n.port == port and n.running), None)
+    return None
+
+
+def on_replica(cluster: Cluster, key: str) -> bool:
+    """The key has reached a replica of the primary that owns it."""
+    for node in cluster.nodes:
+        conn = redis.Redis(port=node.port, single_connection_client=True,
+                           decode_responses=True)
+        try:
+            if conn.info("replication").get("role") != "slave":
+                continue
+            conn.execute_command("READONLY")
+            if conn.exists(key):
+                return True
+        except redis.RedisError:
+            continue
+        finally:
+            conn.close()
+    return False
+
+
+def test_renewals_send_wait_to_every_node_and_say_when_replicas_fall_short(cluster, caplog):
+    """WAIT follows the renewals of each node on the same connection: with one
+    replica asked for, 30 locks over every primary renew without a warning and
+    every key is on a replica; asking for two (there is one per primary) still
+    renews them all, and the log names each node that fell short."""
+    one = engine_on(cluster, wait_replicas=1, wait_timeout=500)
+    two = engine_on(cluster, wait_replicas=2, wait_timeout=50)
+    try:
+        entries = []
+        for i in range(30):
+            keys, exec_id = new_keys(), uuid.uuid4().hex
+            assert take(one, keys, f"t{i}", exec_id).status is Acquire.GRANTED
+            entries.append((keys.lock, exec_id, 20_000))
+        nodes = {primary_of(cluster, slot_of(e[0])).port for e in entries}  # type: ignore[union-attr]
+        assert len(nodes) == 3
+        with caplog.at_level(logging.WARNING, logger="celery_singleton_lock"):
+            assert one.renew(entries) == [Renew.RENEWED] * 30
+            assert not [r for r in caplog.records if "replicas acknowledged" in r.getMessage()]
+            assert all(on_replica(cluster, e[0]) for e in entries)
+            assert two.renew(entries) == [Renew.RENEWED] * 30
+        short = [r.getMessage() for r in caplog.records
+                 if "fewer than 2 replicas acknowledged" in r.getMessage()]
+        assert len(short) == 1 and all(f":{port}" in short[0] for port in nodes)
+    finally:
+        for e in (one, two):
+            assert isinstance(e.wire, ClusterWire)
+            e.wire.close()
+
+
+def test_a_primary_killed_under_a_held_lock_fails_over_and_the_lock_stays(cluster):
+    """A lock granted with WAIT 1, then its primary is killed: once the replica
+    is promoted the same engine renews it there (no restart, no new engine),
+    another execution is refused; the old primary rejoins as a replica, the
+    release frees the lock and the next grant's token is higher."""
+    engine = engine_on(cluster, wait_replicas=1, wait_timeout=500)
+    keys, exec_id = new_keys(), uuid.uuid4().hex
+    first = take(engine, keys, "t1", exec_id)
+    assert first.status is Acquire.GRANTED
+    slot = slot_of(keys.lock)
+    old = primary_of(cluster, slot)
+    assert old is not None
+    old.stop()  # kill -9
+
+    def renewed() -> bool:
+        try:
+            return engine.renew([(keys.lock, exec_id, 30_000)]) == [Renew.RENEWED]
+        except redis.RedisError:
+            return False
+
+    wait_for(renewed, 30, interval=0.2, what="the renewal to reach the promoted replica")
+    new = primary_of(cluster, slot)
+    assert new is not None and new.port != old.port
+    assert take(engine, keys, "t2", uuid.uuid4().hex).status is Acquire.HELD
+    # the old primary comes back as a replica of the new one: WAIT 1 can be met again
+    old.start()
+    wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+    assert engine.release(keys, exec_id, "t1") is True
+    later = take(engine, keys, "t3", uuid.uuid4().hex)
+    assert later.status is Acquire.GRANTED and later.token > first.token
+    assert isinstance(engine.wire, ClusterWire)
+    engine.wire.close()
+
+
+@pytest.mark.worker
+def test_a_worker_keeps_its_lock_through_a_failover_and_skips_duplicates(
+        cluster, redis_server, events, key):
+    """A real worker holds a lock whose primary is killed mid-task: no restart,
+    renewals go on on the promoted replica (a lease of 6 s, renewed every
+    2 s, outlives the 2-3 s failover), a duplicate sent after the failover
+    is skipped naming the holder, the task ends not lost and its key is freed."""
+    conf = {"singleton_ttl": 6.0}  # no WAIT here: the default, per-slot renewal path
+    worker = Worker(redis_server.url(), f"clf-{uuid.uuid4().hex[:8]}", concurrency=2,
+                    lock_url=cluster.url(), conf=conf).start()
+    try:
+        app = make_app(redis_server.url(), worker.queue, lock_url=cluster.url(), conf=conf)
+        hold = app.tasks["t.hold"]
+        lock = hold.singleton_keys(key).lock
+        first = hold.delay(key, 10.0, "through")
+        wait_for(lambda: events.starts("through"), 15, what="start")
+        old = primary_of(cluster, slot_of(lock))
+        assert old is not None
+        old.stop()
+
+        def pttl_on_new_primary() -> int:
+            node = primary_of(cluster, slot_of(lock))
+            if node is None or node.port == old.port:
+                return 0
+            try:
+                return int(node.client().pttl(lock))
+            except redis.RedisError:
+                return 0
+
+        # a renewal after the failover: the lease is back near its full 6 s (the
+        # promotion takes over a second, so no renewal from before it is this fresh)
+        wait_for(lambda: pttl_on_new_primary() > 5200, 20, interval=0.05,
+                 what="a renewal on the promoted replica")
+        dup = hold.delay(key, 0.0, "dup").get(timeout=15)
+        assert is_skipped(dup) and dup["holder"] == first.id
+        result = first.get(timeout=30)
+        assert result["tag"] == "through" and result["lost"] is False
+        assert [e["tag"] for e in events.starts()] == ["through"]
+        wait_for(lambda: primary_of(cluster, slot_of(lock)) is not None
+                 and not primary_of(cluster, slot_of(lock)).client().exists(lock),  # type: ignore[union-attr]
+                 10, what="the key freed")
+        old.start()
+        wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+    finally:
+        worker.stop()
