@@ -14,7 +14,9 @@ from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.exceptions import TooFewReplicasError
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire, Renew
-from tests.support import RedisServer, wait_for
+from tests.conftest import Events
+from tests.support import RedisServer, Worker, wait_for
+from tests.workerapp import make_app
 
 
 @pytest.fixture
@@ -89,3 +91,33 @@ def test_too_few_replicas_with_policy_proceed_keeps_the_lock_and_warns(pair, cap
     assert primary.client(2).hget(keys.lock, "exec") == exec_id
     assert "only 0 of 1 replicas acknowledged it" in caplog.text
     assert "Renewed 1 singleton lock(s) but only 0 of 1" in caplog.text
+
+
+@pytest.mark.worker
+def test_a_worker_retries_a_grant_too_few_replicas_saw_and_runs_it_once_they_do(pair, key):
+    """A real worker, WAIT 1 with policy release, its primary's replica
+    stopped: each grant is given back and the task retried (the default
+    backend-error policy), never run; once the replica answers again the task
+    runs exactly once and its key is freed."""
+    primary, replica = pair
+    conf = {"singleton_wait_replicas": 1, "singleton_wait_timeout": 100,
+            "singleton_wait_policy": "release"}
+    worker = Worker(primary.url(), f"wait-{uuid.uuid4().hex[:8]}", conf=conf).start()
+    events = Events(primary)
+    try:
+        app = make_app(primary.url(), worker.queue, conf=conf)
+        hold = app.tasks["t.hold"]
+        replica.pause()
+        result = hold.delay(key, 0.0, "replicated")
+        wait_for(lambda: worker.log.read_text().count("TooFewReplicasError): retrying later") >= 2, 30,
+                 what="two grants given back for too few replicas")
+        assert events.starts("replicated") == []
+        assert not primary.client(2).exists(hold.singleton_keys(key).lock)
+        replica.resume()
+        assert result.get(timeout=30)["tag"] == "replicated"
+        starts = events.starts("replicated")
+        assert len(starts) == 1
+        assert not primary.client(2).exists(hold.singleton_keys(key).lock)
+    finally:
+        replica.resume()
+        worker.stop()
