@@ -65,6 +65,8 @@ class ClusterWire:
         self._scripts = tuple(scripts)
         self._by_node: dict[str, Wire] = {}
         self._by_slot: list[Optional[Wire]] = []
+        #: goes up each time the slot map is read
+        self.map_version = 0
         self._mutex = ForkSafeLock()
 
     # -- the slot map ------------------------------------------------------------
@@ -86,6 +88,7 @@ class ClusterWire:
                 if nodes:
                     by_slot[slot] = self._wire_of(nodes[0])
             self._by_slot = by_slot
+            self.map_version += 1
             return by_slot
 
     def refresh(self) -> None:
@@ -193,8 +196,17 @@ class ClusterWire:
             wire.settle()
 
     def new_connection(self) -> Any:
-        """A connection to the primary of slot 0 (what the renewer watches)."""
+        """A connection to the primary of slot 0."""
         return self.wire_for_slot(0).new_connection()
+
+    def slots_by_primary(self) -> dict[str, tuple[Wire, set[int]]]:
+        """Every node serving slots now, by name: its wire and its slots."""
+        by_slot = self._by_slot or self._load()
+        out: dict[str, tuple[Wire, set[int]]] = {}
+        for slot, wire in enumerate(by_slot):
+            if wire is not None:
+                out.setdefault(wire.name, (wire, set()))[1].add(slot)
+        return out
 
     def wire_for_slot(self, slot: int) -> Wire:
         by_slot = self._by_slot or self._load()

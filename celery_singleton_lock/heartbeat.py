@@ -7,7 +7,7 @@ arrived) and a connection of its own to the lock Redis that never carries a
 command. That connection turns readable the moment the server goes away (a
 crash, a restart, a kill), so the renewer learns of it at once instead of at
 its next round: it reconnects as soon as Redis answers again and re-asserts
-every held lock right away.
+every held lock right away. On a Cluster it watches every primary the same way.
 
 Each round, per lock: renewed; handed to a retry (left alone); held by another
 execution (lost, at once); or absent (lost: released by an operator, or
@@ -27,11 +27,12 @@ import os
 import select
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import redis
 
 from . import monitor
+from .cluster import ClusterWire, slot_of
 from .engine import LockEngine
 from .lock import SingletonLock
 from .process import ForkSafeLock
@@ -45,12 +46,30 @@ RENEW_FRACTION = 3.0
 RECONNECT_FIRST, RECONNECT_MAX = 0.02, 0.5
 
 
+class Back(NamedTuple):
+    """A watched server answers again after going away."""
+
+    restarted: bool  # it is a new server (its run_id changed): its data is gone
+    owns: Callable[[str], bool]  # which lock keys live on it
+
+
+def _everything(key: str) -> bool:
+    return True
+
+
+def _nothing(key: str) -> bool:
+    return False
+
+
 class RedisWatch:
     """A connection that only waits: readable means the server closed it."""
 
-    def __init__(self, engine: LockEngine) -> None:
-        self.engine = engine
+    def __init__(self, connect: Callable[[], Any], owns: Callable[[str], bool] = _everything
+                 ) -> None:
+        self._connect = connect
+        self._owns = owns
         self._conn: Optional[Any] = None
+        self.fd: Optional[int] = None
         self.run_id: Optional[str] = None
         self._retry_at = 0.0
         self._backoff = RECONNECT_FIRST
@@ -74,7 +93,7 @@ class RedisWatch:
         if time.monotonic() < self._retry_at:
             return None, False
         try:
-            conn = self.engine.wire.new_connection()
+            conn = self._connect()
         except redis.RedisError:  # a Cluster whose slot map cannot be read now
             self._retry_at = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, RECONNECT_MAX)
@@ -93,11 +112,19 @@ class RedisWatch:
         previous, self.run_id = self.run_id, _run_id(info)
         self.restarted = previous is not None and self.run_id != previous
         came_back, self.down = self.down, False
-        return conn._sock.fileno(), came_back
+        self.fd = conn._sock.fileno()
+        return self.fd, came_back
 
-    def gone(self) -> bool:
+    def poll(self) -> tuple[list[int], list[Back]]:
+        """The sockets to wait on, and the servers that came back since."""
+        fd, came_back = self.fileno()
+        return ([] if fd is None else [fd]), (
+            [Back(self.restarted, self._owns)] if came_back else [])
+
+    def gone(self, fd: Optional[int] = None) -> bool:
         """The socket turned readable: true when the server closed it (or sent
-        what an idle connection never gets); then start over."""
+        what an idle connection never gets); then start over. ``fd``: which of
+        the sockets :meth:`poll` gave (one here)."""
         if self._conn is not None:
             try:
                 if not self._conn.can_read(timeout=0):
@@ -106,6 +133,7 @@ class RedisWatch:
                 pass
             self._conn.disconnect()
             self._conn = None
+            self.fd = None
         self.down = True
         self.losses += 1
         self._retry_at = 0.0
@@ -115,6 +143,71 @@ class RedisWatch:
         if self._conn is not None:
             self._conn.disconnect()
             self._conn = None
+            self.fd = None
+
+
+class ClusterWatch:
+    """One :class:`RedisWatch` per primary of a Cluster, following the slot
+    map: a primary that restarts (or is killed) is noticed at once, and only
+    the locks whose slots it serves are taken back."""
+
+    def __init__(self, wire: ClusterWire) -> None:
+        self.wire = wire
+        self.watches: dict[str, RedisWatch] = {}
+        self._slots: dict[str, set[int]] = {}
+        self._map_seen = -1
+
+    def _follow_map(self) -> None:
+        if self.watches and self.wire.map_version == self._map_seen:
+            return
+        try:
+            served = self.wire.slots_by_primary()
+        except redis.RedisError:  # no node answers now: keep what is watched
+            return
+        self._map_seen = self.wire.map_version
+        for name in list(self.watches):
+            if name not in served:  # failed over, or its slots moved away
+                self.watches.pop(name).close()
+                self._slots.pop(name, None)
+        for name, (wire, slots) in served.items():
+            # the slots are read when the map is, not when the node comes back:
+            # by then the map may be unreadable for a while
+            self._slots.setdefault(name, set()).clear()
+            self._slots[name].update(slots)
+            if name not in self.watches:
+                self.watches[name] = RedisWatch(wire.new_connection,
+                                                _in_slots(self._slots[name]))
+
+    @property
+    def retry_in(self) -> Optional[float]:
+        waits = [w.retry_in for w in self.watches.values() if w.retry_in is not None]
+        return min(waits) if waits else None
+
+    def poll(self) -> tuple[list[int], list[Back]]:
+        self._follow_map()
+        fds: list[int] = []
+        back: list[Back] = []
+        for watch in list(self.watches.values()):
+            f, b = watch.poll()
+            fds.extend(f)
+            back.extend(b)
+        return fds, back
+
+    def gone(self, fd: Optional[int] = None) -> bool:
+        for watch in list(self.watches.values()):
+            if watch.fd is not None and watch.fd == fd:
+                return watch.gone()
+        return False
+
+    def close(self) -> None:
+        for watch in self.watches.values():
+            watch.close()
+
+
+def _in_slots(slots: set[int]) -> Callable[[str], bool]:
+    def owns(key: str) -> bool:
+        return slot_of(key) in slots
+    return owns
 
 
 def _run_id(info: Any) -> Optional[str]:
@@ -140,9 +233,13 @@ class Heartbeat:
         # With nothing held the renewer still wakes this often, so a lock with
         # the usual lease never has to wake it: taking a lock is a dict insert.
         self.idle_interval = engine.config.ttl / RENEW_FRACTION
-        self.watch = RedisWatch(engine)
+        self.watch: Union[RedisWatch, ClusterWatch] = (
+            ClusterWatch(engine.wire) if isinstance(engine.wire, ClusterWire)
+            else RedisWatch(engine.wire.new_connection))
         self.rounds = 0
         self.reasserted = 0
+        #: which keys restarted servers forgot, until a round takes them back
+        self._owed: list[Callable[[str], bool]] = []
 
     def add(self, lock: SingletonLock) -> None:
         with self._mutex:
@@ -183,18 +280,18 @@ class Heartbeat:
     def _step(self, next_round: float) -> float:
         """Wait for the round, a wake-up or the server going away; act; the next
         round's time."""
-        fd, came_back = self.watch.fileno()
-        if came_back:
+        fds, back = self.watch.poll()
+        if back:
+            restarted = [b.owns for b in back if b.restarted]
             logger.warning("Lock Redis is back (%s): re-asserting held locks at once",
-                           "restarted" if self.watch.restarted else "same server")
-            self.renew_now(take_back=self.watch.restarted)
-            return time.monotonic() + self._current_interval()
+                           "restarted" if restarted else "same server")
+            self._owed.extend(restarted)
+            return self._reassert()
         timeout = max(next_round - time.monotonic(), 0.0)
         retry_in = self.watch.retry_in
         if retry_in is not None:
             timeout = min(timeout, retry_in)
-        waiting = [self._wake_r] if fd is None else [self._wake_r, fd]
-        ready, _, _ = select.select(waiting, [], [], timeout)
+        ready, _, _ = select.select([self._wake_r, *fds], [], [], timeout)
         if self._wake_r in ready:
             self._drain_wake()
         try:
@@ -202,7 +299,8 @@ class Heartbeat:
             self.engine.settle()
         except Exception:
             logger.exception("Reading singleton lock replies failed")
-        if fd is not None and fd in ready and self.watch.gone():
+        lost = [fd for fd in fds if fd in ready and self.watch.gone(fd)]
+        if lost:
             logger.warning("Lost the connection to the lock Redis: watching for its return")
             return next_round
         if self._wake_r in ready:
@@ -210,8 +308,20 @@ class Heartbeat:
             return min(next_round, time.monotonic() + self._current_interval())
         if time.monotonic() < next_round:
             return next_round  # a reconnect attempt was due, not the round
+        if self._owed:
+            return self._reassert()
         self.renew_now()
         return time.monotonic() + self._current_interval()
+
+    def _reassert(self) -> float:
+        """Renew now, taking back what the restarted servers forgot; until one
+        such round gets through (a restarted Cluster node refuses calls until
+        it has rejoined), try again every :data:`RECONNECT_MAX` seconds."""
+        owed = list(self._owed)
+        if self.renew_now(take_back=lambda key: any(owns(key) for owns in owed)):
+            del self._owed[:len(owed)]
+            return time.monotonic() + self._current_interval()
+        return time.monotonic() + RECONNECT_MAX
 
     def _current_interval(self) -> float:
         with self._mutex:
@@ -225,17 +335,23 @@ class Heartbeat:
         except BlockingIOError:
             pass
 
-    def renew_now(self, take_back: bool = False) -> None:
+    def renew_now(self, take_back: Union[bool, Callable[[str], bool]] = False) -> bool:
         """One round: renew every held lock in one call.
 
-        ``take_back``: the server restarted (its run_id changed), so an absent
-        key was forgotten, not released: write it back. Otherwise an absent key
-        was released by someone (``celery singleton release --force``) or
-        expired, and the lock is lost.
+        ``take_back`` (for every lock, or for the lock keys it says yes to):
+        the server restarted (its run_id changed), so an absent key was
+        forgotten, not released: write it back. Otherwise an absent key was
+        released by someone (``celery singleton release --force``) or expired,
+        and the lock is lost.
+
+        True when every lock got an answer; False after a Redis error, or when
+        the node of some lock did not answer (a Cluster node still rejoining).
         """
+        if not callable(take_back):
+            take_back = _everything if take_back else _nothing
         locks = [lock for lock in self.held() if not lock.handed_off]
         if not locks:
-            return
+            return True
         sent_at = time.monotonic()
         entries = [(lock.keys.lock, lock.exec_id, int(lock.lease * 1000)) for lock in locks]
         try:
@@ -245,18 +361,19 @@ class Heartbeat:
             for lock in locks:
                 monitor.count(self.engine, "renew_failed", lock.task_name)  # metrics
                 _ = lock.lost  # mark and log the ones whose deadline passed
-            return
+            return False
         self.rounds += 1
         for lock, result in zip(locks, results):
             if result is Renew.RENEWED:
                 lock.renewed(sent_at)
             elif result is Renew.ABSENT and lock.held and not lock.handed_off:
-                if take_back:
+                if take_back(lock.keys.lock):
                     self._take_back(lock, sent_at)
                 else:
                     lock.mark_lost("renewal found the lock gone (released, or expired)")
             elif result is Renew.NOT_OURS and lock.held and not lock.handed_off:
                 lock.mark_lost("renewal found the lock held by another execution")
+        return Renew.UNANSWERED not in results
 
     def _take_back(self, lock: SingletonLock, sent_at: float) -> None:
         """An absent key of a lock whose local lease is still valid: write the

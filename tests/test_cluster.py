@@ -8,6 +8,7 @@ session's standalone server. Workers get ``singleton_redis_url = cluster://...``
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -17,11 +18,13 @@ from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.beat import ENTRY_HEADER, TICK_HEADER, claim_tick_run
 from celery_singleton_lock.cluster import ClusterWire, slot_of
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.heartbeat import ClusterWatch, Heartbeat
 from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.replies import Acquire, Release, Renew
 from tests import promises
 from tests.deployments import Cluster
-from tests.support import RedisServer, Worker
+from tests.support import RedisServer, Worker, wait_for
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 30.0}
@@ -182,3 +185,50 @@ def test_redelivery_on_a_cluster_runs_once_more_with_a_higher_token(cluster, app
 @pytest.mark.worker
 def test_queue_scopes_on_a_cluster_refuse_while_queued_and_while_running(app, events, key):
     promises.queue_scopes_refuse_while_queued_and_while_running(app, events, key)
+
+
+def test_a_primary_restarted_empty_gets_its_held_locks_back_at_once(cluster, engine):
+    """The renewer watches every primary, not only one: a primary other than
+    slot 0's restarts empty under two held locks; they are written back at once
+    with higher tokens (the next round is 10 s away), while a lock on another
+    primary whose key an operator deleted meanwhile is not taken back."""
+    assert isinstance(engine.wire, ClusterWire)
+    zero = int(engine.wire.wire_for_slot(0).name.rsplit(":", 1)[1])
+    by_node: dict[int, list[LockKeys]] = {}
+    while not (zero in by_node and any(
+            len(ks) >= 2 for port, ks in by_node.items() if port != zero)):
+        keys = new_keys()
+        by_node.setdefault(cluster.node_of(keys.lock).port, []).append(keys)
+    victim_port = next(port for port, ks in by_node.items() if port != zero and len(ks) >= 2)
+    on_other, elsewhere = by_node[victim_port][:2], by_node[zero][0]
+    victim = next(n for n in cluster.nodes if n.port == victim_port)
+    hb = Heartbeat(engine)
+    locks = []
+    for keys in [*on_other, elsewhere]:
+        exec_id = uuid.uuid4().hex
+        got = take(engine, keys, "t-" + exec_id[:6], exec_id)
+        locks.append(SingletonLock(keys, task_id="t-" + exec_id[:6], task_name="t.x",
+                                   exec_id=exec_id, token=got.token, lease=30.0,
+                                   started=time.monotonic(), held=True, hostname="w1@host"))
+        hb.add(locks[-1])
+    try:
+        assert isinstance(hb.watch, ClusterWatch)
+        wait_for(lambda: len(hb.watch.watches) == 3 and all(
+            w.run_id for w in hb.watch.watches.values()), 5, what="a watch on every primary")
+        cluster.node_of(elsewhere.lock).client().delete(elsewhere.lock)  # an operator frees it
+        victim.stop()
+        victim.start()  # same port and cluster config, no data
+        wait_for(cluster.ok, 20, interval=0.1, what="the cluster whole again")
+        wait_for(lambda: all(victim.client().exists(lock.keys.lock) for lock in locks[:2]), 8,
+                 what="both locks back on the restarted primary")
+        for lock in locks[:2]:
+            record = victim.client().hgetall(lock.keys.lock)
+            assert record["exec"] == lock.exec_id and int(record["token"]) > lock.token
+            assert not lock.lost
+        assert hb.reasserted == 2
+        assert not cluster.node_of(elsewhere.lock).client().exists(elsewhere.lock)
+        wait_for(lambda: locks[2].lost, 15, what="the freed lock seen lost at its next round")
+    finally:
+        for lock in locks:
+            hb.discard(lock)
+        hb.watch.close()
