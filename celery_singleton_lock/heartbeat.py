@@ -44,6 +44,8 @@ logger = logging.getLogger("celery_singleton_lock")
 RENEW_FRACTION = 3.0
 #: how soon the watch tries again to reach a Redis that went away (doubling)
 RECONNECT_FIRST, RECONNECT_MAX = 0.02, 0.5
+#: how soon a renewal round that got no answer is tried again
+RETRY_FAILED = 0.5
 
 
 class Back(NamedTuple):
@@ -238,6 +240,7 @@ class Heartbeat:
             else RedisWatch(engine.wire.new_connection))
         self.rounds = 0
         self.reasserted = 0
+        self.failed_rounds = 0  # in a row, since the last round that got through
         #: which keys restarted servers forgot, until a round takes them back
         self._owed: list[Callable[[str], bool]] = []
 
@@ -310,18 +313,21 @@ class Heartbeat:
             return next_round  # a reconnect attempt was due, not the round
         if self._owed:
             return self._reassert()
-        self.renew_now()
-        return time.monotonic() + self._current_interval()
+        if self.renew_now():
+            return time.monotonic() + self._current_interval()
+        # not answered (Redis down, a Cluster primary failing over): ask again
+        # soon rather than a third of a lease later, while the leases still run
+        return time.monotonic() + min(RETRY_FAILED, self._current_interval())
 
     def _reassert(self) -> float:
         """Renew now, taking back what the restarted servers forgot; until one
         such round gets through (a restarted Cluster node refuses calls until
-        it has rejoined), try again every :data:`RECONNECT_MAX` seconds."""
+        it has rejoined), try again every :data:`RETRY_FAILED` seconds."""
         owed = list(self._owed)
         if self.renew_now(take_back=lambda key: any(owns(key) for owns in owed)):
             del self._owed[:len(owed)]
             return time.monotonic() + self._current_interval()
-        return time.monotonic() + RECONNECT_MAX
+        return time.monotonic() + RETRY_FAILED
 
     def _current_interval(self) -> float:
         with self._mutex:
@@ -357,11 +363,18 @@ class Heartbeat:
         try:
             results = self.engine.renew(entries)
         except redis.RedisError as exc:
-            logger.warning("Could not renew %d singleton lock(s): %r", len(locks), exc)
+            # said once per outage: failed rounds are tried again every 0.5 s
+            logger.log(logging.DEBUG if self.failed_rounds else logging.WARNING,
+                       "Could not renew %d singleton lock(s): %r", len(locks), exc)
+            self.failed_rounds += 1
             for lock in locks:
                 monitor.count(self.engine, "renew_failed", lock.task_name)  # metrics
                 _ = lock.lost  # mark and log the ones whose deadline passed
             return False
+        if self.failed_rounds:
+            logger.warning("Renewing singleton locks again, after %d failed round(s)",
+                           self.failed_rounds)
+            self.failed_rounds = 0
         self.rounds += 1
         for lock, result in zip(locks, results):
             if result is Renew.RENEWED:

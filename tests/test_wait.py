@@ -109,7 +109,8 @@ def test_a_worker_retries_a_grant_too_few_replicas_saw_and_runs_it_once_they_do(
         hold = app.tasks["t.hold"]
         replica.pause()
         result = hold.delay(key, 0.0, "replicated")
-        wait_for(lambda: worker.log.read_text().count("TooFewReplicasError): retrying later") >= 2, 30,
+        given_back = "(server:TooFewReplicasError): retrying later"
+        wait_for(lambda: worker.log.read_text().count(given_back) >= 2, 30,
                  what="two grants given back for too few replicas")
         assert events.starts("replicated") == []
         assert not primary.client(2).exists(hold.singleton_keys(key).lock)
