@@ -8,8 +8,11 @@ on the session's standalone server.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 import uuid
 from typing import Any, Iterator, Optional
 
@@ -23,7 +26,7 @@ from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.redlock import QuorumError, RedlockEngine
 from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released, Renew
 from tests import promises
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import ROOT, RedisServer, Worker, wait_for
 from tests.workerapp import make_app
 
 
@@ -312,3 +315,28 @@ def test_child_killed_with_redlock_is_freed_by_the_main_process(worker_masters, 
                                                                   key):
     promises.killed_child_is_freed_by_the_main_process(app, events, key,
                                                        on_a_majority(worker_masters, app))
+
+
+def run_cli(worker: Worker, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.workerapp:app",
+                           "singleton", *args], env=worker.env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.worker
+def test_the_cli_releases_on_every_master_and_refuses_to_list_one(worker_masters, worker, app,
+                                                                   events, key):
+    """`release --force` asks every master who holds the key and frees it on
+    all of them (the task then sees its lock lost); `list` reads one Redis, so
+    it refuses a redlock:// URL and says what to use instead."""
+    res = app.tasks["t.hold"].delay(key, 3.0, "cli")
+    wait_for(lambda: events.starts("cli"), 15, what="start")
+    lock = app.tasks["t.hold"].singleton_keys(key).lock
+    out = run_cli(worker, "release", lock, "--force", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["action"] == "released"
+    assert not any(s.client(2).exists(lock) for s in worker_masters)
+    res.get(timeout=15)
+    refused = run_cli(worker, "list")
+    assert refused.returncode == 2
+    assert "not offered with a redlock:// URL" in refused.stderr
