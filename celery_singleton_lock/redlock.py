@@ -237,6 +237,12 @@ class RedlockEngine(LockEngine):
             carried = self._carry(keys, exec_id, token, results, grants)
             elapsed = time.monotonic() - started
             if carried >= quorum and elapsed < validity:
+                late = [i for i, r in enumerate(results) if r is MISSING]
+                if late:
+                    # a master still answering may grant below the token: raise
+                    # it there too, after its acquire (not waited for)
+                    self.each(lambda e: e.raise_fence(keys, exec_id, token), only=late,
+                              timeout=0.0)
                 return Acquired(Acquire.GRANTED, token=token)
             self._give_back(keys, exec_id, task_id, results)
             failed = {} if carried >= quorum else self._failed(

@@ -97,8 +97,9 @@ def test_a_grant_holds_every_master_with_one_token_and_refuses_a_second_task(mas
     assert first.status is Acquire.GRANTED
     for s in masters:
         c = s.client(2)
-        wait_for(lambda c=c: c.hget(keys.lock, "task") == "A", 5, what="grant on every master")
-        assert int(c.hget(keys.lock, "token")) >= first.token
+        wait_for(lambda c=c: c.hget(keys.lock, "task") == "A"
+                 and int(c.hget(keys.lock, "token")) >= first.token, 5,
+                 what="the grant and its token on every master")
         assert int(c.get(keys.fence)) >= first.token
     second = take(engine, keys, "B")
     assert second.status is Acquire.HELD and second.holder.task_id == "A"
