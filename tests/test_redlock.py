@@ -341,3 +341,28 @@ def test_the_cli_releases_on_every_master_and_refuses_to_list_one(worker_masters
     refused = run_cli(worker, "list")
     assert refused.returncode == 2
     assert "not offered with a redlock:// URL" in refused.stderr
+
+
+@pytest.mark.worker
+def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_without_a_majority(
+        worker_masters, app, events, key):
+    """A task with a 1 s lease runs; the first master (the one the renewer
+    watches) is killed: renewals go on on the other four. Two more are killed:
+    no renewal reaches a majority, and the task sees its lock lost."""
+    lock = app.tasks["t.hold_short"].singleton_keys(key).lock
+    res = app.tasks["t.hold_short"].delay(key, 3.0, "minority")
+    wait_for(lambda: events.starts("minority"), 15, what="start")
+    down = worker_masters[:3]
+    try:
+        down[0].stop()
+        witness = worker_masters[4].client(2)
+        before = witness.pttl(lock)
+        wait_for(lambda: witness.pttl(lock) > before, 5, what="a renewal with one master down")
+        assert witness.hget(lock, "task") == res.id
+        down[1].stop()
+        down[2].stop()
+        assert res.get(timeout=15)["lost"] is True
+    finally:
+        for s in down:
+            if not s.running:
+                s.start()  # back empty, for the tests after this one
