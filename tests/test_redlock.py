@@ -366,3 +366,28 @@ def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_with
         for s in down:
             if not s.running:
                 s.start()  # back empty, for the tests after this one
+
+
+def test_redlocks_speaks_tls_to_every_master(tmp_path):
+    """Three servers that speak TLS only, a CA of the test's own: a
+    ``redlocks://`` URL verifies each and locks on them."""
+    from tests.deployments import TlsServer, make_certificates
+
+    certs = make_certificates(tmp_path)
+    servers = [TlsServer(certs) for _ in range(3)]
+    try:
+        for s in servers:
+            s.start()
+        url = ("redlocks://" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+               + f"/2?ssl_cert_reqs=required&ssl_ca_certs={certs['ca.crt']}")
+        engine = LockEngine.from_config(SingletonConfig.defaults(url))
+        assert isinstance(engine, RedlockEngine)
+        keys = new_keys()
+        assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED
+        wait_for(lambda: all(s.client(2).hget(keys.lock, "task") == "A" for s in servers), 5,
+                 what="the grant on every master")
+        assert engine.release(keys, "exec-a", "A") is True
+        engine.close()
+    finally:
+        for s in servers:
+            s.cleanup()
