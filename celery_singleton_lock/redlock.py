@@ -95,7 +95,10 @@ class Master:
                         1, thread_name_prefix=f"singleton-redlock-{self.name}")
                     self._pid = os.getpid()
                 executor = self._executor
-        executor.submit(job)
+        try:
+            executor.submit(job)
+        except RuntimeError:  # the interpreter is exiting: no new threads, run it here
+            job()
 
 
 def _describe(error: Any) -> str:
