@@ -14,7 +14,8 @@ where lock logic lives.
 - **Fencing tokens**: each master grants its own (counter + 1, floored at its
   clock in microseconds). The quorum's token is the largest of them, written
   back as the counter of every granted master that gave less before it is
-  handed out, and only once a majority carries it. Any later majority shares
+  handed out, and only once a majority carries it (masters that had not
+  answered yet get it too, not waited for). Any later majority shares
   a master with this one, whose counter is then at least this token: the next
   token is larger.
 - **Renew** on every master: a lock stays held while a majority renewed it;
