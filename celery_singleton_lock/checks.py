@@ -13,6 +13,7 @@ No Celery import: the checks need only a redis-py client and the settings.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ from .exceptions import ConfigurationError
 from .keys import LockKeys
 from .masking import mask_url
 from .process import HOST_KEY
+from .redlock import RedlockEngine
 from .wire import Script
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -421,6 +423,36 @@ def _replication(client: redis.Redis) -> list[Finding]:
     return [Finding(OK, "replication", "no replicas")]
 
 
+def engine_checks(engine: LockEngine) -> list[Finding]:
+    """:func:`run_checks` on the engine's Redis; with Redlock, on every master,
+    after a summary (code ``redlock``) of which masters answer."""
+    if not isinstance(engine, RedlockEngine):
+        return run_checks(engine.client, engine.config)
+    findings: list[Finding] = []
+    answering: list[str] = []
+    silent: list[str] = []
+    for master in engine.masters:
+        config = dataclasses.replace(engine.config, redis_url=f"redis://{master.name}")
+        own = run_checks(master.engine.client, config)
+        (silent if any(f.code == "unreachable" for f in own) else answering).append(master.name)
+        findings.extend(dataclasses.replace(f, message=f"master {master.name}: {f.message}")
+                        for f in own)
+    total, quorum = len(engine.masters), engine.quorum
+    text = (f"Redlock over {total} masters (a majority is {quorum}): {len(answering)} "
+            f"answer ({', '.join(answering) or 'none'})")
+    if not silent:
+        return [Finding(OK, "redlock", text), *findings]
+    text += f"; no answer from {', '.join(silent)}"
+    if len(answering) >= quorum:
+        return [Finding(WARNING, "redlock", text,
+                        f"locks work while a majority answers; {len(answering) - quorum + 1} "
+                        "more master(s) down would stop them: bring the others back"),
+            *findings]
+    return [Finding(ERROR, "redlock", text + ": no lock can be granted",
+                    "bring masters back until a majority answers; until then singleton "
+                    "tasks follow singleton_on_backend_error"), *findings]
+
+
 # -- worker start-up ---------------------------------------------------------------
 
 def startup_check(engine: LockEngine) -> None:
@@ -432,10 +464,14 @@ def startup_check(engine: LockEngine) -> None:
     then ``singleton_on_backend_error`` decides each task, as it would for an
     outage later on.
     """
-    findings = run_checks(engine.client, engine.config)
+    findings = engine_checks(engine)
     errors: list[Finding] = []
     for finding in findings:
-        if finding.code == "unreachable":
+        if finding.code == "redlock":
+            level = {OK: logging.INFO, WARNING: logging.WARNING}.get(finding.level, logging.ERROR)
+            logger.log(level, "celery-singleton-lock: %s%s", finding.message,
+                       f" ({finding.action})" if finding.action else "")
+        elif finding.code == "unreachable":
             logger.error("celery-singleton-lock: %s (%s)", finding.message, finding.action)
         elif finding.level == ERROR:
             errors.append(finding)

@@ -206,6 +206,17 @@ class _Context:
         self.client = self.engine.client
         self.url = masking.mask_url(self.config.redis_url)
 
+    def one_server(self, command: str) -> None:
+        """Stop a command that reads or writes one Redis directly: with Redlock
+        each master has its own view, and one master's is not the lock's."""
+        from .redlock import RedlockEngine
+
+        if isinstance(self.engine, RedlockEngine):
+            _fail(f"celery singleton {command} is not offered with a redlock:// URL: it reads "
+                  "one Redis, and a Redlock lock lives on a majority of masters. Use "
+                  "`celery singleton release KEY` (it asks every master) and "
+                  "`celery singleton doctor` (it checks every master)")
+
 
 # -- the commands ------------------------------------------------------------------
 
@@ -228,6 +239,7 @@ def list_(ctx: click.Context, task_name: Optional[str], state: Optional[str],
           as_json: bool) -> None:
     """Every held lock, send-time marker and done window, found with SCAN."""
     c = _Context(ctx)
+    c.one_server("list")
     rows = _filtered(_rows(c.client, c.config.key_prefix,
                            _scan_digests(c.client, c.config.key_prefix)), task_name, state)
     if as_json:
@@ -252,6 +264,7 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     """The key a call of TASK maps to, and who holds it. The arguments are
     hashed, never printed."""
     c = _Context(ctx)
+    c.one_server("key")
     task = c.app.tasks.get(task_name)
     if task is None or not callable(getattr(task, "singleton_keys", None)):
         _fail(f"no singleton task named {task_name!r} in this app")
@@ -325,7 +338,7 @@ def release(ctx: click.Context, key_text: str, force: bool, as_json: bool) -> No
             _report(result, as_json, "changed", f"not released: {keys.base} changed hands "
                     "since it was read; run release again")
         return
-    queued = str(c.client.get(keys.queued) or "")
+    queued = c.engine.queued_by(keys)
     if queued:
         result.update(holder=queued, state="queued")
         if not force:
@@ -362,6 +375,7 @@ def purge(ctx: click.Context, task_name: str, yes: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
     done windows. A dry run unless --yes. Fencing counters stay: tokens only go up."""
     c = _Context(ctx)
+    c.one_server("purge")
     rows = _filtered(_rows(c.client, c.config.key_prefix,
                            _scan_digests(c.client, c.config.key_prefix)), task_name, None)
     outcome: list[dict[str, Any]] = []
@@ -405,10 +419,10 @@ def _purge_row(c: _Context, row: Row) -> bool:
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check the lock Redis for what can make a lock lie or fail: credentials,
     ACL permissions, scripts, eviction, clock, version, persistence, replicas."""
-    from .checks import OK, run_checks
+    from .checks import ERROR, OK, engine_checks
 
     c = _Context(ctx)
-    findings = run_checks(c.client, c.config)
+    findings = engine_checks(c.engine)
     if as_json:
         _echo_json({"redis": c.url, "findings": [f.as_dict() for f in findings]})
     else:
@@ -416,7 +430,8 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
             click.echo(f"{f.level.upper():8} {f.code:20} {f.message}")
             if f.action:
                 click.echo(f"{'':8} {'':20} -> {f.action}")
-    if any(f.code == "unreachable" for f in findings):
+    quorum = [f for f in findings if f.code == "redlock"]
+    if quorum[0].level == ERROR if quorum else any(f.code == "unreachable" for f in findings):
         raise click.exceptions.Exit(EXIT_ERROR)
     if any(f.level != OK for f in findings):
         raise click.exceptions.Exit(EXIT_FINDINGS)
@@ -439,6 +454,7 @@ def metrics(ctx: click.Context, port: int, address: str) -> None:
     except ImportError:
         _fail("prometheus_client is not installed: pip install 'celery-singleton-lock[metrics]'")
     c = _Context(ctx)
+    # with Redlock the counts and held-lock lists live on the first master
     c.client.ping()  # unreachable or refused: exit 2 now, not at the first scrape
     registry = CollectorRegistry()
     registry.register(SingletonCollector(c.client, c.config.key_prefix))

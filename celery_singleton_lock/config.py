@@ -19,7 +19,8 @@ SCOPES = ("run", "queue", "queue_and_run")
 WAIT_POLICIES = ("release", "proceed")
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-_DEPLOY_SCHEMES = ("sentinel://", "sentinels://", "cluster://", "clusters://")
+_DEPLOY_SCHEMES = ("sentinel://", "sentinels://", "cluster://", "clusters://", "redlock://",
+                   "redlocks://")
 
 
 # -- checks: each takes the setting's name and value, returns the value to keep ------
@@ -77,7 +78,7 @@ def check_url(setting: str, value: Any) -> str:
     if not isinstance(value, str) or not value.startswith(_REDIS_SCHEMES + _DEPLOY_SCHEMES):
         raise ConfigurationError(
             setting, f"expected a redis://, rediss:// or unix:// URL (or sentinel://, "
-                     f"cluster://: docs/deployments.md), got {value!r}")
+                     f"cluster://, redlock://: docs/deployments.md), got {value!r}")
     if value.startswith(_DEPLOY_SCHEMES):
         from .servers import parse
 

@@ -52,7 +52,7 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 #: main worker process makes engines in its reaper thread while the pool forks)
 SCRIPTS: dict[str, Script] = {
     name: Script.load(name)
-    for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue")
+    for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue", "fence")
 }
 
 
@@ -74,6 +74,7 @@ class LockEngine:
         self._handoff = SCRIPTS["handoff"]
         self._enqueue = SCRIPTS["enqueue"]
         self._unqueue = SCRIPTS["unqueue"]
+        self._fence = SCRIPTS["fence"]
         self._fin_ms = int(config.finished_ttl * 1000)
         self.renew_chunk = RENEW_CHUNK
         #: sent right after each grant and renewal, in the same write
@@ -86,6 +87,10 @@ class LockEngine:
         options.update(config.redis_options)
         options["decode_responses"] = True
         url = config.redis_url
+        if mode_of(url) == "redlock":
+            from .redlock import RedlockEngine
+
+            return RedlockEngine.from_config(config)
         if mode_of(url) == "cluster":
             return cls(LazyCluster(lambda: make_client(url, options)), config)  # type: ignore[arg-type]
         return cls(make_client(url, options), config)
@@ -93,7 +98,7 @@ class LockEngine:
     @property
     def scripts(self) -> tuple[Script, ...]:
         return (self._acquire, self._release, self._renew, self._handoff, self._enqueue,
-                self._unqueue)
+                self._unqueue, self._fence)
 
     def settle(self) -> None:
         """Read every reply still owed to this process (see :meth:`release_later`)."""
@@ -318,6 +323,14 @@ class LockEngine:
                            "(%s)", self.config.wait_replicas, ", ".join(short))
         return _renew_answers(out, errors)
 
+    def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
+        """Raise the key's fencing counter (and the owner record's token) to at
+        least ``token``, if ``exec_id`` holds the lock here. Redlock uses it to
+        put the token it hands out on a majority of its masters."""
+        reply, _ = self.wire.call(self._fence, [keys.lock, keys.fence],
+                                  [exec_id, token, FENCE_TTL_MS])
+        return replies.flag(reply, "fence")
+
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
         reply, _ = self.wire.call(self._handoff, [keys.lock], [exec_id, next_retries, lease_ms])
         return replies.flag(reply, "handoff")
@@ -325,6 +338,10 @@ class LockEngine:
     def owner(self, keys: LockKeys) -> dict[str, str]:
         """The owner record, empty when the key is free."""
         return self.client.hgetall(keys.lock)  # type: ignore[return-value]
+
+    def queued_by(self, keys: LockKeys) -> str:
+        """The id of the task that took the key when it was sent, or ''."""
+        return str(self.client.get(keys.queued) or "")
 
     def clear_dead_holder(self, keys: LockKeys, holder: Holder) -> bool:
         """Free a lock whose holder process is provably gone from this host."""

@@ -160,6 +160,26 @@ class TooFewReplicasError(SingletonError, redis.RedisError):
                 f"within singleton_wait_timeout; released it")
 
 
+class QuorumError(SingletonError, redis.ConnectionError):
+    """Too few masters of a ``redlock://`` URL answered for a majority to decide.
+
+    A Redis connection error too, so ``singleton_on_backend_error`` decides
+    what the task does (by default: retry later). ``failed`` names each master
+    that did not answer and why."""
+
+    def __init__(self, what: str, failed: dict[str, str], answered: int, needed: int) -> None:
+        super().__init__(what, failed, answered, needed)
+        self.what = what
+        self.failed = failed
+        self.answered = answered
+        self.needed = needed
+
+    def __str__(self) -> str:
+        names = "; ".join(f"{name}: {why}" for name, why in self.failed.items())
+        return (f"{self.what}: {self.answered} master(s) answered, a majority needs "
+                f"{self.needed}; no answer from {names}")
+
+
 class UnexpectedReplyError(SingletonError):
     """A script answered with something it never returns (a Redis or library mismatch)."""
 

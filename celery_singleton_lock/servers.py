@@ -1,4 +1,5 @@
-"""Which Redis the locks live on: one server, a Sentinel-managed primary, or a Cluster.
+"""Which Redis the locks live on: one server, a Sentinel-managed primary, a
+Cluster, or a quorum of independent masters (Redlock).
 
 ``singleton_redis_url`` takes, besides redis-py's own ``redis://``,
 ``rediss://`` and ``unix://``:
@@ -15,13 +16,19 @@
     Any nodes of a Redis Cluster (the slot map is read from the first that
     answers). ``clusters://`` is the same over TLS. Database 0 only.
 
+``redlock://[[user]:password@]host:port,host:port,host:port[,...][/<db>][?options]``
+    Independent masters (no replication between them), an odd number, at
+    least three: every lock is taken on a majority of them (:mod:`.redlock`).
+    ``redlocks://`` is the same over TLS. The user, password, database and
+    options apply to every master.
+
 Nothing here opens a connection: clients connect on first use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
@@ -32,14 +39,18 @@ SCHEMES = {
     "redis": "standalone", "rediss": "standalone", "unix": "standalone",
     "sentinel": "sentinel", "sentinels": "sentinel",
     "cluster": "cluster", "clusters": "cluster",
+    "redlock": "redlock", "redlocks": "redlock",
 }
+
+#: the fewest masters a ``redlock://`` URL may name
+MIN_MASTERS = 3
 
 
 @dataclass(frozen=True)
 class Endpoint:
     """A parsed ``singleton_redis_url``."""
 
-    mode: str  # "standalone", "sentinel" or "cluster"
+    mode: str  # "standalone", "sentinel", "cluster" or "redlock"
     hosts: tuple[tuple[str, int], ...] = ()
     master: str = ""
     #: keyword arguments of every connection to a data node (db, auth, TLS ...)
@@ -71,6 +82,8 @@ def parse(url: str) -> Endpoint:
     hosts = tuple(_host(h) for h in hostlist.split(",") if h)
     if not hosts:
         raise ValueError("no host:port given")
+    if mode == "redlock":
+        _check_masters(hosts)
     query = parse_qsl(parts.query, keep_blank_values=True)
     sentinel_kwargs: dict[str, Any] = {}
     kept = []
@@ -104,6 +117,18 @@ def parse(url: str) -> Endpoint:
     return Endpoint(mode, hosts, master, kwargs, sentinel_kwargs)
 
 
+def _check_masters(hosts: tuple[tuple[str, int], ...]) -> None:
+    names = [f"{host}:{port}" for host, port in hosts]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"master {', '.join(twice)} given twice: each master counts once")
+    if len(hosts) < MIN_MASTERS or len(hosts) % 2 == 0:
+        raise ValueError(
+            f"redlock:// needs an odd number of masters, at least {MIN_MASTERS} (a majority "
+            f"of an even number tolerates no more failures than one master fewer); "
+            f"got {len(hosts)}: {', '.join(names)}")
+
+
 def _host(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
@@ -116,9 +141,12 @@ def make_client(url: str, options: dict[str, Any]) -> Any:
 
     A ``redis.Redis`` for one server and for a Sentinel-managed primary (its
     pool's connections find the primary through the sentinels), a
-    ``redis.cluster.RedisCluster`` for a Cluster.
+    ``redis.cluster.RedisCluster`` for a Cluster. A ``redlock://`` URL names
+    several masters: :func:`make_clients`.
     """
     endpoint = parse(url)
+    if endpoint.mode == "redlock":
+        raise ValueError("a redlock:// URL names several masters: use make_clients()")
     if endpoint.mode == "standalone":
         return redis.Redis.from_url(url, **options)
     kwargs = {**endpoint.kwargs, **options}
@@ -140,3 +168,20 @@ def make_client(url: str, options: dict[str, Any]) -> Any:
     nodes = [ClusterNode(host, port)  # type: ignore[no-untyped-call]
              for host, port in endpoint.hosts]
     return RedisCluster(startup_nodes=nodes, **kwargs)
+
+
+def make_clients(url: str, options: dict[str, Any], defaults: Optional[dict[str, Any]] = None
+                 ) -> list[tuple[str, redis.Redis]]:
+    """One ``redis.Redis`` per master of a ``redlock://`` URL, named ``host:port``:
+    ``options`` over the URL's own over ``defaults``."""
+    endpoint = parse(url)
+    if endpoint.mode != "redlock":
+        raise ValueError(f"not a redlock:// URL: {url.split('://', 1)[0]}://")
+    kwargs = {**(defaults or {}), **endpoint.kwargs, **options}
+    if kwargs.pop("ssl", False):
+        kwargs["connection_class"] = redis.SSLConnection
+    # a pool of our own, as from_url makes: no retry with back-off inside
+    # redis-py (a master that is down must fail fast, the quorum decides)
+    return [(f"{host}:{port}",
+             redis.Redis(connection_pool=redis.ConnectionPool(host=host, port=port, **kwargs)))
+            for host, port in endpoint.hosts]

@@ -1,0 +1,495 @@
+"""Redlock: every lock on a majority of N independent masters.
+
+:class:`RedlockEngine` is a :class:`~.engine.LockEngine` made of one plain
+engine per master. Each operation runs the same script on every master, as
+one server would, and combines their answers; the scripts stay the only place
+where lock logic lives.
+
+- **Acquire** is granted when a majority granted within the validity time: the
+  lease minus the clock drift allowed (1 % of it plus 2 ms). Otherwise every
+  master that may have granted is released and the answer is the refusal most
+  masters gave (HELD, naming the holder), or :class:`QuorumError` (a Redis
+  error: ``singleton_on_backend_error`` decides) when failures, not a holder,
+  kept a majority out of reach.
+- **Fencing tokens**: each master grants its own (counter + 1, floored at its
+  clock in microseconds). The quorum's token is the largest of them, written
+  back as the counter of every granted master that gave less before it is
+  handed out, and only once a majority carries it (masters that had not
+  answered yet get it too, not waited for). Any later majority shares
+  a master with this one, whose counter is then at least this token: the next
+  token is larger.
+- **Renew** on every master: a lock stays held while a majority renewed it;
+  fewer answers leave it alone (its deadline makes it lost, as a lapsed lease),
+  a majority that no longer has it makes it lost at once.
+- **Release** on every master; one that does not answer is left to its TTL.
+
+Calls to the masters go out concurrently: one thread per master, each with a
+queue, so the commands of this process reach every master in the order they
+were made (a release sent without waiting arrives before the next acquire), and
+a master that hangs holds up only its own queue. A call waits until the answer
+is decided (a majority granted, or can no longer) or every master answered,
+never longer than :attr:`RedlockEngine.call_timeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+import redis
+
+from .config import SingletonConfig
+from .engine import CLIENT_DEFAULTS, LockEngine
+from .exceptions import QuorumError
+from .keys import LockKeys
+from .process import ForkSafeLock
+from .replies import Acquire, Acquired, Enqueue, Enqueued, Release, Released, Renew
+from .servers import make_clients
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: what each master's client gets unless the URL or ``singleton_redis_options``
+#: say otherwise: a master that hangs must cost a call far less than a lease
+REDLOCK_CLIENT_DEFAULTS: dict[str, Any] = {
+    "socket_timeout": 0.5,
+    "socket_connect_timeout": 0.5,
+}
+
+#: clock drift allowed per lease (the Redlock rule: 1 % of it plus 2 ms)
+DRIFT_FACTOR = 0.01
+DRIFT_MS = 2
+
+T = TypeVar("T")
+
+
+class _Missing:
+    """No answer (yet) from a master."""
+
+    def __repr__(self) -> str:
+        return "no answer"
+
+
+MISSING = _Missing()
+
+
+class Master:
+    """One master: its name, its engine, and the thread that talks to it."""
+
+    def __init__(self, name: str, engine: LockEngine) -> None:
+        self.name = name
+        self.engine = engine
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pid = 0
+        self._lock = ForkSafeLock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        executor = self._executor
+        if executor is None or self._pid != os.getpid():
+            with self._lock:  # a forked child makes its own thread
+                if self._executor is None or self._pid != os.getpid():
+                    self._executor = ThreadPoolExecutor(
+                        1, thread_name_prefix=f"singleton-redlock-{self.name}")
+                    self._pid = os.getpid()
+                executor = self._executor
+        try:
+            executor.submit(job)
+        except RuntimeError:  # the interpreter is exiting: no new threads, run it here
+            job()
+
+
+def _describe(error: Any) -> str:
+    if error is MISSING:
+        return "no answer in time"
+    return f"{type(error).__name__}: {error}"
+
+
+class RedlockEngine(LockEngine):
+    """All Redis work of one process for one app, on a majority of masters."""
+
+    def __init__(self, masters: Sequence[tuple[str, redis.Redis]],
+                 config: SingletonConfig) -> None:
+        if len(masters) < 3 or len(masters) % 2 == 0:
+            raise ValueError(f"Redlock needs an odd number of masters, at least 3: "
+                             f"got {len(masters)}")
+        self.masters = [Master(name, LockEngine(client, config)) for name, client in masters]
+        self.quorum = len(masters) // 2 + 1
+        first = self.masters[0].engine
+        self.heartbeat: Optional[Any] = None
+        self.config = config
+        #: stats, held-lock listings and beat tick claims live on the first master
+        self.client = first.client
+        #: what the renewer watches for a server going away: the first master
+        self.wire = first.wire
+        kwargs = first.client.connection_pool.connection_kwargs
+        timeout = float(kwargs.get("socket_timeout") or 5.0)
+        connect = float(kwargs.get("socket_connect_timeout") or timeout)
+        #: the longest a call waits for the masters (a broken connection is
+        #: tried once more, on a fresh connect)
+        self.call_timeout = 2 * (timeout + connect)
+
+    @classmethod
+    def from_config(cls, config: SingletonConfig) -> RedlockEngine:
+        defaults = {**CLIENT_DEFAULTS, **REDLOCK_CLIENT_DEFAULTS}
+        options = {**config.redis_options, "decode_responses": True}
+        return cls(make_clients(config.redis_url, options, defaults), config)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.masters]
+
+    # -- talking to every master ---------------------------------------------------
+
+    def each(self, call: Callable[[LockEngine], T], *,
+             decided: Optional[Callable[[list[Any]], bool]] = None,
+             timeout: Optional[float] = None, only: Optional[Sequence[int]] = None,
+             skip_stale: bool = True) -> list[Any]:
+        """``call(engine)`` on every master (or those at ``only``), concurrently.
+
+        Returns one entry per master: its result, the exception it raised, or
+        :data:`MISSING` when it had not answered when the outcome was
+        ``decided`` or ``timeout`` ran out (its call still goes on, in order).
+        ``skip_stale``: a call still queued long after its caller gave up (behind
+        a master that hung) is not sent at all; releases are always sent.
+        """
+        indexes = range(len(self.masters)) if only is None else only
+        results: list[Any] = [MISSING] * len(self.masters)
+        done = threading.Condition()
+        pending = set(indexes)
+        started = time.monotonic()
+        limit = self.call_timeout if timeout is None else timeout
+        deadline = started + limit
+
+        def job(i: int) -> Callable[[], None]:
+            def run() -> None:
+                if skip_stale and time.monotonic() > deadline + self.call_timeout:
+                    # queued behind a master that hung: its caller gave up long ago
+                    outcome: Any = TimeoutError("given up while queued")
+                else:
+                    try:
+                        outcome = call(self.masters[i].engine)
+                    except Exception as exc:  # any failure is that master's non-answer
+                        outcome = exc
+                with done:
+                    results[i] = outcome
+                    pending.discard(i)
+                    done.notify_all()
+            return run
+
+        for i in indexes:
+            self.masters[i].submit(job(i))
+        with done:
+            while pending:
+                if decided is not None and decided(results):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                done.wait(remaining)
+            return list(results)
+
+    def _failed(self, results: list[Any], ok: Callable[[Any], bool]) -> dict[str, str]:
+        """The masters whose answer was not ``ok``: those that failed, and those
+        not heard from when the failures alone do not explain the outcome."""
+        errors = {m.name: _describe(r) for m, r in zip(self.masters, results)
+                  if isinstance(r, Exception)}
+        if len(errors) >= self.quorum:
+            return errors
+        return {m.name: _describe(r) for m, r in zip(self.masters, results) if not ok(r)}
+
+    # -- the lock operations -------------------------------------------------------
+
+    def acquire(
+        self,
+        keys: LockKeys,
+        *,
+        task_id: str,
+        exec_id: str,
+        lease_ms: int,
+        hostname: str,
+        retries: int,
+        task_name: str,
+        scope: str = "run",
+    ) -> Acquired:
+        """Take the lock on a majority of the masters within the validity time."""
+        started = time.monotonic()
+        validity = (lease_ms - lease_ms * DRIFT_FACTOR - DRIFT_MS) / 1000.0
+        quorum, total = self.quorum, len(self.masters)
+
+        def granted(r: Any) -> bool:
+            return isinstance(r, Acquired) and r.status is Acquire.GRANTED
+
+        def decided(results: list[Any]) -> bool:
+            # a majority granted, refused, or failed: the others cannot change it
+            yes = sum(1 for r in results if granted(r))
+            no = sum(1 for r in results if isinstance(r, Acquired) and not granted(r))
+            failed = sum(1 for r in results if isinstance(r, Exception))
+            return max(yes, no, failed) >= quorum
+
+        results = self.each(
+            lambda e: e.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
+                                hostname=hostname, retries=retries, task_name=task_name,
+                                scope=scope),
+            decided=decided, timeout=min(self.call_timeout, max(validity, 0.0)))
+        grants = [i for i, r in enumerate(results) if granted(r)]
+        if len(grants) >= quorum:
+            token = max(results[i].token for i in grants)
+            carried = self._carry(keys, exec_id, token, results, grants)
+            elapsed = time.monotonic() - started
+            if carried >= quorum and elapsed < validity:
+                late = [i for i, r in enumerate(results) if r is MISSING]
+                if late:
+                    # a master still answering may grant below the token: raise
+                    # it there too, after its acquire (not waited for)
+                    self.each(lambda e: e.raise_fence(keys, exec_id, token), only=late,
+                              timeout=0.0)
+                return Acquired(Acquire.GRANTED, token=token)
+            self._give_back(keys, exec_id, task_id, results)
+            failed = {} if carried >= quorum else self._failed(
+                results, lambda r: granted(r) and r.token == token)
+            raise QuorumError(
+                f"lock {keys.base} granted by a majority but "
+                + ("too late: the validity time had passed" if carried >= quorum else
+                   "its fencing token could not be put on a majority"),
+                failed, carried, quorum)
+        self._give_back(keys, exec_id, task_id, results)
+        refusals = [r for r in results if isinstance(r, Acquired) and not granted(r)]
+        unknown = total - len(grants) - len(refusals)
+        if len(grants) + unknown < quorum:
+            # out of reach even had every master that failed granted: a holder
+            # decided it, not an outage
+            return self._most_given(refusals)
+        raise QuorumError(f"lock {keys.base} not decided", self._failed(
+            results, lambda r: isinstance(r, Acquired)), len(grants) + len(refusals), quorum)
+
+    def _carry(self, keys: LockKeys, exec_id: str, token: int, results: list[Any],
+               grants: list[int]) -> int:
+        """Put ``token`` on the granted masters that gave less; how many carry it."""
+        lower = [i for i in grants if results[i].token < token]
+        carried = len(grants) - len(lower)
+        if lower:
+            raised = self.each(lambda e: e.raise_fence(keys, exec_id, token), only=lower,
+                               decided=lambda rs: carried + sum(r is True for r in rs)
+                               >= self.quorum)
+            carried += sum(1 for r in raised if r is True)
+        return carried
+
+    def _give_back(self, keys: LockKeys, exec_id: str, task_id: str,
+                   results: list[Any]) -> None:
+        """Release wherever this execution may hold the key (a refusal is not it)."""
+        mine = [i for i, r in enumerate(results)
+                if not (isinstance(r, Acquired) and r.status is not Acquire.GRANTED)]
+        if mine:
+            # not waited for: each master's queue sends it after the acquire
+            self.each(lambda e: e.release(keys, exec_id, task_id, finished=False), only=mine,
+                      timeout=0.0, skip_stale=False)
+
+    @staticmethod
+    def _most_given(refusals: list[Acquired]) -> Acquired:
+        """The refusal most masters gave (the first among equals)."""
+        def name(a: Acquired) -> tuple[Any, ...]:
+            return (a.status, a.holder.exec_id if a.holder else "",
+                    a.holder.task_id if a.holder else "")
+        counts = Counter(name(a) for a in refusals)
+        best = max(counts.values())
+        return next(a for a in refusals if counts[name(a)] == best)
+
+    def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
+                always_record: bool = False, done_ttl: float = 0.0) -> bool:
+        """Release on every master; True when it freed the lock on any (a
+        master that does not answer keeps it until its TTL)."""
+        results = self.each(
+            lambda e: e.release(keys, exec_id, task_id, finished=finished,
+                                always_record=always_record, done_ttl=done_ttl),
+            decided=lambda rs: sum(r is True for r in rs) >= self.quorum, skip_stale=False)
+        if all(isinstance(r, Exception) or r is MISSING for r in results):
+            raise QuorumError(f"release of {keys.base}", self._failed(
+                results, lambda r: isinstance(r, bool)), 0, self.quorum)
+        return any(r is True for r in results)
+
+    def release_later(
+        self,
+        keys: LockKeys,
+        exec_id: str,
+        task_id: str,
+        answered: Callable[[Optional[Released], Optional[Exception]], None],
+        *,
+        always_record: bool = False,
+        done_ttl: float = 0.0,
+    ) -> None:
+        """:meth:`release` without waiting: each master's queue sends it before
+        anything this process sends that master next; ``answered`` is called
+        once, when a majority released or every master answered."""
+        results: list[Any] = [MISSING] * len(self.masters)
+        told = [False]
+        mutex = threading.Lock()
+        quorum = self.quorum
+
+        def freed(r: Any) -> bool:
+            return isinstance(r, Released) and (
+                r.status is Release.RELEASED or (r.status is Release.FREE and r.repeated))
+
+        def tell() -> Optional[tuple[Optional[Released], Optional[Exception]]]:
+            ok = sum(1 for r in results if freed(r))
+            if ok >= quorum:
+                return Released(Release.RELEASED), None
+            if any(r is MISSING for r in results):
+                return None
+            given = [r for r in results if isinstance(r, Released)]
+            if len(given) < quorum:
+                return None, QuorumError(f"release of {keys.base}", self._failed(
+                    results, lambda r: isinstance(r, Released)), len(given), quorum)
+            taken = sum(1 for r in given if r.status is Release.TAKEN)
+            free = sum(1 for r in given if r.status is Release.FREE)
+            return Released(Release.TAKEN if taken > free else Release.FREE), None
+
+        def one(i: int) -> Callable[[Optional[Released], Optional[Exception]], None]:
+            def got(reply: Optional[Released], error: Optional[Exception]) -> None:
+                with mutex:
+                    results[i] = error if error is not None else reply
+                    if told[0]:
+                        return
+                    outcome = tell()
+                    if outcome is None:
+                        return
+                    told[0] = True
+                answered(*outcome)
+            return got
+
+        def send(i: int) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    self.masters[i].engine.release_later(
+                        keys, exec_id, task_id, one(i), always_record=always_record,
+                        done_ttl=done_ttl)
+                except Exception as exc:
+                    one(i)(None, exc)
+            return run
+
+        for i, master in enumerate(self.masters):
+            master.submit(send(i))
+
+    def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
+        """Renew on every master; per lock: RENEWED while a majority renewed it,
+        UNANSWERED when too few masters answered (left alone, like an error),
+        else lost (ABSENT or NOT_OURS, whichever more masters said)."""
+        if not entries:
+            return []
+        quorum = self.quorum
+
+        def all_renewed(results: list[Any]) -> bool:
+            answers = [r for r in results if isinstance(r, list)]
+            return len(answers) >= quorum and all(
+                sum(1 for a in answers if a[i] is Renew.RENEWED) >= quorum
+                for i in range(len(entries)))
+
+        results = self.each(lambda e: e.renew(entries), decided=all_renewed)
+        answers = [r for r in results if isinstance(r, list)]
+        if not answers:
+            raise QuorumError(f"renewal of {len(entries)} lock(s)", self._failed(
+                results, lambda r: isinstance(r, list)), 0, quorum)
+        out: list[Renew] = []
+        for i in range(len(entries)):
+            said = Counter(a[i] for a in answers)
+            if said[Renew.RENEWED] >= quorum:
+                out.append(Renew.RENEWED)
+            elif said[Renew.HANDED_OFF] and said[Renew.RENEWED] + said[Renew.HANDED_OFF] >= quorum:
+                out.append(Renew.HANDED_OFF)
+            elif len(answers) - said[Renew.RENEWED] - said[Renew.HANDED_OFF] < quorum:
+                out.append(Renew.UNANSWERED)  # a majority may still have it
+            else:
+                out.append(Renew.NOT_OURS if said[Renew.NOT_OURS] > said[Renew.ABSENT]
+                           else Renew.ABSENT)
+        return out
+
+    def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
+        results = self.each(lambda e: e.hand_off(keys, exec_id, next_retries, lease_ms),
+                            decided=lambda rs: sum(r is True for r in rs) >= self.quorum)
+        return sum(1 for r in results if r is True) >= self.quorum
+
+    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Enqueued:
+        """Take the key at send time on a majority, or say who has it."""
+        quorum, total = self.quorum, len(self.masters)
+
+        def taken(r: Any) -> bool:
+            return isinstance(r, Enqueued) and r.status is Enqueue.TAKEN
+
+        def decided(results: list[Any]) -> bool:
+            yes = sum(1 for r in results if taken(r))
+            no = sum(1 for r in results if isinstance(r, Enqueued) and not taken(r))
+            failed = sum(1 for r in results if isinstance(r, Exception))
+            return max(yes, no, failed) >= quorum
+
+        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms), decided=decided)
+        if sum(1 for r in results if taken(r)) >= quorum:
+            return Enqueued(Enqueue.TAKEN)
+        mine = [i for i, r in enumerate(results)
+                if not (isinstance(r, Enqueued) and not taken(r))]
+        if mine:
+            self.each(lambda e: e.unqueue(keys, task_id), only=mine, timeout=0.0,
+                      skip_stale=False)
+        refusals = [r for r in results if isinstance(r, Enqueued) and not taken(r)]
+        if len(refusals) + quorum > total:
+            counts = Counter((r.status, r.holder.task_id if r.holder else "") for r in refusals)
+            best = max(counts.values())
+            return next(r for r in refusals
+                        if counts[(r.status, r.holder.task_id if r.holder else "")] == best)
+        raise QuorumError(f"send-time key {keys.base} not decided", self._failed(
+            results, lambda r: isinstance(r, Enqueued)), len(refusals), quorum)
+
+    def unqueue(self, keys: LockKeys, task_id: str) -> bool:
+        results = self.each(lambda e: e.unqueue(keys, task_id),
+                            decided=lambda rs: sum(r is True for r in rs) >= self.quorum,
+                            skip_stale=False)
+        if all(isinstance(r, Exception) or r is MISSING for r in results):
+            raise QuorumError(f"freeing the send-time key {keys.base}", self._failed(
+                results, lambda r: isinstance(r, bool)), 0, self.quorum)
+        return any(r is True for r in results)
+
+    def owner(self, keys: LockKeys) -> dict[str, str]:
+        """The owner record most masters hold (empty when none holds one)."""
+        results = self.each(lambda e: e.owner(keys))
+        records = [r for r in results if isinstance(r, dict)]
+        if len(records) < self.quorum:
+            raise QuorumError(f"reading the owner of {keys.base}", self._failed(
+                results, lambda r: isinstance(r, dict)), len(records), self.quorum)
+        held = Counter(r.get("exec", "") for r in records if r.get("exec"))
+        if not held:
+            return {}
+        top = held.most_common(1)[0][0]
+        chosen: dict[str, str] = next(r for r in records if r.get("exec") == top)
+        return chosen
+
+    def queued_by(self, keys: LockKeys) -> str:
+        results = self.each(lambda e: e.queued_by(keys))
+        ids = [r for r in results if isinstance(r, str)]
+        if len(ids) < self.quorum:
+            raise QuorumError(f"reading the send-time key {keys.base}", self._failed(
+                results, lambda r: isinstance(r, str)), len(ids), self.quorum)
+        held = Counter(i for i in ids if i)
+        return held.most_common(1)[0][0] if held else ""
+
+    def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
+        return self._carry(keys, exec_id, token, [
+            Acquired(Acquire.GRANTED, token=0)] * len(self.masters),
+            list(range(len(self.masters)))) >= self.quorum
+
+    # -- replies owed --------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Have every master's thread read the replies it still owes (not
+        waited for: each reads them in its own queue, before its next call)."""
+        self.each(lambda e: e.settle(), timeout=0.0, skip_stale=False)
+
+    @property
+    def unsettled(self) -> int:
+        return sum(m.engine.unsettled for m in self.masters)
+
+    def close(self) -> None:
+        for master in self.masters:
+            master.engine.wire.close()
+

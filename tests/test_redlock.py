@@ -1,0 +1,393 @@
+"""Redlock: the lock on a majority of five independent redis-servers.
+
+Engine level first (grants, a master killed, one paused past the lease, one
+restarted empty, too few masters), then real workers with
+``singleton_redis_url = redlock://...``. The broker and the test events stay
+on the session's standalone server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from typing import Any, Iterator, Optional
+
+import pytest
+import redis
+
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.checks import engine_checks, startup_check
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.redlock import QuorumError, RedlockEngine
+from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released, Renew
+from tests import promises
+from tests.support import ROOT, RedisServer, Worker, wait_for
+from tests.workerapp import make_app
+
+
+def redlock_url(servers: list[RedisServer], db: int = 2) -> str:
+    return "redlock://" + ",".join(f"127.0.0.1:{s.port}" for s in servers) + f"/{db}"
+
+
+def start_masters(count: int = 5) -> list[RedisServer]:
+    servers: list[RedisServer] = []
+    try:
+        for _ in range(count):
+            servers.append(RedisServer().start())
+    except BaseException:
+        for s in servers:
+            s.cleanup()
+        raise
+    return servers
+
+
+@pytest.fixture
+def masters() -> Iterator[list[RedisServer]]:
+    """Five masters of the test's own, free to kill, pause and restart."""
+    servers = start_masters()
+    yield servers
+    for s in servers:
+        if s.proc is not None:
+            s.resume()  # a paused one must die too
+        s.cleanup()
+
+
+@pytest.fixture
+def engine(masters: list[RedisServer]) -> Iterator[RedlockEngine]:
+    e = LockEngine.from_config(SingletonConfig.defaults(redlock_url(masters)))
+    assert isinstance(e, RedlockEngine)
+    yield e
+    e.close()
+
+
+def new_keys() -> LockKeys:
+    return LockKeys("singleton:", uuid.uuid4().hex)
+
+
+def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str = "",
+         lease_ms: int = 30_000) -> Any:
+    return engine.acquire(keys, task_id=task_id, exec_id=exec_id or uuid.uuid4().hex,
+                          lease_ms=lease_ms, hostname="w1@host", retries=0, task_name="t.x")
+
+
+def holder_on(server: RedisServer, keys: LockKeys) -> Optional[str]:
+    value = server.client(2).hget(keys.lock, "task")
+    return None if value is None else str(value)
+
+
+def answers(server: RedisServer) -> bool:
+    try:
+        return bool(server.client(2).ping())
+    except redis.RedisError:
+        return False
+
+
+def test_a_grant_holds_every_master_with_one_token_and_refuses_a_second_task(masters, engine):
+    """Granted on all five (the call returns once a majority carries the token;
+    the others follow), each master's counter and record at or above the token
+    handed out; a second task is refused naming the holder; after the release
+    nothing is left and the next grant has a higher token."""
+    keys = new_keys()
+    first = take(engine, keys, "A", "exec-a")
+    assert first.status is Acquire.GRANTED
+    for s in masters:
+        c = s.client(2)
+        wait_for(lambda c=c: c.hget(keys.lock, "task") == "A"
+                 and int(c.hget(keys.lock, "token")) >= first.token, 5,
+                 what="the grant and its token on every master")
+        assert int(c.get(keys.fence)) >= first.token
+    second = take(engine, keys, "B")
+    assert second.status is Acquire.HELD and second.holder.task_id == "A"
+    assert engine.owner(keys)["task"] == "A"
+    assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.RENEWED]
+    assert engine.release(keys, "exec-a", "A") is True
+    wait_for(lambda: not any(holder_on(s, keys) for s in masters), 5, what="released on all")
+    third = take(engine, keys, "B")
+    assert third.status is Acquire.GRANTED and third.token > first.token
+
+
+def test_with_one_master_killed_a_lock_is_granted_renewed_and_released(masters, engine):
+    masters[0].stop()
+    keys = new_keys()
+    first = take(engine, keys, "A", "exec-a")
+    assert first.status is Acquire.GRANTED
+    assert sum(holder_on(s, keys) == "A" for s in masters[1:]) == 4
+    assert take(engine, keys, "B").status is Acquire.HELD
+    assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.RENEWED]
+    assert engine.release(keys, "exec-a", "A") is True
+    second = take(engine, keys, "B")
+    assert second.status is Acquire.GRANTED and second.token > first.token
+
+
+def test_a_master_paused_past_the_lease_gives_no_double_grant_and_tokens_go_up(masters, engine):
+    """A holds all five and dies; master 4 is SIGSTOPped with A's record. A's
+    lease runs out on the others: B gets the four that answer. Master 4 comes
+    back with A's record expired (B's late acquire may run there then): C is
+    refused (B holds a majority), B keeps renewing, and once B releases C gets
+    a token above B's."""
+    keys = new_keys()
+    a = take(engine, keys, "A", "exec-a", lease_ms=1000)
+    assert a.status is Acquire.GRANTED
+    paused = masters[4]
+    paused.pause()
+    # A never renews: its lease runs out on every master that runs
+    wait_for(lambda: not any(holder_on(s, keys) for s in masters[:4]), 10,
+             what="A's lease to run out")
+    b = take(engine, keys, "B", "exec-b")
+    assert b.status is Acquire.GRANTED and b.token > a.token
+    assert [holder_on(s, keys) for s in masters[:4]] == ["B"] * 4
+    paused.resume()
+    # B's acquire, sent while it was paused, may run there now that it is back
+    wait_for(lambda: answers(paused) and holder_on(paused, keys) in (None, "B"), 10,
+             what="master 4 back, A's record expired there")
+    c = take(engine, keys, "C", "exec-c")
+    assert c.status is Acquire.HELD and c.holder.task_id == "B"
+    assert engine.renew([(keys.lock, "exec-b", 30_000)]) == [Renew.RENEWED]
+    # C's grant on master 4 alone was given back
+    wait_for(lambda: holder_on(paused, keys) != "C", 5, what="C's lone grant given back")
+    assert engine.release(keys, "exec-b", "B") is True
+    c = take(engine, keys, "C", "exec-c")
+    assert c.status is Acquire.GRANTED and c.token > b.token
+    assert holder_on(paused, keys) == "C"
+
+
+def test_a_master_restarted_empty_gives_a_second_execution_no_majority(masters, engine):
+    """A holds all five; two masters restart empty (one after the other).
+    B can take only those: refused, its lone grants given back; A still
+    renews on a majority; after A releases, B's token is above A's."""
+    keys = new_keys()
+    a = take(engine, keys, "A", "exec-a")
+    assert a.status is Acquire.GRANTED
+    for restarted in masters[1:3]:
+        restarted.stop()
+        restarted.start()  # same port, nothing persisted
+        assert holder_on(restarted, keys) is None
+        b = take(engine, keys, "B", "exec-b")
+        assert b.status is Acquire.HELD and b.holder.task_id == "A"
+        wait_for(lambda r=restarted: holder_on(r, keys) is None, 5, what="B's grant given back")
+        assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.RENEWED]
+    assert engine.release(keys, "exec-a", "A") is True
+    b = take(engine, keys, "B", "exec-b")
+    assert b.status is Acquire.GRANTED and b.token > a.token
+
+
+def test_too_few_masters_is_a_backend_error_naming_them(masters, engine):
+    """Two of five down: still granted (three are a majority). Three down: the
+    acquire raises a Redis error naming each master that did not answer; an
+    acquire already held by a live majority stays refused, not an error."""
+    keys = new_keys()
+    masters[0].stop()
+    masters[1].stop()
+    assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED
+    masters[2].stop()
+    with pytest.raises(QuorumError) as info:
+        take(engine, new_keys(), "B")
+    assert isinstance(info.value, redis.RedisError)
+    for s in masters[:3]:
+        assert f"127.0.0.1:{s.port}" in str(info.value)
+    for s in masters[3:]:
+        assert f"127.0.0.1:{s.port}" not in str(info.value)
+    # the holder's renewal: too few answers leave the lock alone (its deadline decides)
+    assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.UNANSWERED]
+
+
+def test_a_lock_gone_from_a_majority_is_lost_and_from_a_minority_is_kept(masters, engine):
+    keys = new_keys()
+    take(engine, keys, "A", "exec-a")
+    for s in masters[:2]:
+        s.client(2).delete(keys.lock)
+    assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.RENEWED]
+    masters[2].client(2).delete(keys.lock)
+    assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.ABSENT]
+
+
+def test_a_release_sent_without_waiting_is_answered_once(masters, engine):
+    keys = new_keys()
+    take(engine, keys, "A", "exec-a")
+    told: list[tuple[Optional[Released], Optional[Exception]]] = []
+    engine.release_later(keys, "exec-a", "A", lambda reply, error: told.append((reply, error)))
+    # the next acquire on the same key is sent after the release on every master
+    assert take(engine, keys, "B").status is Acquire.GRANTED
+    engine.settle()
+    wait_for(lambda: told, 5, what="the release's answer")
+    assert told == [(Released(Release.RELEASED), None)]
+
+
+def test_send_time_keys_are_taken_on_a_majority(masters, engine):
+    keys = new_keys()
+    assert engine.enqueue(keys, "Q1", "queue", 10_000).status is Enqueue.TAKEN
+    held = engine.enqueue(keys, "Q2", "queue", 10_000)
+    assert held.status is Enqueue.HELD and held.holder.task_id == "Q1"
+    assert engine.queued_by(keys) == "Q1"
+    assert engine.unqueue(keys, "Q1") is True
+    assert engine.queued_by(keys) == ""
+
+
+def test_tokens_only_go_up_while_masters_fail_and_restart_empty(masters, engine):
+    """Grants in turn while one master at a time is killed or restarted empty:
+    every token is above the one before. ``SLT_CHAOS_ROUNDS`` runs more."""
+    keys = new_keys()
+    last = 0
+    rounds = int(os.environ.get("SLT_CHAOS_ROUNDS", "0")) or 5
+    for i in range(rounds):
+        victim = masters[i % len(masters)]
+        victim.stop()
+        got = take(engine, keys, f"T{i}", f"exec-{i}")
+        assert got.status is Acquire.GRANTED and got.token > last
+        last = got.token
+        assert engine.release(keys, f"exec-{i}", f"T{i}") is True
+        victim.start()  # back empty: its counter is gone
+
+
+def test_the_start_up_check_says_which_masters_answer(masters, engine, caplog):
+    masters[3].stop()
+    findings = engine_checks(engine)
+    summary = findings[0]
+    assert summary.code == "redlock" and summary.level == "warning"
+    assert f"127.0.0.1:{masters[3].port}" in summary.message.split("no answer from")[1]
+    assert "4 answer" in summary.message
+    with caplog.at_level(logging.INFO, logger="celery_singleton_lock"):
+        startup_check(engine)  # one master down: logged, the start goes on
+    assert any("no answer from" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+
+
+def test_a_master_refusing_the_password_stops_the_start(masters):
+    from celery_singleton_lock.exceptions import ConfigurationError
+
+    masters[1].client().config_set("requirepass", "other")
+    engine = LockEngine.from_config(SingletonConfig.defaults(redlock_url(masters)))
+    try:
+        with pytest.raises(ConfigurationError) as info:
+            startup_check(engine)
+        assert f"master 127.0.0.1:{masters[1].port}" in str(info.value)
+    finally:
+        assert isinstance(engine, RedlockEngine)
+        engine.close()
+
+
+# -- through real workers ---------------------------------------------------------------
+
+CONF = {"singleton_ttl": 30.0}
+
+
+@pytest.fixture(scope="module")
+def worker_masters() -> Iterator[list[RedisServer]]:
+    servers = start_masters()
+    yield servers
+    for s in servers:
+        s.cleanup()
+
+
+@pytest.fixture(scope="module")
+def worker(worker_masters: list[RedisServer], redis_server: RedisServer) -> Iterator[Worker]:
+    w = Worker(redis_server.url(), f"rl-{uuid.uuid4().hex[:8]}", concurrency=3,
+               lock_url=redlock_url(worker_masters), conf=CONF).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def app(worker_masters: list[RedisServer], redis_server: RedisServer, worker: Worker) -> Any:
+    return make_app(redis_server.url(), worker.queue, lock_url=redlock_url(worker_masters),
+                    conf=CONF)
+
+
+def on_a_majority(masters: list[RedisServer], app: Any) -> promises.LockExists:
+    def exists(task: str, key: str) -> bool:
+        lock = app.tasks[task].singleton_keys(key).lock
+        return sum(bool(s.client(2).exists(lock)) for s in masters) * 2 > len(masters)
+    return exists
+
+
+@pytest.mark.worker
+def test_duplicate_storm_with_redlock_runs_one_at_a_time(worker, app, events, key):
+    assert "Redlock over 5 masters" in worker.logs()
+    promises.duplicate_storm_runs_one_at_a_time(app, events, key)
+
+
+@pytest.mark.worker
+def test_child_killed_with_redlock_is_freed_by_the_main_process(worker_masters, app, events,
+                                                                  key):
+    promises.killed_child_is_freed_by_the_main_process(app, events, key,
+                                                       on_a_majority(worker_masters, app))
+
+
+def run_cli(worker: Worker, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.workerapp:app",
+                           "singleton", *args], env=worker.env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.worker
+def test_the_cli_releases_on_every_master_and_refuses_to_list_one(worker_masters, worker, app,
+                                                                   events, key):
+    """`release --force` asks every master who holds the key and frees it on
+    all of them (the task then sees its lock lost); `list` reads one Redis, so
+    it refuses a redlock:// URL and says what to use instead."""
+    res = app.tasks["t.hold"].delay(key, 3.0, "cli")
+    wait_for(lambda: events.starts("cli"), 15, what="start")
+    lock = app.tasks["t.hold"].singleton_keys(key).lock
+    out = run_cli(worker, "release", lock, "--force", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["action"] == "released"
+    assert not any(s.client(2).exists(lock) for s in worker_masters)
+    res.get(timeout=15)
+    refused = run_cli(worker, "list")
+    assert refused.returncode == 2
+    assert "not offered with a redlock:// URL" in refused.stderr
+
+
+@pytest.mark.worker
+def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_without_a_majority(
+        worker_masters, app, events, key):
+    """A task with a 1 s lease runs; the first master (the one the renewer
+    watches) is killed: renewals go on on the other four. Two more are killed:
+    no renewal reaches a majority, and the task sees its lock lost."""
+    lock = app.tasks["t.hold_short"].singleton_keys(key).lock
+    res = app.tasks["t.hold_short"].delay(key, 3.0, "minority")
+    wait_for(lambda: events.starts("minority"), 15, what="start")
+    down = worker_masters[:3]
+    try:
+        down[0].stop()
+        witness = worker_masters[4].client(2)
+        before = witness.pttl(lock)
+        wait_for(lambda: witness.pttl(lock) > before, 5, what="a renewal with one master down")
+        assert witness.hget(lock, "task") == res.id
+        down[1].stop()
+        down[2].stop()
+        assert res.get(timeout=15)["lost"] is True
+    finally:
+        for s in down:
+            if not s.running:
+                s.start()  # back empty, for the tests after this one
+
+
+def test_redlocks_speaks_tls_to_every_master(tmp_path):
+    """Three servers that speak TLS only, a CA of the test's own: a
+    ``redlocks://`` URL verifies each and locks on them."""
+    from tests.deployments import TlsServer, make_certificates
+
+    certs = make_certificates(tmp_path)
+    servers = [TlsServer(certs) for _ in range(3)]
+    try:
+        for s in servers:
+            s.start()
+        url = ("redlocks://" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+               + f"/2?ssl_cert_reqs=required&ssl_ca_certs={certs['ca.crt']}")
+        engine = LockEngine.from_config(SingletonConfig.defaults(url))
+        assert isinstance(engine, RedlockEngine)
+        keys = new_keys()
+        assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED
+        wait_for(lambda: all(s.client(2).hget(keys.lock, "task") == "A" for s in servers), 5,
+                 what="the grant on every master")
+        assert engine.release(keys, "exec-a", "A") is True
+        engine.close()
+    finally:
+        for s in servers:
+            s.cleanup()
