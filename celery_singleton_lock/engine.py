@@ -95,6 +95,11 @@ class LockEngine:
             return cls(LazyCluster(lambda: make_client(url, options)), config)  # type: ignore[arg-type]
         return cls(make_client(url, options), config)
 
+    def lease_margin(self, lease: float) -> float:
+        """Seconds the holder counts its lease short by: none on one server
+        (its deadline already counts from before the request left)."""
+        return 0.0
+
     @property
     def scripts(self) -> tuple[Script, ...]:
         return (self._acquire, self._release, self._renew, self._handoff, self._enqueue,

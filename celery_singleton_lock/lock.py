@@ -42,6 +42,7 @@ class SingletonLock:
         "key",
         "keys",
         "lease",
+        "margin",
         "retries",
         "task_id",
         "task_name",
@@ -61,6 +62,7 @@ class SingletonLock:
         held: bool = False,
         hostname: str = "",
         retries: int = 0,
+        margin: float = 0.0,
         clock: Clock = time.monotonic,
     ) -> None:
         self.keys = keys
@@ -75,8 +77,10 @@ class SingletonLock:
         # what the owner record says, to write it again (see Heartbeat)
         self.hostname = hostname
         self.retries = retries
-        # The lease counts from before the request left: a conservative deadline.
-        self._deadline = started + lease if held else float("inf")
+        # The lease counts from before the request left: a conservative deadline,
+        # ``margin`` shorter still (the clock drift Redlock allows)
+        self.margin = margin
+        self._deadline = started + lease - margin if held else float("inf")
         self._lost_reason: Optional[str] = None
         self._clock = clock
         #: wall-clock time of the grant: the age shown by ``celery inspect stats``
@@ -103,7 +107,7 @@ class SingletonLock:
 
     def renewed(self, sent_at: float) -> None:
         if self._lost_reason is None:
-            self._deadline = sent_at + self.lease
+            self._deadline = sent_at + self.lease - self.margin
 
     def mark_lost(self, reason: str) -> None:
         if self._lost_reason is None:

@@ -132,6 +132,12 @@ class RedlockEngine(LockEngine):
         #: tried once more, on a fresh connect)
         self.call_timeout = 2 * (timeout + connect)
 
+    def lease_margin(self, lease: float) -> float:
+        """The clock drift allowed (1 % of the lease plus 2 ms): the masters'
+        clocks may run that much fast, so the holder's deadline comes that much
+        before the lease's end, at grant and after each renewal."""
+        return lease * DRIFT_FACTOR + DRIFT_MS / 1000.0
+
     @classmethod
     def from_config(cls, config: SingletonConfig) -> RedlockEngine:
         defaults = {**CLIENT_DEFAULTS, **REDLOCK_CLIENT_DEFAULTS}

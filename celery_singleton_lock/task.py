@@ -226,6 +226,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             keys, task_id=req.id, task_name=self.name, exec_id=exec_id,
             token=answer.token, lease=config.ttl, started=started, held=True,
             hostname=req.hostname or "", retries=req.retries or 0,
+            margin=engine.lease_margin(config.ttl),
         )
         if lock.expired:
             # The grant arrived after its lease could have run out (a stall on

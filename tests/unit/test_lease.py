@@ -60,3 +60,30 @@ def test_an_unlocked_handle_never_expires():
     lock = SingletonLock(LockKeys("singleton:", "0" * 32), clock=clock)
     clock.now += 10**9
     assert not lock.lost and lock.token == 0
+
+
+def test_a_redlock_holder_counts_its_lease_short_by_the_drift_allowed():
+    """Redlock allows the masters' clocks 1 % of the lease plus 2 ms of drift:
+    the holder's deadline comes that much early, at grant and after renewals."""
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.redlock import RedlockEngine
+
+    engine = RedlockEngine.from_config(SingletonConfig.defaults(
+        "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0"))  # nothing is connected
+    margin = engine.lease_margin(30.0)
+    assert margin == pytest.approx(0.302)
+    clock = Clock()
+    lock = SingletonLock(LockKeys("singleton:", "0" * 32), task_id="t", exec_id="e", token=5,
+                         lease=30.0, started=clock(), held=True, margin=margin, clock=clock)
+    clock.now += 29.65
+    assert not lock.expired
+    clock.now += 0.06  # 29.71 s: past 30 - 0.302
+    assert lock.expired and lock.lost
+    lock = SingletonLock(LockKeys("singleton:", "0" * 32), task_id="t", exec_id="e", token=5,
+                         lease=30.0, started=clock(), held=True, margin=margin, clock=clock)
+    clock.now += 10
+    lock.renewed(sent_at=clock())
+    clock.now += 29.6
+    assert not lock.lost
+    clock.now += 0.1
+    assert lock.lost
