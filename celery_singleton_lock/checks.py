@@ -13,6 +13,7 @@ No Celery import: the checks need only a redis-py client and the settings.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -60,6 +61,9 @@ CLOCK_FRACTION = 0.1
 #: what the library sends outside its scripts: the scripts by SHA, loading them
 #: after a restart, reading an owner record, and redis-py's health check
 CLIENT_COMMANDS = ("evalsha", "script|load", "hgetall", "ping")
+#: what the publishing thread runs (held locks for ``celery inspect`` and
+#: Flower, counters for the metrics): without them the locks work, those stay empty
+PUBLISH_COMMANDS = ("expire", "hdel", "hincrby", "hincrbyfloat", "hset")
 
 #: eviction policies that never evict a key; every other one may evict ours
 #: (every key we write carries a TTL, so volatile-* picks them too)
@@ -98,10 +102,12 @@ def required_commands(db: int = 0) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def acl_rule(prefix: str, db: int = 0) -> str:
-    """The minimal ACL rule (after ``ACL SETUSER <user> on >password``)."""
+def acl_rule(prefix: str, db: int = 0, publish: bool = True) -> str:
+    """The minimal ACL rule (after ``ACL SETUSER <user> on >password``);
+    ``publish=False`` leaves out what only the statistics need."""
     pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
-    commands = " ".join(f"+{name}" for name in required_commands(db))
+    names = set(required_commands(db)) | (set(PUBLISH_COMMANDS) if publish else set())
+    commands = " ".join(f"+{name}" for name in sorted(names))
     return f"resetkeys ~{pattern}* resetchannels -@all {commands}"
 
 
@@ -141,6 +147,7 @@ def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
                                                  f"{_user(client)!r}"))
         findings.extend(_version(client))
         findings.extend(_scripts(client, config))
+        findings.extend(_publishing(client, config))
         findings.extend(_eviction(client))
         findings.extend(_clock(client, config))
         findings.extend(_persistence(client))
@@ -310,6 +317,34 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
         findings.append(Finding(OK, "scripts", f"all {len(SCRIPTS)} scripts load and run as "
                                                f"user {user!r}"))
     return findings
+
+
+def _publishing(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
+    """The statistics' commands, each once on a throwaway key under the prefix."""
+    key = f"{config.key_prefix}{{{uuid.uuid4().hex}}}:probe"
+    denied: list[str] = []
+    try:
+        for name, args in (("hincrby", (key, "n", 0)), ("expire", (key, 5)),
+                           ("hincrbyfloat", (key, "x", 0)), ("hset", (key, "h", "1")),
+                           ("hdel", (key, "h"))):
+            try:
+                _cmd(client, name.upper(), *args)
+            except NoPermissionError:
+                denied.append(name)
+            except ResponseError:  # read-only, out of memory: the scripts' check says it
+                return []
+    finally:
+        with contextlib.suppress(redis.RedisError):
+            _cmd(client, "DEL", key)
+    if not denied:
+        return []
+    user = _user(client)
+    return [Finding(
+        WARNING, "publish",
+        f"ACL user {user!r} may not run {', '.join(denied)}: locks work, but the held "
+        "locks and counters are not published (celery inspect stats, Flower, metrics)",
+        f"grant {' '.join('+' + c for c in denied)}; the full rule: ACL SETUSER {user} "
+        f"{acl_rule(config.key_prefix, _db(client))}")]
 
 
 # -- what makes a granted lock lie -------------------------------------------------

@@ -74,10 +74,31 @@ def test_documented_acl_rule_runs_a_real_worker_and_every_check_passes(acl_serve
         key = uuid.uuid4().hex
         result = app.tasks["t.hold"].delay(key, 0.3, "acl")
         assert result.get(timeout=20)["tag"] == "acl"
+        # the counters reach Redis too (published once a second)
+        wait_for(lambda: acl_server.client(2).hgetall("singleton:stats"), 10,
+                 what="the worker's counters published")
         assert "NOPERM" not in worker.logs()
+        assert "Could not publish" not in worker.logs()
         assert acl_server.client(2).exists(app.tasks["t.hold"].singleton_keys(key).lock) == 0
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("command", sorted(set(checks.PUBLISH_COMMANDS)
+                                            - set(checks.required_commands(2))))
+def test_a_publishing_command_taken_away_is_a_warning_naming_it(acl_server, command):
+    """Without a command only the statistics need, the locks still work: the
+    checks warn, naming it, and the worker start-up check lets it start."""
+    acl_server.client().execute_command("ACL", "SETUSER", "locks", f"-{command}")
+    engine = engine_for_url(locks_url(acl_server))
+    findings = checks.run_checks(engine.client, engine.config)
+    assert [f for f in findings if f.level == checks.ERROR] == []
+    publish = by_code(findings)["publish"]
+    assert publish.level == checks.WARNING
+    assert re.search(rf"\b{re.escape(command)}\b", publish.message)
+    assert f"+{command}" in publish.action
+    checks.startup_check(engine)  # raises nothing
+    assert not [k for k in acl_server.client(2).keys("singleton:*") if k.endswith(":probe")]
 
 
 @pytest.mark.parametrize("command", checks.required_commands(2))
