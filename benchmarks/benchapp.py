@@ -68,6 +68,32 @@ def floor(n: int) -> int:
         _floor.delete(key)
 
 
+def _real(n: int, io_seconds: float, cpu_loops: int) -> int:
+    """A task that does work: waits on I/O ``io_seconds`` (a sleep, as a socket
+    wait would), then runs ``cpu_loops`` turns of pure-Python arithmetic."""
+    if io_seconds:
+        time.sleep(io_seconds)
+    acc = n
+    for i in range(cpu_loops):
+        acc = (acc * 31 + i) % 1_000_003
+    return acc
+
+
+@app.task(name="bench.real_plain")
+def real_plain(n: int, io_seconds: float, cpu_loops: int) -> int:
+    return _real(n, io_seconds, cpu_loops)
+
+
+@app.task(name="bench.real_floor")
+def real_floor(n: int, io_seconds: float, cpu_loops: int) -> int:
+    key = f"bench-floor:real:{n}"
+    _floor.set(key, "1", nx=True, px=60_000)
+    try:
+        return _real(n, io_seconds, cpu_loops)
+    finally:
+        _floor.delete(key)
+
+
 @app.task(name="bench.one_trip")
 def one_trip(n: int) -> int:
     """A plain task that asks Redis one thing: what a skip costs at the least."""
@@ -81,6 +107,10 @@ def _register_ours() -> None:
     @app.task(name="bench.ours", base=SingletonTask)
     def ours(n: int) -> int:
         return _trivial(n)
+
+    @app.task(name="bench.real_ours", base=SingletonTask)
+    def real_ours(n: int, io_seconds: float, cpu_loops: int) -> int:
+        return _real(n, io_seconds, cpu_loops)
 
     @app.task(name="bench.storm", base=SingletonTask, bind=True, singleton_key=("key",))
     def storm(self: Any, key: str, seconds: float) -> int:
