@@ -262,11 +262,12 @@ class Bench:
         """:meth:`batch`, adding the CPU each process role spent to ``cpu`` (and
         this batch's alone to ``spent``)."""
         procs = self.processes(worker)
-        del procs["sending client"]
+        del procs["sending client"]  # its sending loop's alone, measured by batch()
         before = {role: cpu_seconds(pids) for role, pids in procs.items()}
         took = self.batch(send, n)
-        for role, pids in [*procs.items(), ("sending client", [])]:
-            used = (cpu_seconds(pids) - before[role] if pids else self.last_send_cpu)
+        after = {role: cpu_seconds(pids) - before[role] for role, pids in procs.items()}
+        for role in CPU_ROLES:
+            used = after.get(role, self.last_send_cpu)
             cpu[role] = cpu.get(role, 0.0) + used
             if spent is not None:
                 spent[role] = used
@@ -830,7 +831,7 @@ def _loads(m: dict[str, Any], key: str) -> str:
 
 
 def _md_machine(m: dict[str, Any]) -> str:
-    when = f" on {m['date_utc']} UTC" if "date_utc" in m else ""
+    when = f", ending {m['date_utc']} UTC" if "date_utc" in m else ""
     model = f" ({m['cpu_model']})" if "cpu_model" in m else ""
     return (f"Machine: {m['cpus']} CPUs{model}, worker with {m.get('worker_processes', 2)} "
             f"processes, {m['platform']}, Python {m['python']}, "
