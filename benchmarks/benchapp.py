@@ -82,28 +82,32 @@ def floor(n: int) -> int:
         _floor.delete(key)
 
 
-def _real(n: int, io_seconds: float, cpu_loops: int) -> int:
+def _real(n: int, io_seconds: float, cpu_seconds: float) -> int:
     """A task that does work: waits on I/O ``io_seconds`` (a sleep, as a socket
-    wait would), then runs ``cpu_loops`` turns of pure-Python arithmetic."""
+    wait would), then computes until its thread has used ``cpu_seconds`` of CPU
+    (CPU time, so a busy machine makes it wait, not do less)."""
     if io_seconds:
         time.sleep(io_seconds)
     acc = n
-    for i in range(cpu_loops):
-        acc = (acc * 31 + i) % 1_000_003
+    if cpu_seconds:
+        until = time.thread_time() + cpu_seconds
+        while time.thread_time() < until:
+            for i in range(1000):
+                acc = (acc * 31 + i) % 1_000_003
     return acc
 
 
 @app.task(name="bench.real_plain")
-def real_plain(n: int, io_seconds: float, cpu_loops: int) -> int:
-    return _real(n, io_seconds, cpu_loops)
+def real_plain(n: int, io_seconds: float, cpu_seconds: float) -> int:
+    return _real(n, io_seconds, cpu_seconds)
 
 
 @app.task(name="bench.real_floor")
-def real_floor(n: int, io_seconds: float, cpu_loops: int) -> int:
+def real_floor(n: int, io_seconds: float, cpu_seconds: float) -> int:
     key = f"bench-floor:real:{n}"
     _floor.set(key, "1", nx=True, px=60_000)
     try:
-        return _real(n, io_seconds, cpu_loops)
+        return _real(n, io_seconds, cpu_seconds)
     finally:
         _floor.delete(key)
 
@@ -123,8 +127,8 @@ def _register_ours() -> None:
         return _trivial(n)
 
     @app.task(name="bench.real_ours", base=SingletonTask)
-    def real_ours(n: int, io_seconds: float, cpu_loops: int) -> int:
-        return _real(n, io_seconds, cpu_loops)
+    def real_ours(n: int, io_seconds: float, cpu_seconds: float) -> int:
+        return _real(n, io_seconds, cpu_seconds)
 
     @app.task(name="bench.storm", base=SingletonTask, bind=True, singleton_key=("key",))
     def storm(self: Any, key: str, seconds: float) -> int:

@@ -156,21 +156,6 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def calibrate_loops(ms: float) -> int:
-    """Turns of the CPU task's loop that take ``ms`` milliseconds here (best of 5)."""
-    from .benchapp import _real
-
-    loops = 100_000
-    best = min(_timed(lambda: _real(0, 0.0, loops)) for _ in range(5))
-    return max(1, int(loops * ms / 1000 / best))
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -221,6 +206,17 @@ class Bench:
 
     def available(self) -> list[tuple[str, str, str]]:
         return [c for c in CONFIGS if c[1] in self.app.tasks]
+
+    def lock_keys(self) -> int:
+        """Keys in the lock Redis, the workers' published counters and held-lock
+        lists left out (each pool process writes them once a second, and the
+        held list vanishes whenever it empties)."""
+        from celery_singleton_lock.config import get_config
+        from celery_singleton_lock.monitor import held_key, stats_key
+
+        prefix = get_config(self.app).key_prefix
+        published = int(self.lock_client.exists(stats_key(prefix), held_key(prefix)))
+        return redis_keys(self.lock_client) - published
 
     def processes(self, worker: Optional[Worker] = None) -> dict[str, list[int]]:
         """Every process a batch keeps busy, by role (the pool as it is now; a
@@ -335,13 +331,13 @@ class Bench:
                 lock_before = commandstats(self.lock_client)
                 broker_before = commandstats(self.broker.client())
                 base = offset
-                keys_before = redis_keys(self.lock_client)
+                keys_before = self.lock_keys()
                 spent: dict[str, float] = {}
                 times[label].append(self.costed_batch(sender(task, base), n, cpu[label],
                                                       spent=spent))
                 send_times[label].append(self.last_send_seconds)
                 round_cpu[label].append({r: v / n * 1e6 for r, v in spent.items()})
-                keys_left[label] += redis_keys(self.lock_client) - keys_before
+                keys_left[label] += self.lock_keys() - keys_before
                 offset += n
                 # what the batch cost, from the servers themselves (the INFO calls
                 # themselves are left out)
@@ -594,7 +590,6 @@ class Bench:
 
     def real(self) -> None:
         assert self.threads is not None
-        loops = calibrate_loops(20.0)
         pools = {"prefork": (self.worker, self.app.conf.task_default_queue),
                  "threads": (self.threads, self.threads.queue)}
         plain = self.app.tasks["bench.real_plain"]
@@ -611,7 +606,7 @@ class Bench:
         names = dict(REAL_CONFIGS)
         for name in names.values():
             self.counters.delete(f"traced:{name}")
-        work = {kind: (io, loops if ms else 0) for kind, io, ms in REAL_KINDS}
+        work = {kind: (io, ms / 1000) for kind, io, ms in REAL_KINDS}
         offset = 0
         for _ in range(self.sizes.real_rounds):
             order = cases[:]
@@ -621,11 +616,11 @@ class Bench:
                 n = self.sizes.real_io if work[kind][0] else self.sizes.real_cpu
                 task = self.app.tasks[names[label]]
                 worker, queue = pools[pool]
-                io, cpu_loops = work[kind]
+                io, cpu_s = work[kind]
 
                 def send(i: int, task: Any = task, base: int = offset, io: float = io,
-                         cpu_loops: int = cpu_loops, queue: str = queue) -> Any:
-                    return task.apply_async((base + i, io, cpu_loops), queue=queue)
+                         cpu_s: float = cpu_s, queue: str = queue) -> Any:
+                    return task.apply_async((base + i, io, cpu_s), queue=queue)
 
                 times[case].append(self.costed_batch(send, n, cpu[case], worker=worker))
                 offset += n
@@ -664,8 +659,7 @@ class Bench:
                             / (n * self.sizes.real_rounds) * 1e6 for role in CPU_ROLES},
                     })
         self.results["real"] = {"rounds": self.sizes.real_rounds,
-                                "worker_concurrency": self.sizes.concurrency,
-                                "cpu_loops_for_20_ms": loops, "rows": rows}
+                                "worker_concurrency": self.sizes.concurrency, "rows": rows}
 
     # -- 7: capacity of one Redis ------------------------------------------------------
 
@@ -1203,7 +1197,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the sections not run keep their last results; each run's machine record
         # is kept under the sections it measured
         merged = json.loads(previous.read_text())
-        runs = merged.pop("partial_runs", [])
+        # a section run again replaces its last results, and its machine record
+        runs = [m for m in merged.pop("partial_runs", [])
+                if not set(m.get("sections", ())) <= set(sections)]
         results.pop("mode")
         runs.append(results.pop("machine"))
         merged.update(results, partial_runs=runs)
