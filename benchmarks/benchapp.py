@@ -37,8 +37,22 @@ app.conf.update(
 counters = redis.Redis.from_url(f"{_base}/3")
 
 
+_started: dict[str, float] = {}
+
+
+@signals.task_prerun.connect(weak=False)
+def _start_clock(task_id: str = "", task: Any = None, **_: Any) -> None:
+    if task is not None and task.name.startswith("bench.real_"):
+        _started[task_id] = time.perf_counter()
+
+
 @signals.task_postrun.connect(weak=False)
-def _count(sender: Any = None, **_: Any) -> None:
+def _count(sender: Any = None, task_id: str = "", task: Any = None, **_: Any) -> None:
+    # A task that does work: its time in the pool from prerun to postrun (the
+    # lock's acquire and release included), in µs, read before it is sent.
+    began = _started.pop(task_id, None)
+    if began is not None:
+        counters.rpush(f"traced:{task.name}", round((time.perf_counter() - began) * 1e6))
     # Every task that finishes, skipped ones included: how the driver knows a
     # batch is through. The same one command for every configuration.
     counters.incr("processed")
@@ -68,6 +82,36 @@ def floor(n: int) -> int:
         _floor.delete(key)
 
 
+def _real(n: int, io_seconds: float, cpu_seconds: float) -> int:
+    """A task that does work: waits on I/O ``io_seconds`` (a sleep, as a socket
+    wait would), then computes until its thread has used ``cpu_seconds`` of CPU
+    (CPU time, so a busy machine makes it wait, not do less)."""
+    if io_seconds:
+        time.sleep(io_seconds)
+    acc = n
+    if cpu_seconds:
+        until = time.thread_time() + cpu_seconds
+        while time.thread_time() < until:
+            for i in range(1000):
+                acc = (acc * 31 + i) % 1_000_003
+    return acc
+
+
+@app.task(name="bench.real_plain")
+def real_plain(n: int, io_seconds: float, cpu_seconds: float) -> int:
+    return _real(n, io_seconds, cpu_seconds)
+
+
+@app.task(name="bench.real_floor")
+def real_floor(n: int, io_seconds: float, cpu_seconds: float) -> int:
+    key = f"bench-floor:real:{n}"
+    _floor.set(key, "1", nx=True, px=60_000)
+    try:
+        return _real(n, io_seconds, cpu_seconds)
+    finally:
+        _floor.delete(key)
+
+
 @app.task(name="bench.one_trip")
 def one_trip(n: int) -> int:
     """A plain task that asks Redis one thing: what a skip costs at the least."""
@@ -81,6 +125,10 @@ def _register_ours() -> None:
     @app.task(name="bench.ours", base=SingletonTask)
     def ours(n: int) -> int:
         return _trivial(n)
+
+    @app.task(name="bench.real_ours", base=SingletonTask)
+    def real_ours(n: int, io_seconds: float, cpu_seconds: float) -> int:
+        return _real(n, io_seconds, cpu_seconds)
 
     @app.task(name="bench.storm", base=SingletonTask, bind=True, singleton_key=("key",))
     def storm(self: Any, key: str, seconds: float) -> int:

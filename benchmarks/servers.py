@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import redis
 
@@ -20,19 +21,24 @@ class Redis(RedisServer):
     def client(self, db: int = 0) -> redis.Redis:
         return redis.Redis(port=self.port, db=db)  # bytes: the benchmark reads raw replies
 
+    def start(self) -> Redis:
+        super().start()
+        return self
+
     def stop(self) -> None:
         super().stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Worker(CeleryWorker):
-    """`celery -A benchmarks.benchapp worker`, prefork, as users run it."""
+    """`celery -A benchmarks.benchapp worker`, prefork unless told, as users run it."""
 
-    def __init__(self, env: dict[str, str], concurrency: int) -> None:
+    def __init__(self, env: dict[str, str], concurrency: int, pool: str = "prefork",
+                 queue: Optional[str] = None) -> None:
         env = dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-        super().__init__("benchmarks.benchapp:app", env["BENCH_QUEUE"], concurrency=concurrency,
-                         env=env, cwd=str(ROOT), name=f"bench-{os.getpid()}@%h",
-                         loglevel="WARNING")
+        super().__init__("benchmarks.benchapp:app", queue or env["BENCH_QUEUE"], pool=pool,
+                         concurrency=concurrency, env=env, cwd=str(ROOT),
+                         name=f"bench-{pool}-{os.getpid()}@%h", loglevel="WARNING")
 
     def start(self, wait: bool = False, timeout: float = 30.0) -> Worker:
         super().start(wait=wait, timeout=timeout)

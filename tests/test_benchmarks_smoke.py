@@ -19,7 +19,7 @@ def test_quick_benchmark_produces_every_result(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").read_text().startswith("### Throughput")
-    for png in ("throughput", "cpu", "heartbeat", "latency", "storm"):
+    for png in ("throughput", "cpu", "heartbeat", "latency", "storm", "real", "capacity"):
         assert (tmp_path / f"{png}.png").stat().st_size > 5000
 
     rows = {r["config"]: r for r in results["throughput"]["rows"]}
@@ -53,3 +53,46 @@ def test_quick_benchmark_produces_every_result(tmp_path):
         assert row["lost"] == 0
         assert row["redis_bytes_per_held_lock"] > row["redis_bytes_left_per_released_lock"] > 0
     assert set(results["latency"]) == {"celery-singleton-lock", "redis-py Lock"}
+
+    # the peers end to end: the sending loop's own time is recorded per batch
+    for row in rows.values():
+        assert len(row["send_seconds"]) == len(row["batch_seconds"])
+        assert len(row["cpu_us_per_task_rounds"]) == len(row["batch_seconds"])
+    assert "### End to end against each peer" in (tmp_path / "results.md").read_text()
+
+    # tasks that do work: every task kind, pool and configuration, paired by round
+    real = {(r["task"], r["pool"], r["config"]): r for r in results["real"]["rows"]}
+    assert {(t, p) for t, p, _ in real} == {(t, p) for t in ("5 ms I/O", "20 ms CPU")
+                                            for p in ("prefork", "threads")}
+    assert {c for _, _, c in real} == {"plain Celery", "celery-singleton-lock",
+                                       "floor: bare SET NX + DEL"}
+    assert all(r["tasks_per_s"] > 0 for r in real.values())
+    assert real[("5 ms I/O", "threads", "plain Celery")]["time_ratios"] == [1.0]
+
+    # capacity: each lock drove the run's own Redis, whose CPU was read
+    capacity = {r["lock"]: r for r in results["capacity"]["rows"]}
+    assert set(capacity) == {"celery-singleton-lock", "floor: bare SET NX PX + DEL",
+                             "redis-py Lock"}
+    for row in capacity.values():
+        assert row["ops_per_s"] > 0 and 0 < row["redis_utilisation"] <= 1.5
+        assert row["redis_cpu_us_per_op"] > 0
+    assert capacity["celery-singleton-lock"]["redis_calls_per_pair"] == 2  # two EVALSHA
+
+    machine = results["machine"]
+    assert len(machine["load_average_at_start"]) == len(machine["load_average_at_end"]) == 3
+
+
+def test_render_redraws_from_results_json_alone(tmp_path):
+    """--only runs some sections and merges them into the results already there;
+    --render then redraws every table and plot from results.json."""
+    run = [sys.executable, "-m", "benchmarks.run", "--out", str(tmp_path)]
+    out = subprocess.run([*run, "--quick", "--only", "capacity"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (tmp_path / "results.md").unlink()
+    (tmp_path / "capacity.png").unlink()
+    out = subprocess.run([*run, "--render"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "results.md").read_text().startswith("### Capacity of one Redis")
+    assert (tmp_path / "capacity.png").stat().st_size > 5000
