@@ -335,7 +335,9 @@ class LockEngine:
 
     def owner(self, keys: LockKeys) -> dict[str, str]:
         """The owner record, empty when the key is free."""
-        return replies.record(self.client.get(keys.lock))
+        # a command by name: LazyCluster.get() is the cluster client itself
+        raw = self.client.execute_command("GET", keys.lock)  # type: ignore[no-untyped-call]
+        return replies.record(raw)
 
     def clear_dead_holder(self, keys: LockKeys, holder: Holder) -> bool:
         """Free a lock whose holder process is provably gone from this host."""
