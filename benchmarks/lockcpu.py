@@ -214,6 +214,31 @@ def measure(server: Server, name: str, tasks: int, callgrind: bool) -> dict[str,
             "commands": commands}
 
 
+def per_script(server: Server, tasks: int) -> dict[str, tuple[float, float]]:
+    """Microseconds each script call takes inside Redis (its inner commands
+    included), from the slow log with every command logged: (median, p90)."""
+    from celery_singleton_lock.engine import SCRIPTS
+
+    names = {script.sha: name for name, script in SCRIPTS.items()}
+    client = server.client
+    client.flushall()
+    run = ours_workload(server, tasks)
+    client.config_set("slowlog-max-len", 4 * tasks)
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    run()
+    entries = client.slowlog_get(4 * tasks)
+    client.config_set("slowlog-log-slower-than", 10_000)
+    durations: dict[str, list[int]] = {}
+    for entry in entries:
+        command = entry["command"]
+        words = (command.decode() if isinstance(command, bytes) else str(command)).split(" ")
+        if words[0].upper() == "EVALSHA" and len(words) > 1 and words[1] in names:
+            durations.setdefault(names[words[1]], []).append(int(entry["duration"]))
+    return {name: (statistics.median(d), statistics.quantiles(d, n=10)[-1])
+            for name, d in durations.items()}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=10_000, help="tasks per workload and round")
@@ -232,6 +257,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             order = names if round_ % 2 == 0 else names[::-1]
             for name in order:
                 results[name].append(measure(server, name, args.tasks, args.callgrind))
+        scripts = per_script(server, 2000) if not args.callgrind else {}
     finally:
         server.stop()
     print(f"redis {version} ({server.binary}), {args.tasks} tasks x {args.rounds} rounds, "
@@ -256,6 +282,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         last = rows[-1]["commands"]
         print("       " + ", ".join(f"{cmd} {calls:g} ({usec:.2f} us)"
                                     for cmd, (calls, usec) in sorted(last.items())))
+    for name, (median, p90) in sorted(scripts.items()):
+        print(f"script {name}: {median:.0f} us median, {p90:.0f} us p90 inside Redis (slow log)")
     sys.stdout.flush()
 
 
