@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import re
 import socket
 import time
@@ -34,11 +33,19 @@ from redis.exceptions import (
 )
 
 from .config import SingletonConfig
-from .engine import SCRIPTS, LockEngine
+from .engine import (
+    SCRIPTS,
+    LockEngine,
+    acquire_call,
+    enqueue_call,
+    handoff_call,
+    release_call,
+    renew_call,
+    unqueue_call,
+)
 from .exceptions import ConfigurationError
 from .keys import LockKeys
 from .masking import mask_url
-from .process import HOST_KEY
 from .redlock import RedlockEngine
 from .wire import Script
 
@@ -60,10 +67,11 @@ CLOCK_FRACTION = 0.1
 
 #: what the library sends outside its scripts: the scripts by SHA, loading them
 #: after a restart, reading an owner record, and redis-py's health check
-CLIENT_COMMANDS = ("evalsha", "script|load", "hgetall", "ping")
-#: what the publishing thread runs (held locks for ``celery inspect`` and
-#: Flower, counters for the metrics): without them the locks work, those stay empty
-PUBLISH_COMMANDS = ("expire", "hdel", "hincrby", "hincrbyfloat", "hset")
+CLIENT_COMMANDS = ("evalsha", "script|load", "get", "ping")
+#: what publishing runs (held locks for ``celery inspect`` and Flower,
+#: counters for the metrics) and reading them back: without them the
+#: locks work, those stay empty
+PUBLISH_COMMANDS = ("expire", "hdel", "hgetall", "hincrby", "hincrbyfloat", "hset")
 
 #: eviction policies that never evict a key; every other one may evict ours
 #: (every key we write carries a TTL, so volatile-* picks them too)
@@ -192,14 +200,13 @@ def _probe_calls(keys: LockKeys, task_id: str, exec_id: str
     """One harmless call of every script on a fresh random key under our prefix;
     whatever they write expires within seconds."""
     return [
-        ("enqueue", [keys.queued, keys.lock, keys.done], [task_id, "queue_and_run", 5000]),
-        ("acquire", [keys.lock, keys.fence, keys.fin, keys.queued, keys.done],
-         [task_id, exec_id, 5000, socket.gethostname(), HOST_KEY, os.getpid(), 0,
-          "celery_singleton_lock.checks", 10000, "queue_and_run"]),
-        ("renew", [keys.lock], [exec_id, 5000]),
-        ("handoff", [keys.lock], [exec_id, 1, 5000]),
-        ("release", [keys.lock, keys.fin, keys.done], [exec_id, task_id, 1, 1000, 1, 1000]),
-        ("unqueue", [keys.queued], [task_id]),
+        ("enqueue", *enqueue_call(keys, task_id, "queue_and_run", 5000)),
+        ("acquire", *acquire_call(keys, task_id, exec_id, 5000, socket.gethostname(), 0,
+                                  "celery_singleton_lock.checks", "queue_and_run", 1000)),
+        ("renew", *renew_call([(keys.lock, exec_id, 5000)])),
+        ("handoff", *handoff_call(keys, exec_id, 1, 5000)),
+        ("release", *release_call(keys, exec_id, task_id, True, True, 1.0, 1000)),
+        ("unqueue", *unqueue_call(keys, task_id)),
     ]
 
 
@@ -208,13 +215,9 @@ def _probe_calls(keys: LockKeys, task_id: str, exec_id: str
 _COMMAND_PROBES: dict[str, str] = {
     "time": "return redis.call('TIME')",
     "get": "return redis.call('GET', KEYS[1])",
-    "hget": "return redis.call('HGET', KEYS[1], 'f')",
-    "hmget": "return redis.call('HMGET', KEYS[1], 'f')",
     "pexpire": "return redis.call('PEXPIRE', KEYS[1], 1000)",
     "del": "return redis.call('DEL', KEYS[1])",
     "set": "return redis.call('SET', KEYS[1], '1', 'PX', 1000)",
-    # PEXPIRE right after: never a key without a TTL, even on a failed probe
-    "hset": "redis.call('HSET', KEYS[1], 'f', '1') return redis.call('PEXPIRE', KEYS[1], 1000)",
 }
 
 
@@ -223,8 +226,6 @@ def _denied_in_scripts(client: redis.Redis, prefix: str, commands: Sequence[str]
     key = f"{prefix}{{{uuid.uuid4().hex}}}:probe"
     denied: list[str] = []
     for name in [n for n in _COMMAND_PROBES if n in commands]:
-        if name == "hset" and "pexpire" in denied:
-            continue  # cannot probe it without leaving a key behind
         try:
             sha = _cmd(client, "SCRIPT", "LOAD", _COMMAND_PROBES[name])
             _cmd(client, "EVALSHA", sha, 1, key)
@@ -295,6 +296,9 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
                 continue
             findings.append(Finding(ERROR, "script", f"script {name} failed: {_server_text(exc)}",
                                     "check that the server supports Lua scripting (EVALSHA)"))
+    # the grant's fencing counter lives a day (acquire.lua): not the probe's
+    with contextlib.suppress(redis.RedisError):
+        _cmd(client, "DEL", keys.fence)
     if command_denied:
         wanted = sorted({c for n in command_denied for c in script_commands(SCRIPTS[n])})
         denied = _denied_in_scripts(client, config.key_prefix, wanted)
@@ -310,7 +314,7 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
             f"the full minimal rule: {rule}"))
         return findings
     try:
-        _cmd(client, "HGETALL", keys.lock)
+        _cmd(client, "GET", keys.lock)
     except NoPermissionError as exc:
         return [*findings, _noperm_command(client, config, exc)]
     if not findings:
@@ -326,7 +330,7 @@ def _publishing(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
     try:
         for name, args in (("hincrby", (key, "n", 0)), ("expire", (key, 5)),
                            ("hincrbyfloat", (key, "x", 0)), ("hset", (key, "h", "1")),
-                           ("hdel", (key, "h"))):
+                           ("hdel", (key, "h")), ("hgetall", (key,))):
             try:
                 _cmd(client, name.upper(), *args)
             except NoPermissionError:

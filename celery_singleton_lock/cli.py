@@ -20,6 +20,7 @@ import redis
 from celery.bin.base import CeleryCommand, CeleryOption
 
 from . import masking
+from .replies import record as owner_record
 
 # Celery loads this module for every `celery` command (it is an entry point),
 # so `celery report` and a worker's `inspect conf` replies mask our secrets
@@ -145,7 +146,7 @@ def _rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]
         chunk = [LockKeys(prefix, d) for d in digests[start:start + 500]]
         pipe = client.pipeline(transaction=False)
         for keys in chunk:
-            pipe.hgetall(keys.lock)
+            pipe.get(keys.lock)
             pipe.pttl(keys.lock)
             pipe.get(keys.queued)
             pipe.pttl(keys.queued)
@@ -153,7 +154,8 @@ def _rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]
             pipe.pttl(keys.done)
         replies = pipe.execute()
         for i, keys in enumerate(chunk):
-            record, lock_ttl, queued, queued_ttl, done, done_ttl = replies[6 * i:6 * i + 6]
+            raw, lock_ttl, queued, queued_ttl, done, done_ttl = replies[6 * i:6 * i + 6]
+            record = owner_record(raw)
             name = record.get("name", "") if record else ""
             if record:
                 at = int(record.get("at") or 0)

@@ -33,7 +33,7 @@ logger = logging.getLogger("celery_singleton_lock")
 #: call stays well under 5 ms however many locks a process holds
 RENEW_CHUNK = 250
 
-#: how long a key's fencing counter outlives its last grant
+#: how long a key's fencing counter outlives its last grant (written in acquire.lua)
 FENCE_TTL_MS = 24 * 3600 * 1000
 
 #: what redis-py is given unless ``singleton_redis_options`` says otherwise
@@ -54,6 +54,69 @@ SCRIPTS: dict[str, Script] = {
     name: Script.load(name)
     for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue", "fence")
 }
+
+
+def _field(value: str) -> str:
+    """A record field of ours written by users (host name, task name): no newline."""
+    return value.replace("\n", " ") if "\n" in value else value
+
+
+def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
+                 retries: int, task_name: str, scope: str, fin_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``acquire.lua``.
+
+    Redis pays for every string passed (about as much as for a command run
+    inside the script), so the owner record's fields that the script does not
+    look at go as one string, in the record's own order, and the send-time
+    marker's key only under the queue scopes.
+    """
+    rest = (f"{lease_ms}\n{fin_ms}\n{retries}\n{PROCESS.pid}\n{HOST_KEY}\n{_field(hostname)}\n"
+            f"{_field(task_name)}\n{task_id}")
+    if scope == "run":
+        return [keys.lock, keys.fence, keys.fin, keys.done], [task_id, exec_id, lease_ms, rest]
+    return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued],
+            [task_id, exec_id, lease_ms, rest, scope])
+
+
+def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
+                 always_record: bool, done_ttl: float, fin_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``release.lua``: the usual release passes two keys and
+    two strings; the finish marker's task id and TTL come from the owner record."""
+    done_ms = int(done_ttl * 1000)
+    mode = 0 if not finished else 2 if always_record else 1
+    if done_ms > 0:
+        return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms]
+    if mode == 2:
+        return [keys.lock, keys.fin], [exec_id, mode, task_id, fin_ms]
+    return [keys.lock, keys.fin], [exec_id, mode]
+
+
+def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``enqueue.lua``."""
+    return [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1)]
+
+
+def unqueue_call(keys: LockKeys, task_id: str) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``unqueue.lua``."""
+    return [keys.queued], [task_id]
+
+
+def renew_call(entries: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``renew.lua`` for ``(lock key, exec id, lease ms)`` entries."""
+    args: list[Any] = []
+    for _, exec_id, lease_ms in entries:
+        args.append(exec_id)
+        args.append(lease_ms)
+    return [e[0] for e in entries], args
+
+
+def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``handoff.lua``."""
+    return [keys.lock], [exec_id, next_retries, lease_ms]
 
 
 class LockEngine:
@@ -130,9 +193,8 @@ class LockEngine:
         A refused execution that owns the key it took at send time keeps it
         (``queued_by_it`` in the answer): it was accepted, so it will wait and run.
         """
-        keys_ = [keys.lock, keys.fence, keys.fin, keys.queued, keys.done]
-        args = [task_id, exec_id, lease_ms, hostname, HOST_KEY, PROCESS.pid,
-                retries, task_name, FENCE_TTL_MS, scope]
+        keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
+                                   task_name, scope, self._fin_ms)
         if not self._wait:
             reply, _ = self.wire.call(self._acquire, keys_, args)
             return replies.acquired(reply)
@@ -177,11 +239,8 @@ class LockEngine:
 
     def _release_call(self, keys: LockKeys, exec_id: str, task_id: str, finished: bool,
                       always_record: bool, done_ttl: float) -> tuple[list[str], list[Any]]:
-        return (
-            [keys.lock, keys.fin, keys.done],
-            [exec_id, task_id, int(finished), self._fin_ms, int(always_record),
-             int(done_ttl * 1000)],
-        )
+        return release_call(keys, exec_id, task_id, finished, always_record, done_ttl,
+                            self._fin_ms)
 
     def release_later(
         self,
@@ -211,13 +270,12 @@ class LockEngine:
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Enqueued:
         """Take the key for a task about to be sent."""
-        reply, _ = self.wire.call(
-            self._enqueue, [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1)])
+        reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms))
         return replies.enqueued(reply)
 
     def unqueue(self, keys: LockKeys, task_id: str) -> bool:
         """Free a key taken at send time, if ``task_id`` still has it."""
-        reply, _ = self.wire.call(self._unqueue, [keys.queued], [task_id])
+        reply, _ = self.wire.call(self._unqueue, *unqueue_call(keys, task_id))
         return replies.flag(reply, "unqueue")
 
     def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
@@ -232,8 +290,9 @@ class LockEngine:
         if isinstance(self.wire, ClusterWire):
             return self._renew_per_slot(entries)
         chunk = self.renew_chunk
-        calls = [_renew_call(entries, range(start, min(start + chunk, len(entries))))
-                 for start in range(0, len(entries), chunk)]
+        calls: list[tuple[list[str], list[Any]]] = []
+        for start in range(0, len(entries), chunk):
+            calls.append(renew_call(entries[start:start + chunk]))
         if len(calls) == 1 and not self._wait:
             reply, _ = self.wire.call(self._renew, *calls[0])
             return replies.renewed(reply, len(entries))
@@ -270,9 +329,9 @@ class LockEngine:
             return done
 
         for indexes in groups.values():
-            keys, args = _renew_call(entries, indexes)
             try:
-                self.wire.call_later(self._renew, keys, args, answer(indexes))
+                self.wire.call_later(self._renew, *renew_call([entries[i] for i in indexes]),
+                                     answer(indexes))
             except redis.RedisError as exc:
                 errors.append(exc)
         self.wire.settle()
@@ -299,7 +358,7 @@ class LockEngine:
                     indexes[start:start + self.renew_chunk])
         short: list[str] = []
         for wire, parts in by_node.values():
-            calls = [_renew_call(entries, part) for part in parts]
+            calls = [renew_call([entries[i] for i in part]) for part in parts]
             try:
                 answers, acked = wire.call_many(self._renew, calls, after=self._wait)
             except redis.exceptions.AskError:  # MOVED too: the slot map changed
@@ -337,12 +396,15 @@ class LockEngine:
         return replies.flag(reply, "fence")
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
-        reply, _ = self.wire.call(self._handoff, [keys.lock], [exec_id, next_retries, lease_ms])
+        reply, _ = self.wire.call(self._handoff,
+                                  *handoff_call(keys, exec_id, next_retries, lease_ms))
         return replies.flag(reply, "handoff")
 
     def owner(self, keys: LockKeys) -> dict[str, str]:
         """The owner record, empty when the key is free."""
-        return self.client.hgetall(keys.lock)  # type: ignore[return-value]
+        # a command by name: LazyCluster.get() is the cluster client itself
+        raw = self.client.execute_command("GET", keys.lock)  # type: ignore[no-untyped-call]
+        return replies.record(raw)
 
     def queued_by(self, keys: LockKeys) -> str:
         """The id of the task that took the key when it was sent, or ''."""
@@ -391,19 +453,6 @@ class LockEngine:
 
 _engines: weakref.WeakKeyDictionary[Any, tuple[int, LockEngine]] = weakref.WeakKeyDictionary()
 _engines_lock = ForkSafeLock()
-
-
-def _renew_call(entries: Sequence[tuple[str, str, int]], indexes: Sequence[int]
-                ) -> tuple[list[str], list[Any]]:
-    """The keys and arguments of one renewal call of ``entries[indexes]``."""
-    keys: list[str] = []
-    args: list[Any] = []
-    for i in indexes:
-        lock_key, exec_id, lease_ms = entries[i]
-        keys.append(lock_key)
-        args.append(exec_id)
-        args.append(lease_ms)
-    return keys, args
 
 
 def _renew_answers(out: list[Optional[Renew]], errors: list[Exception]) -> list[Renew]:

@@ -137,7 +137,7 @@ class LockKeys:
     """Every Redis key of one lock, sharing one Redis Cluster hash tag.
 
     ``base``  what users see as ``self.singleton.key``
-    ``lock``  hash: the owner record, with the lease as its TTL
+    ``lock``  string: the owner record (docs/redis-keys.md), with the lease as its TTL
     ``fence`` string: the last fencing token granted for this key
     ``fin``   string: task id whose execution finished while a copy waited
     ``queued`` string: task id that took the key when it was sent

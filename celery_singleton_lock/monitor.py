@@ -89,8 +89,13 @@ def configure_worker(hostname: str, task_events: bool) -> None:
 # -- task events -----------------------------------------------------------------
 
 def worker_events_on(task: Any) -> bool:
-    """Whether a task running on this worker should send our task events."""
-    return NODE.task_events or bool(task.app.conf.worker_send_task_events)
+    """Whether a task running on this worker should send our task events.
+
+    In a worker the worker step said so at start (``-E`` or the setting);
+    reading the app's settings costs more than the rest of a skip's decision."""
+    if NODE.worker:
+        return NODE.task_events
+    return bool(task.app.conf.worker_send_task_events)
 
 
 def send_task_event(task: Any, type_: str, **fields: Any) -> None:

@@ -96,17 +96,53 @@ def _first(reply: Any, script: str) -> Any:
     return reply[0]
 
 
+#: the owner record's fields, in order (``acquire.lua``, docs/redis-keys.md): one
+#: string, joined by newlines, the task id last (only it may hold a newline)
+RECORD_FIELDS = ("exec", "handoff", "copies", "token", "at", "lease", "fin", "retries", "pid",
+                 "hostkey", "host", "name", "task")
+_LAST = len(RECORD_FIELDS) - 1
+
+
+def record(raw: Any) -> dict[str, str]:
+    """The owner record as a dict (empty when the key is free); ``at`` in ms.
+
+    ``handoff`` and ``copies`` appear only when set, as they did when the
+    record was a hash."""
+    if not raw:
+        return {}
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "surrogateescape")
+    values = raw.split("\n", _LAST)
+    if len(values) != len(RECORD_FIELDS):
+        raise UnexpectedReplyError("owner record", raw)
+    out = {k: v for k, v in zip(RECORD_FIELDS, values) if v or k not in ("handoff", "copies")}
+    at = out.get("at", "")
+    if at.isdigit():
+        out["at"] = at[:-3] or "0"  # microseconds in Redis
+    return out
+
+
+def _holder(raw: Any) -> Holder:
+    values = raw.split("\n", _LAST)
+    return Holder(task_id=values[12], exec_id=values[0], host_key=values[9],
+                  pid=int(values[8] or 0), hostname=values[10])
+
+
 def acquired(reply: Any) -> Acquired:
+    if isinstance(reply, str):  # granted: the fencing token
+        try:
+            return Acquired(Acquire.GRANTED, token=int(reply))
+        except ValueError:
+            raise UnexpectedReplyError("acquire", reply) from None
     status: Acquire = _enum(Acquire, _first(reply, "acquire"), "acquire")
     try:
         if status is Acquire.GRANTED:
             return Acquired(status, token=int(reply[1]))
         if status in (Acquire.FINISHED, Acquire.DONE):
             return Acquired(status, holder=Holder(reply[1]))
-        holder = Holder(task_id=reply[1], exec_id=reply[2], host_key=reply[3],
-                        pid=int(reply[4] or 0), hostname=reply[5])
-        return Acquired(status, holder=holder, queued_by_it=reply[6] == 1)
-    except (IndexError, TypeError, ValueError):
+        return Acquired(status, holder=_holder(reply[1]),
+                        queued_by_it=len(reply) > 2 and reply[2] == 1)
+    except (IndexError, TypeError, ValueError, AttributeError):
         raise UnexpectedReplyError("acquire", reply) from None
 
 

@@ -40,6 +40,15 @@ WAITS_HEADER = "singleton_waits"
 _CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
 
 
+class _Ended:
+    """Returned up to ``__call__`` by a skip that ends with ``Ignore``."""
+
+
+#: Celery formats the traceback of an ``Ignore`` twice, each frame's source
+#: line parsed again: raised in ``__call__``, it has the fewest frames to format
+_IGNORE = _Ended()
+
+
 @dataclass(frozen=True)
 class TaskSettings:
     """A task's settings (the app's, its own options over them) and its key builder."""
@@ -194,7 +203,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self.singleton_keys(*args, **kwargs), task_id=req.id or "", task_name=self.name
             ))
             return self.run(*args, **kwargs)
-        return self._run_locked(req, args, kwargs)
+        result = self._run_locked(req, args, kwargs)
+        if result is _IGNORE:
+            raise Ignore()
+        return result
 
     def _run_locked(self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         config = self.singleton_settings().config
@@ -262,14 +274,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                    args: Sequence[Any], kwargs: Mapping[str, Any],
                    backend_error: Optional[Exception] = None) -> Any:
         """Do what :mod:`.policies` decided for an execution that did not get its lock."""
-        name, task_id, do = self.name, self.request.id, decision.do
+        req = self.request
+        name, task_id, do = self.name, req.id, decision.do
         if do is Do.SKIP:
-            logger.info("Skipped duplicate %s[%s]: %s %s %s", name, task_id, keys.base,
-                        "was done by" if decision.reason == "done" else "is held by",
-                        decision.holder)
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("Skipped duplicate %s[%s]: %s %s %s", name, task_id, keys.base,
+                            "was done by" if decision.reason == "done" else "is held by",
+                            decision.holder)
             monitor.count(engine_for(self.app), "skipped", name, decision.reason)
-            return self._end_skipped(skip_result(keys.base, decision.holder,
-                                                 reason=decision.reason))
+            return self._end_skipped(req, skip_result(keys.base, decision.holder,
+                                                      reason=decision.reason))
         if do is Do.DROP:
             logger.info("Dropped redelivered %s[%s]: %s", name, task_id, decision.reason)
             raise Ignore()
@@ -311,7 +325,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         assert do is Do.FAIL and decision.error is not None, decision
         raise decision.error
 
-    def _end_skipped(self, result: dict[str, Any]) -> Any:
+    def _end_skipped(self, req: Any, result: dict[str, Any]) -> Any:
         """End a skipped duplicate so that Flower shows it as SKIPPED while its
         caller, its chain and its chord see an ordinary success.
 
@@ -326,7 +340,6 @@ class SingletonTask(Task):  # type: ignore[misc]
         result costs a tenth of that. Without a worker (``apply()``) the result
         is simply returned too.
         """
-        req = self.request
         if req.is_eager or req.called_directly or not req.id or not (
                 monitor.worker_events_on(self)):
             return result
@@ -341,7 +354,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         monitor.send_task_event(self, "task-skipped", holder=result["holder"],
                                 reason=result["reason"], key=result["key"],
                                 result=f"{verb} {result['holder']} ({result['key']})")
-        raise Ignore()
+        return _IGNORE  # raised as Ignore by __call__
 
     def _send_again(self, config: SingletonConfig, args: Sequence[Any],
                     kwargs: Mapping[str, Any]) -> tuple[Any, float]:

@@ -14,11 +14,32 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from celery_singleton_lock.replies import RECORD_FIELDS, record
 from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "free_port", "wait_for"]
+__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "free_port", "owner_field",
+           "owner_record", "wait_for", "write_owner"]
+
+
+def owner_record(client: Any, lock_key: str) -> dict[str, str]:
+    """A lock's owner record (docs/redis-keys.md), empty when the key is free."""
+    return record(client.get(lock_key))
+
+
+def owner_field(client: Any, lock_key: str, field: str) -> Optional[str]:
+    return owner_record(client, lock_key).get(field)
+
+
+def write_owner(client: Any, lock_key: str, **fields: Any) -> None:
+    """Write (or change fields of) an owner record, keeping the key's TTL."""
+    current = owner_record(client, lock_key)
+    if "at" in current:
+        current["at"] += "000"
+    current.update({k: str(v) for k, v in fields.items()})
+    client.set(lock_key, "\n".join(current.get(f, "") for f in RECORD_FIELDS),
+               keepttl=bool(client.exists(lock_key)))
 
 
 class Worker(CeleryWorker):

@@ -394,12 +394,12 @@ def test_a_worker_whose_acl_user_lacks_a_command_stops_at_start_naming_it(redis_
     try:
         server.client().execute_command("ACL", "SETUSER", "locks", "on", ">pw",
                                         *checks.acl_rule("singleton:", 2).split())
-        server.client().execute_command("ACL", "SETUSER", "locks", "-hmget")
+        server.client().execute_command("ACL", "SETUSER", "locks", "-get")
         code, output, _ = start_and_wait(redis_server,
                                          f"redis://locks:pw@127.0.0.1:{server.port}/2")
         assert code != 0
         assert "celery-singleton-lock configuration error" in output
-        assert "hmget" in output.lower()
+        assert "may not run get" in output.lower() or "+get" in output.lower()
     finally:
         server.cleanup()
 

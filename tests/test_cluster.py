@@ -24,7 +24,7 @@ from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.replies import Acquire, Release, Renew
 from tests import promises
 from tests.deployments import Cluster
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker, owner_field, wait_for, write_owner
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 30.0}
@@ -64,7 +64,7 @@ def test_each_lock_lives_in_one_slot_and_locks_spread_over_every_primary(cluster
                                          keys.done)}) == 1
         assert take(engine, keys, f"t{i}").status is Acquire.GRANTED
         node = cluster.node_of(keys.lock)
-        assert node.client().hget(keys.lock, "task") == f"t{i}"
+        assert owner_field(node.client(), keys.lock, "task") == f"t{i}"
         owners.add(node.port)
         assert take(engine, keys, "other").status is Acquire.HELD
     assert len(owners) == 3
@@ -82,7 +82,7 @@ def test_one_renewal_round_renews_locks_of_every_slot_without_crossslot(cluster,
         take(engine, keys, f"t{i}", exec_id)
         entries.append((keys.lock, exec_id, 20_000))
     stolen = entries[5][0]
-    cluster.node_of(stolen).client().hset(stolen, "exec", "someone-else")
+    write_owner(cluster.node_of(stolen).client(), stolen, exec="someone-else")
     entries.append((new_keys().lock, "nobody", 20_000))
     results = engine.renew(entries)
     assert results[5] is Renew.NOT_OURS and results[-1] is Renew.ABSENT
@@ -123,13 +123,13 @@ def test_a_slot_migrated_under_a_held_lock_is_followed_on_the_next_call(cluster,
     source = cluster.node_of(keys.lock)
     target = next(n for n in cluster.nodes if n.port != source.port)
     migrate_slot(cluster, slot_of(keys.lock), source, target)
-    assert target.client().hget(keys.lock, "exec") == exec_id
+    assert owner_field(target.client(), keys.lock, "exec") == exec_id
     assert engine.renew([(keys.lock, exec_id, 5000)]) == [Renew.RENEWED]
     assert take(engine, keys, "t2").status is Acquire.HELD
     assert engine.release(keys, exec_id, "t1") is True
     later = take(engine, keys, "t3")
     assert later.status is Acquire.GRANTED and later.token > first.token
-    assert target.client().hget(keys.lock, "task") == "t3"
+    assert owner_field(target.client(), keys.lock, "task") == "t3"
 
 
 def test_tick_claims_go_to_the_node_of_their_key(cluster, engine):

@@ -19,7 +19,7 @@ from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.process import PROCESS
 from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released
-from tests.support import ROOT, wait_for
+from tests.support import ROOT, owner_field, owner_record, wait_for, write_owner
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_grant_records_the_owner_and_a_second_task_sees_it(engine, r):
     keys = new_keys()
     got = take(engine, keys, "task-a", "exec-a")
     assert got.status is Acquire.GRANTED and got.token > 0
-    owner = r.hgetall(keys.lock)
+    owner = owner_record(r, keys.lock)
     assert owner["task"] == "task-a" and owner["exec"] == "exec-a"
     assert owner["host"] == "w1@host" and int(owner["pid"]) == os.getpid()
     assert int(owner["token"]) == got.token and int(owner["at"]) > 0
@@ -74,7 +74,7 @@ def test_same_task_copy_waits_and_is_dropped_once_the_original_finished(engine, 
     take(engine, keys, "task-a", "exec-a")
     copy = take(engine, keys, "task-a", "exec-copy")
     assert copy.status is Acquire.SAME_TASK and copy.holder.exec_id == "exec-a"
-    assert r.hget(keys.lock, "copies") == "1"
+    assert owner_field(r, keys.lock, "copies") == "1"
     engine.release(keys, "exec-a", "task-a")
     assert r.get(keys.fin) == "task-a"
     assert take(engine, keys, "task-a", "exec-copy").status is Acquire.FINISHED
@@ -112,7 +112,7 @@ def test_an_expired_lease_lets_another_task_in(engine, r):
     assert take(engine, keys, "task-b", "exec-b").status is Acquire.GRANTED
     # the old owner cannot release the new one
     assert engine.release(keys, "exec-a", "task-a") is False
-    assert r.hget(keys.lock, "exec") == "exec-b"
+    assert owner_field(r, keys.lock, "exec") == "exec-b"
 
 
 def test_hand_off_keeps_the_key_for_the_retry_only(engine, r):
@@ -124,7 +124,7 @@ def test_hand_off_keeps_the_key_for_the_retry_only(engine, r):
     assert take(engine, keys, "task-b").status is Acquire.HELD
     retried = take(engine, keys, "task-a", "exec-a2", retries=1)
     assert retried.status is Acquire.GRANTED and retried.token > first.token
-    assert r.hget(keys.lock, "exec") == "exec-a2"
+    assert owner_field(r, keys.lock, "exec") == "exec-a2"
 
 
 @pytest.mark.parametrize("n", [1, 100, 2000])
@@ -168,7 +168,7 @@ def test_heartbeat_keeps_a_short_lease_alive_for_many_leases(engine, r):
     hb.add(lock)
     try:
         wait_for(lambda: hb.rounds >= 6, 15, what="six renewal rounds (two leases)")
-        assert r.hget(keys.lock, "exec") == "exec-a"
+        assert owner_field(r, keys.lock, "exec") == "exec-a"
         assert not lock.lost
     finally:
         hb.discard(lock)
@@ -182,7 +182,7 @@ def test_heartbeat_marks_a_taken_over_lock_lost(engine, r):
     hb = Heartbeat(engine)
     hb.add(lock)
     try:
-        r.hset(keys.lock, "exec", "someone-else")
+        write_owner(r, keys.lock, exec="someone-else")
         wait_for(lambda: lock.lost, 5, what="the lock to be seen lost")
         with pytest.raises(LockLostError) as info:
             lock.check()
@@ -238,7 +238,7 @@ def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, 
     try:
         keys = new_keys()
         take(engine, keys, "running", "e-running")
-        r.hset(keys.lock, "pid", holder_proc.pid)  # as if that process held it
+        write_owner(r, keys.lock, pid=holder_proc.pid)  # as if that process held it
         held = take(engine, keys, "dup-1")
         assert held.status is Acquire.HELD and held.holder.pid == holder_proc.pid
         assert engine.clear_dead_holder(keys, held.holder) is False  # alive: remembered
@@ -267,7 +267,7 @@ def test_the_reaper_frees_a_dead_holder_it_had_seen_alive(engine, r, monkeypatch
     try:
         keys = new_keys()
         take(engine, keys, "doomed", "e-doomed")
-        r.hset(keys.lock, "pid", holder_proc.pid)
+        write_owner(r, keys.lock, pid=holder_proc.pid)
         holder = take(engine, keys, "dup").holder
         assert engine.clear_dead_holder(keys, holder) is False  # alive, and remembered
         holder_proc.kill()
@@ -346,7 +346,8 @@ def test_a_lost_reply_is_repeated_safely(redis_server, r):
         proxy.drop_after = b"EVALSHA"
         got = take(engine, keys, "a", "ea")
         assert proxy.dropped == 1
-        assert got.status is Acquire.GRANTED and got.token == int(r.hget(keys.lock, "token"))
+        assert got.status is Acquire.GRANTED
+        assert got.token == int(owner_field(r, keys.lock, "token") or 0)
         # A send-time key taken by the lost attempt comes back as held by the
         # sender itself (SingletonTask.apply_async knows its fresh id: it sends).
         proxy.drop_after = b"EVALSHA"
@@ -431,7 +432,7 @@ def test_a_release_that_finds_another_owner_says_so_and_leaves_it(engine, r):
     engine.release_later(keys, "ea", "a", answers)
     engine.settle()
     assert answers.got == [(Released(Release.TAKEN), None)]
-    assert r.hget(keys.lock, "exec") == "eb"
+    assert owner_field(r, keys.lock, "exec") == "eb"
 
 
 def test_a_release_whose_script_was_flushed_is_sent_again(engine, r):
@@ -563,7 +564,7 @@ def test_a_lease_that_ran_out_under_the_task_is_reported_at_release(lock_task, r
 
 def test_a_key_taken_over_under_the_task_is_reported_at_release(lock_task, r, caplog):
     run, body, engine, _proxy = lock_task
-    body.append(lambda task: r.hset(task.singleton.keys.lock, "exec", "someone-else"))
+    body.append(lambda task: write_owner(r, task.singleton.keys.lock, exec="someone-else"))
     run(uuid.uuid4().hex)
     engine.settle()
     assert len(lost_warnings(caplog)) == 1
@@ -608,7 +609,7 @@ def test_a_redis_restarted_empty_gets_the_held_lock_back_at_once(own_redis):
         own_redis.stop()
         own_redis.start()  # same port, empty
         client = own_redis.client()
-        record = wait_for(lambda: client.hgetall(keys.lock), 10, what="the lock back")
+        record = wait_for(lambda: owner_record(client, keys.lock), 10, what="the lock back")
         assert record["exec"] == "exec-a" and record["task"] == "task-a"
         assert int(record["token"]) > lock.token  # later grants stay above it
         assert lock.token == original and not lock.lost  # the task keeps its token
@@ -649,7 +650,7 @@ def test_a_key_taken_by_another_while_absent_means_lost(own_redis):
     hb._held[id(lock)] = lock
     hb.renew_now(take_back=True)
     assert lock.lost
-    assert own_redis.client().hget(keys.lock, "exec") == "exec-b"
+    assert owner_field(own_redis.client(), keys.lock, "exec") == "exec-b"
 
 
 def test_a_key_released_by_someone_else_is_lost_not_taken_back(engine, r):

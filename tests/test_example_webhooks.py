@@ -20,7 +20,7 @@ from celery import Celery
 
 from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
 from tests.pg import own_database
-from tests.support import ROOT
+from tests.support import ROOT, owner_record
 
 pytestmark = pytest.mark.worker
 
@@ -104,7 +104,7 @@ def test_a_holder_paused_past_its_lease_has_its_charge_refused_by_postgresql():
 
             token_a = wait_for(fence, 20, what="A's claim of the order")
             lock_key = next(iter(locks.scan_iter("*:lock")))
-            record = locks.hgetall(lock_key)
+            record = owner_record(locks, lock_key)
             assert record["task"] == first and int(record["token"]) == token_a
             paused = int(record["pid"])
             os.kill(paused, signal.SIGSTOP)

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker, wait_for, write_owner
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -142,7 +142,7 @@ def test_a_pool_process_reads_its_last_release_reply_before_it_exits(redis_serve
     with own_worker(redis_server, "last", 1, LONG_TTL) as (w, app):
         res = app.tasks["t.hold"].delay(key, 1.0, "last")
         started(events, "last")
-        r.hset(app.tasks["t.hold"].singleton_keys(key).lock, "exec", "someone-else")
+        write_owner(r, app.tasks["t.hold"].singleton_keys(key).lock, exec="someone-else")
         assert res.get(timeout=10)["lost"] is False  # the heartbeat (10 s) did not look
         w.signal(signal.SIGTERM)
         assert w.proc is not None and w.proc.wait(20) == 0

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import SingletonTask, is_skipped
-from tests.support import RedisServer, Worker, free_port, wait_for
+from tests.support import RedisServer, Worker, free_port, wait_for, write_owner
 from tests.workerapp import make_app
 
 
@@ -24,7 +24,7 @@ def test_pool_runs_one_per_key_and_releases(pool, concurrency, redis_server, r, 
             # one process, one task at a time: the holder is not running when the
             # duplicate is picked up, so plant a foreign holder to be skipped against
             keys = hold.singleton_keys(key)
-            r.hset(keys.lock, mapping={"task": "foreign", "exec": "x", "pid": 0})
+            write_owner(r, keys.lock, task="foreign", exec="x", pid=0)
             r.pexpire(keys.lock, 5000)
             assert hold.delay(key, 0.0, "dup").get(timeout=10)["holder"] == "foreign"
             r.delete(keys.lock)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from celery_singleton_lock import is_skipped
-from tests.support import wait_for
+from tests.support import owner_field, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -22,7 +22,7 @@ def test_retry_keeps_key_through_countdown_and_retried_run_takes_it_back(
     lock_key = task.singleton_keys(key).lock
     res = task.delay(key, attempts=1, countdown=3.0, tag="r")
     wait_for(lambda: events.starts("r#0"), 10, what="first attempt")
-    wait_for(lambda: r.hget(lock_key, "handoff") == "1", 5, what="hand-off")
+    wait_for(lambda: owner_field(r, lock_key, "handoff") == "1", 5, what="hand-off")
     time.sleep(2.2)  # past the 2 s lease: only the hand-off keeps the key now
     assert r.exists(lock_key)
     dup = task.delay(key, attempts=0, tag="dup")
@@ -88,5 +88,5 @@ def test_paused_holder_sees_lost_and_lower_token(client_app, r, events, key):
     assert old["check"] == "LockLostError"
     assert old["token"] < fresh["token"]
     assert r.exists(lock_key), "the stale holder freed the new holder's lock"
-    assert r.hget(lock_key, "task") == newest.id
+    assert owner_field(r, lock_key, "task") == newest.id
     newest.get(timeout=15)

@@ -14,7 +14,7 @@ import pytest
 
 from celery_singleton_lock.checks import acl_rule
 from tests.deployments import TlsServer, make_certificates
-from tests.support import Worker, wait_for
+from tests.support import Worker, owner_field, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -43,7 +43,7 @@ def test_a_worker_locks_over_tls_as_the_minimal_acl_user(tls_server, redis_serve
         first = hold.delay("k", 1.5, "first")
         wait_for(lambda: events.starts("first"), 15, what="first start")
         lock = hold.singleton_keys("k").lock
-        assert tls_server.client(2).hget(lock, "task") == first.id
+        assert owner_field(tls_server.client(2), lock, "task") == first.id
         dup = hold.delay("k", 0.0, "dup").get(timeout=15)
         assert dup["holder"] == first.id
         assert first.get(timeout=15)["token"] > 0

@@ -1,69 +1,81 @@
 -- Take a singleton lock when an execution starts, or say why not.
 --
--- KEYS[1] lock    hash: the owner record; its TTL is the lease
+-- KEYS[1] lock    string: the owner record; its TTL is the lease
 -- KEYS[2] fence   string: last fencing token granted for this key
 -- KEYS[3] fin     string: id of a task that finished while a copy of it waited
--- KEYS[4] queued  string: id of the task that took the key when it was sent
--- KEYS[5] done    string: id of the task whose success keeps the key done
+-- KEYS[4] done    string: id of the task whose success keeps the key done
+-- KEYS[5] queued  string: id of the task that took the key when it was sent
+--                 (scopes 'queue' and 'queue_and_run' only)
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
--- ARGV[3] lease ms         ARGV[4] worker hostname
--- ARGV[5] host key         ARGV[6] pid
--- ARGV[7] retries of the request   ARGV[8] task name
--- ARGV[9] fence counter TTL ms
--- ARGV[10] scope: 'run', 'queue' or 'queue_and_run'
+-- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
+-- ARGV[5] scope, with KEYS[5]: 'queue' or 'queue_and_run'
+--
+-- The owner record is one string, fields joined by newlines (docs/redis-keys.md):
+--   exec, handoff, copies, token, at, lease, fin, retries, pid, hostkey, host, name, task
+-- The task id comes last, so it may hold any character; no other field has a newline.
 --
 -- Returns
---   {1, token}                                      granted
---   {0, task, exec, host key, pid, host, accepted}  held by another task (running or queued)
---   {2, task, exec, host key, pid, host, 0}         held by another execution of this task id
---   {3, task}                                       this task id already finished
---   {4, task}                                       done: another task succeeded within done_ttl
+--   token                       granted (a string of digits)
+--   {0, record, accepted}       held by another task (running or queued)
+--   {2, record}                 held by another execution of this task id
+--   {3, task}                   this task id already finished
+--   {4, task}                   done: another task succeeded within done_ttl
 -- accepted = 1: the refused execution took the key when it was sent; it keeps
 -- that marker, because a send that was accepted must run (it waits its turn).
-local lock, fence, fin, queued, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local task_id, exec_id, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local retries, scope = ARGV[7], ARGV[10]
+local lock, fence, fin, done, queued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local task_id, exec_id = ARGV[1], ARGV[2]
+-- exec, handoff, copies, then nine fields, then the task id
+local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
+  '[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$'
 
-local function grant(replace)
+local function grant()
   local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local us = t[2]
+  -- the server clock in microseconds, as digits: seconds and six places
+  local now = t[1] .. string.sub('00000', #us) .. us
   -- Tokens never go down, even when the counter is lost (expired, evicted,
-  -- a failover): the server clock in microseconds is their floor. One grant
-  -- takes longer than a microsecond, so the counter cannot run ahead of the
-  -- clock and a lost counter restarts above every token already given.
-  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local token = tonumber(redis.call('GET', fence) or '0') + 1
-  if token < now_us then token = now_us end
-  local token_s = string.format('%.0f', token)
-  redis.call('SET', fence, token_s, 'PX', ARGV[9])
-  if replace then redis.call('DEL', lock) end  -- fields of the record it replaces
-  redis.call('HSET', lock, 'task', task_id, 'exec', exec_id, 'host', ARGV[4],
-    'hostkey', ARGV[5], 'pid', ARGV[6], 'at', string.format('%.0f', now),
-    'token', token_s, 'lease', ARGV[3], 'name', ARGV[8], 'retries', retries)
-  redis.call('PEXPIRE', lock, lease)
-  return {1, token}
+  -- a failover): the server clock is their floor. One grant takes longer than
+  -- a microsecond, so the counter cannot run ahead of the clock and a lost
+  -- counter restarts above every token already given. Equal lengths of
+  -- digits compare as numbers.
+  local token = now
+  local last = redis.call('GET', fence)
+  if last and (#last > #now or (#last == #now and last >= now)) then
+    token = string.format('%.0f', tonumber(last) + 1)
+  end
+  redis.call('SET', fence, token, 'PX', '86400000')
+  redis.call('SET', lock, exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4],
+    'PX', ARGV[3])
+  return token
 end
 
 -- The marker this task left when it was sent: the key passes from it to the
 -- execution in this same script, so no duplicate slips in between.
 local own_queued = false
-if scope ~= 'run' then
+if queued then
   own_queued = redis.call('GET', queued) == task_id
 end
 
-local holder = redis.call('HMGET', lock, 'task', 'exec', 'hostkey', 'pid', 'host', 'handoff')
-if holder[1] == task_id then
-  if holder[6] == retries then
-    -- the retried execution takes back the key its earlier attempt kept for it
-    return grant(true)
+local record = redis.call('GET', lock)
+-- the task id ends the record: only a record that ends with ours is read field by field
+if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
+  local exec, handoff, copies, holder = string.match(record, FIELDS)
+  if holder == task_id then
+    if handoff == string.match(ARGV[4], '^[^\n]*\n[^\n]*\n([^\n]*)') then
+      -- the retried execution takes back the key its earlier attempt kept for it
+      return grant()
+    end
+    if exec == exec_id then
+      redis.call('PEXPIRE', lock, ARGV[3])
+      return string.match(record, '^[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)')
+    end
+    -- a redelivered copy: the holder must leave a trace when it finishes
+    if copies ~= '1' then
+      redis.call('SET', lock, exec .. '\n' .. handoff .. '\n1' ..
+        string.sub(record, #exec + #handoff + #copies + 3), 'KEEPTTL')
+    end
+    return {2, record}
   end
-  if holder[2] == exec_id then
-    redis.call('PEXPIRE', lock, lease)
-    return {1, tonumber(redis.call('HGET', lock, 'token'))}
-  end
-  -- a redelivered copy: the holder must leave a trace when it finishes
-  redis.call('HSET', lock, 'copies', '1')
-  return {2, holder[1], holder[2], holder[3] or '', holder[4] or '', holder[5] or '', 0}
 end
 
 local done_by = redis.call('GET', done)
@@ -73,20 +85,19 @@ if done_by then
   return {4, done_by}
 end
 
-if holder[1] then
-  return {0, holder[1], holder[2], holder[3] or '', holder[4] or '', holder[5] or '',
-    own_queued and 1 or 0}
+if record then
+  return {0, record, own_queued and 1 or 0}
 end
 if redis.call('GET', fin) == task_id then
   if own_queued then redis.call('DEL', queued) end
   return {3, task_id}
 end
-if scope == 'queue_and_run' and not own_queued then
+if ARGV[5] == 'queue_and_run' and not own_queued then
   local other = redis.call('GET', queued)
   if other then
     -- sent while another was queued, past the send-time check (a canvas
     -- member, a plain send_task): the queued one owns the key
-    return {0, other, '', '', '0', '', 0}
+    return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. other, 0}
   end
 end
 if own_queued then

@@ -23,9 +23,10 @@ if other then
   return {0, other}
 end
 if ARGV[2] == 'queue_and_run' then
-  local runner = redis.call('HGET', lock, 'task')
-  if runner then
-    return {0, runner}
+  local record = redis.call('GET', lock)
+  if record then
+    -- the owner record's last field, after twelve others (docs/redis-keys.md)
+    return {0, string.match(record, '^' .. string.rep('[^\n]*\n', 12) .. '(.*)$')}
   end
 end
 redis.call('SET', queued, task_id, 'PX', ARGV[3])

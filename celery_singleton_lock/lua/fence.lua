@@ -2,16 +2,32 @@
 -- (Redlock: the quorum's token is the largest any of its masters gave).
 --
 -- KEYS[1] lock   KEYS[2] fence
--- ARGV[1] execution id   ARGV[2] token   ARGV[3] fence counter TTL ms
+-- ARGV[1] execution id   ARGV[2] token (digits)   ARGV[3] fence counter TTL ms
 --
 -- Returns 1 when the lock here is this execution's and its counter and owner
 -- record now carry at least the token; 0 when it is not (the lease ran out)
-if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then return 0 end
-local token = tonumber(ARGV[2])
-if tonumber(redis.call('GET', KEYS[2]) or '0') < token then
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+local record = redis.call('GET', KEYS[1])
+if not record then
+  return 0
 end
-if tonumber(redis.call('HGET', KEYS[1], 'token') or '0') < token then
-  redis.call('HSET', KEYS[1], 'token', ARGV[2])
+-- exec, handoff, copies, token: the record's first four fields
+local exec, handoff, copies, token = string.match(record,
+  '^([^\n]*)\n([^\n]*)\n([^\n]*)\n([^\n]*)\n')
+if exec ~= ARGV[1] then
+  return 0
+end
+local want = ARGV[2]
+-- tokens are digits: a shorter one is smaller, equal lengths compare as text
+local function below(a, b)
+  return #a < #b or (#a == #b and a < b)
+end
+local last = redis.call('GET', KEYS[2])
+if not last or below(last, want) then
+  redis.call('SET', KEYS[2], want, 'PX', ARGV[3])
+end
+if below(token, want) then
+  local head = #exec + #handoff + #copies + 3
+  redis.call('SET', KEYS[1],
+    string.sub(record, 1, head) .. want .. string.sub(record, head + #token + 1), 'KEEPTTL')
 end
 return 1

@@ -5,9 +5,15 @@
 --
 -- Returns 1 handed off, 0 not ours
 local lock = KEYS[1]
-if redis.call('HGET', lock, 'exec') ~= ARGV[1] then
+local record = redis.call('GET', lock)
+if not record then
   return 0
 end
-redis.call('HSET', lock, 'handoff', ARGV[2])
-redis.call('PEXPIRE', lock, ARGV[3])
+local exec, handoff = string.match(record, '^([^\n]*)\n([^\n]*)\n')
+if exec ~= ARGV[1] then
+  return 0
+end
+-- the record with its second field, handoff, set
+redis.call('SET', lock, exec .. '\n' .. ARGV[2] .. string.sub(record, #exec + #handoff + 2),
+  'PX', ARGV[3])
 return 1

@@ -9,16 +9,19 @@
 -- empty, an eviction; the holder may take it back while its lease is valid)
 local out = {}
 for i, lock in ipairs(KEYS) do
-  local rec = redis.call('HMGET', lock, 'exec', 'handoff')
-  if not rec[1] then
+  local record = redis.call('GET', lock)
+  if not record then
     out[i] = 3
-  elseif rec[1] ~= ARGV[2 * i - 1] then
-    out[i] = 0
-  elseif rec[2] then
-    out[i] = 2
   else
-    redis.call('PEXPIRE', lock, ARGV[2 * i])
-    out[i] = 1
+    local exec, handoff = string.match(record, '^([^\n]*)\n([^\n]*)\n')
+    if exec ~= ARGV[2 * i - 1] then
+      out[i] = 0
+    elseif handoff ~= '' then
+      out[i] = 2
+    else
+      redis.call('PEXPIRE', lock, ARGV[2 * i])
+      out[i] = 1
+    end
   end
 end
 return out

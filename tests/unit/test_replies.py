@@ -25,13 +25,22 @@ def test_the_families_never_share_a_meaning():
     assert Acquire(0) is Acquire.HELD and Release(0) is Release.TAKEN
 
 
+def owner_record(task: str, exec_id: str, pid: int, host: str) -> str:
+    """The owner record acquire.lua writes and answers with (docs/redis-keys.md)."""
+    return "\n".join([exec_id, "", "", "1795000000000000", "1795000000000000", "5000", "60000",
+                      "0", str(pid), "host:1", host, "t.name", task])
+
+
 def test_acquire_replies():
-    grant = acquired([1, 1795000000000000])
+    grant = acquired("1795000000000000")
     assert grant.status is Acquire.GRANTED and grant.token == 1795000000000000
-    held = acquired([0, "task", "exec", "host:1", "42", "w1@h", 1])
+    held = acquired([0, owner_record("task", "exec", 42, "w1@h"), 1])
     assert held.status is Acquire.HELD and held.queued_by_it
     assert (held.holder.task_id, held.holder.pid, held.holder.hostname) == ("task", 42, "w1@h")
-    assert acquired([2, "t", "e", "", "", "", 0]).status is Acquire.SAME_TASK
+    assert held.holder.exec_id == "exec" and held.holder.host_key == "host:1"
+    odd = acquired([0, owner_record("a\nb", "e", 0, "h"), 0])
+    assert odd.holder.task_id == "a\nb" and not odd.queued_by_it, "the task id comes last"
+    assert acquired([2, owner_record("t", "e", 0, "")]).status is Acquire.SAME_TASK
     assert acquired([3, "t"]).status is Acquire.FINISHED
     done = acquired([4, "winner"])
     assert done.status is Acquire.DONE and done.holder.task_id == "winner"

@@ -1,0 +1,119 @@
+"""What a task costs the lock Redis, counted by Redis itself (``INFO commandstats``).
+
+Every string passed to a script and every command run inside one costs Redis
+CPU (docs/benchmarks.md, "Where the lock Redis spends its time"): a change
+that adds one to the usual paths fails here, and says which.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import pytest
+import redis
+
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.replies import RECORD_FIELDS, Acquire
+from tests.support import ROOT, RedisServer, owner_record
+
+ROUNDS = 50
+
+#: per task: one acquire and one release, each one EVALSHA
+TASK_COMMANDS = {"evalsha": 2, "get": 5, "set": 2, "time": 1, "del": 1}
+#: per skipped duplicate: one acquire that finds the key held
+SKIP_COMMANDS = {"evalsha": 1, "get": 2}
+
+
+@pytest.fixture
+def server():
+    with RedisServer() as s:
+        yield s
+
+
+def engine_on(server: RedisServer) -> LockEngine:
+    return LockEngine.from_config(SingletonConfig.defaults(server.url(0)))
+
+
+def counted(client: redis.Redis, run) -> Counter[str]:
+    """Commands Redis ran during ``run()`` (inner commands of scripts included)."""
+    client.config_resetstat()
+    run()
+    stats = client.info("commandstats")
+    out: Counter[str] = Counter()
+    for name, value in stats.items():
+        command = name[len("cmdstat_"):]
+        if command not in ("info", "config|resetstat"):
+            out[command] = int(value["calls"])
+    return out
+
+
+def take(engine: LockEngine, keys: LockKeys, task_id: str) -> object:
+    return engine.acquire(keys, task_id=task_id, exec_id=f"e-{task_id}", lease_ms=30_000,
+                          hostname="w1@host", retries=0, task_name="t.count")
+
+
+def test_a_task_costs_two_script_calls_and_eleven_commands_inside_redis(server):
+    engine = engine_on(server)
+    pairs = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex)
+             for _ in range(ROUNDS + 1)]
+    keys, task_id = pairs.pop()
+    take(engine, keys, task_id)  # connection made, scripts loaded
+    engine.release(keys, f"e-{task_id}", task_id)
+
+    def run() -> None:
+        for keys, task_id in pairs:
+            assert take(engine, keys, task_id).status is Acquire.GRANTED
+            assert engine.release(keys, f"e-{task_id}", task_id)
+
+    got = counted(server.client(), run)
+    assert dict(got) == {c: n * ROUNDS for c, n in TASK_COMMANDS.items()}
+
+
+def test_a_skipped_duplicate_costs_one_script_call_and_two_reads(server):
+    engine = engine_on(server)
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    take(engine, keys, "holder")
+
+    def run() -> None:
+        for _ in range(ROUNDS):
+            assert take(engine, keys, uuid.uuid4().hex).status is Acquire.HELD
+
+    got = counted(server.client(), run)
+    assert dict(got) == {c: n * ROUNDS for c, n in SKIP_COMMANDS.items()}
+
+
+def test_the_usual_calls_pass_few_strings(server):
+    """Redis pays for each string passed about as much as for a command run: the
+    usual acquire passes four keys and four strings, the usual release two and two."""
+    engine = engine_on(server)
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    client = server.client()
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    take(engine, keys, "t1")
+    engine.release(keys, "e-t1", "t1")
+    calls = [e["command"] for e in client.slowlog_get(10)
+             if str(e["command"]).upper().startswith(("EVALSHA", "B'EVALSHA"))]
+    lengths = sorted(len(str(c).split(" ")) for c in calls)
+    # EVALSHA sha numkeys + keys + args
+    assert lengths == [3 + 2 + 2, 3 + 4 + 4], calls
+
+
+def test_the_owner_record_is_one_string_in_the_documented_order(server):
+    engine = engine_on(server)
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    token = engine.acquire(keys, task_id="a\nb", exec_id="e-1", lease_ms=30_000,
+                           hostname="w1@host", retries=0, task_name="t.count").token
+    client = server.client()
+    assert client.type(keys.lock) == "string"
+    record = owner_record(client, keys.lock)
+    assert record["task"] == "a\nb" and record["exec"] == "e-1"
+    assert int(record["token"]) == token and record["host"] == "w1@host"
+    assert record["name"] == "t.count" and record["lease"] == "30000"
+    other = take(engine, keys, "a")
+    assert other.status is Acquire.HELD and other.holder.task_id == "a\nb"  # type: ignore[attr-defined]
+    doc = (ROOT / "docs" / "redis-keys.md").read_text()
+    assert "`" + "`, `".join(RECORD_FIELDS) + "`" in doc
