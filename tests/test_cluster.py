@@ -24,7 +24,7 @@ from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.replies import Acquire, Release, Renew
 from tests import promises
 from tests.deployments import Cluster
-from tests.support import RedisServer, Worker, owner_field, wait_for, write_owner
+from tests.support import RedisServer, Worker, owner_field, owner_record, wait_for, write_owner
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 30.0}
@@ -222,7 +222,7 @@ def test_a_primary_restarted_empty_gets_its_held_locks_back_at_once(cluster, eng
         wait_for(lambda: all(victim.client().exists(lock.keys.lock) for lock in locks[:2]), 8,
                  what="both locks back on the restarted primary")
         for lock in locks[:2]:
-            record = victim.client().hgetall(lock.keys.lock)
+            record = owner_record(victim.client(), lock.keys.lock)
             assert record["exec"] == lock.exec_id and int(record["token"]) > lock.token
             assert not lock.lost
         assert hb.reasserted == 2

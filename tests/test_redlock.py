@@ -26,7 +26,7 @@ from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.redlock import QuorumError, RedlockEngine
 from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released, Renew
 from tests import promises
-from tests.support import ROOT, RedisServer, Worker, wait_for
+from tests.support import ROOT, RedisServer, Worker, owner_field, wait_for
 from tests.workerapp import make_app
 
 
@@ -76,7 +76,7 @@ def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str = "",
 
 
 def holder_on(server: RedisServer, keys: LockKeys) -> Optional[str]:
-    value = server.client(2).hget(keys.lock, "task")
+    value = owner_field(server.client(2), keys.lock, "task")
     return None if value is None else str(value)
 
 
@@ -97,8 +97,8 @@ def test_a_grant_holds_every_master_with_one_token_and_refuses_a_second_task(mas
     assert first.status is Acquire.GRANTED
     for s in masters:
         c = s.client(2)
-        wait_for(lambda c=c: c.hget(keys.lock, "task") == "A"
-                 and int(c.hget(keys.lock, "token")) >= first.token, 5,
+        wait_for(lambda c=c: owner_field(c, keys.lock, "task") == "A"
+                 and int(owner_field(c, keys.lock, "token") or 0) >= first.token, 5,
                  what="the grant and its token on every master")
         assert int(c.get(keys.fence)) >= first.token
     second = take(engine, keys, "B")
@@ -358,7 +358,7 @@ def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_with
         witness = worker_masters[4].client(2)
         before = witness.pttl(lock)
         wait_for(lambda: witness.pttl(lock) > before, 5, what="a renewal with one master down")
-        assert witness.hget(lock, "task") == res.id
+        assert owner_field(witness, lock, "task") == res.id
         down[1].stop()
         down[2].stop()
         assert res.get(timeout=15)["lost"] is True
@@ -384,8 +384,8 @@ def test_redlocks_speaks_tls_to_every_master(tmp_path):
         assert isinstance(engine, RedlockEngine)
         keys = new_keys()
         assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED
-        wait_for(lambda: all(s.client(2).hget(keys.lock, "task") == "A" for s in servers), 5,
-                 what="the grant on every master")
+        wait_for(lambda: all(owner_field(s.client(2), keys.lock, "task") == "A"
+                             for s in servers), 5, what="the grant on every master")
         assert engine.release(keys, "exec-a", "A") is True
         engine.close()
     finally:
