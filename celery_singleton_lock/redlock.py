@@ -108,6 +108,18 @@ def _describe(error: Any) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _settled_by(quorum: int, answer: type, yes: Callable[[Any], bool]
+                ) -> Callable[[list[Any]], bool]:
+    """Whether the answers so far decide a call: a majority said yes, said
+    something else, or failed; the masters still to answer cannot change it."""
+    def decided(results: list[Any]) -> bool:
+        said_yes = sum(1 for r in results if yes(r))
+        said_no = sum(1 for r in results if isinstance(r, answer) and not yes(r))
+        failed = sum(1 for r in results if isinstance(r, Exception))
+        return max(said_yes, said_no, failed) >= quorum
+    return decided
+
+
 class RedlockEngine(LockEngine):
     """All Redis work of one process for one app, on a majority of masters."""
 
@@ -223,19 +235,13 @@ class RedlockEngine(LockEngine):
     ) -> Acquired:
         """Take the lock on a majority of the masters within the validity time."""
         started = time.monotonic()
-        validity = (lease_ms - lease_ms * DRIFT_FACTOR - DRIFT_MS) / 1000.0
+        validity = lease_ms / 1000.0 - self.lease_margin(lease_ms / 1000.0)
         quorum, total = self.quorum, len(self.masters)
 
         def granted(r: Any) -> bool:
             return isinstance(r, Acquired) and r.status is Acquire.GRANTED
 
-        def decided(results: list[Any]) -> bool:
-            # a majority granted, refused, or failed: the others cannot change it
-            yes = sum(1 for r in results if granted(r))
-            no = sum(1 for r in results if isinstance(r, Acquired) and not granted(r))
-            failed = sum(1 for r in results if isinstance(r, Exception))
-            return max(yes, no, failed) >= quorum
-
+        decided = _settled_by(quorum, Acquired, granted)
         results = self.each(
             lambda e: e.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
                                 hostname=hostname, retries=retries, task_name=task_name,
@@ -424,13 +430,8 @@ class RedlockEngine(LockEngine):
         def taken(r: Any) -> bool:
             return isinstance(r, Enqueued) and r.status is Enqueue.TAKEN
 
-        def decided(results: list[Any]) -> bool:
-            yes = sum(1 for r in results if taken(r))
-            no = sum(1 for r in results if isinstance(r, Enqueued) and not taken(r))
-            failed = sum(1 for r in results if isinstance(r, Exception))
-            return max(yes, no, failed) >= quorum
-
-        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms), decided=decided)
+        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms),
+                            decided=_settled_by(quorum, Enqueued, taken))
         if sum(1 for r in results if taken(r)) >= quorum:
             return Enqueued(Enqueue.TAKEN)
         mine = [i for i, r in enumerate(results)
