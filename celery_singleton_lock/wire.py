@@ -135,6 +135,13 @@ class Wire:
                 conn.register_connect_callback(self._load_scripts)
             return conn
 
+    def _send(self, conn: Any, packed: bytes) -> None:
+        """Write ``packed`` on ``conn``; a Sentinel-managed connection asks for
+        the primary's address first (a reconnect on send would not)."""
+        if self._resolving and conn._sock is None:
+            conn.connect()
+        conn.send_packed_command([packed], check_health=False)
+
     def new_connection(self) -> Any:
         """A connection for other uses (not in the idle list, no scripts loaded)."""
         with self._making:
@@ -179,9 +186,7 @@ class Wire:
         for attempt in (1, 2):
             conn = self._take()
             try:
-                if self._resolving and conn._sock is None:
-                    conn.connect()
-                conn.send_packed_command([packed], check_health=False)
+                self._send(conn, packed)
                 answers: list[Any] = []
                 for _ in calls:  # every reply read, errors included: stay in step
                     try:
@@ -229,9 +234,7 @@ class Wire:
         for attempt in (1, 2):
             conn = self._take()
             try:
-                if self._resolving and conn._sock is None:
-                    conn.connect()
-                conn.send_packed_command([packed], check_health=False)
+                self._send(conn, packed)
                 if before:
                     conn.read_response()
                 try:
@@ -286,9 +289,7 @@ class Wire:
         try:
             conn = self._take()
             try:
-                if self._resolving and conn._sock is None:
-                    conn.connect()
-                conn.send_packed_command([packed], check_health=False)
+                self._send(conn, packed)
             except BaseException:
                 self._give(conn, broken=True)
                 raise
