@@ -11,6 +11,18 @@ One "task" is what the lock Redis sees for one trivial task in the worker:
 * floor: ``SET <key> <exec id> NX PX <lease>`` then ``DEL <key>``.
 * skip:  an acquire that finds the key held (what a skipped duplicate costs).
 
+Two references bound what any lock can cost, next to ours and the floor:
+
+* redispy: redis-py's ``Lock``: ``SET NX PX``, then its release script
+  (``GET``, compare, ``DEL``): the cheapest lock that frees only its own key;
+* scripts: both steps as scripts that do only that (``SET NX PX`` in one,
+  compare-and-delete in the other): the least any lock pays whose acquire
+  and release are scripts, as ours are (no owner record, no fencing token,
+  no markers);
+* fenced: the same with a fencing token that never goes down (the key's
+  counter + 1, floored at the server clock, as ours): the least a lock pays
+  that keeps its fencing tokens.
+
 Both are written the same way on one connection (one round trip per command),
 so the client's own work does not enter: only the server's. The redis-server is
 started here, on a free loopback port, and emptied between workloads. Reported
@@ -137,6 +149,72 @@ def floor_workload(server: Server, tasks: int) -> Callable[[], None]:
     return run
 
 
+#: the least a lock written as scripts can do: take with ``SET NX PX``, free
+#: only when the value is still ours (compare-and-delete)
+BARE_TAKE = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0"
+BARE_FREE = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+             "return redis.call('DEL', KEYS[1]) end return 0")
+#: the bare take plus a fencing token that never goes down: the key's counter
+#: + 1, floored at the server clock (as ours), kept after the lock is freed
+FENCED_TAKE = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+local t = redis.call('TIME')
+local us = t[2]
+local now = t[1] .. string.sub('00000', #us) .. us
+local token = now
+local last = redis.call('GET', KEYS[2])
+if last and (#last > #now or (#last == #now and last >= now)) then
+  token = string.format('%.0f', tonumber(last) + 1)
+end
+redis.call('SET', KEYS[2], token, 'PX', '86400000')
+return token
+"""
+
+
+def redispy_workload(server: Server, tasks: int) -> Callable[[], None]:
+    """redis-py's ``Lock``: ``SET NX PX`` to take it, a compare-and-delete
+    script to free it (the cheapest lock that frees only its own key)."""
+    client = redis.Redis(port=server.port)
+    locks = [client.lock(f"singleton:{{{uuid.uuid4().hex}}}:lock", timeout=LEASE_MS / 1000)
+             for _ in range(tasks)]
+    warm = client.lock("singleton:{warm}:lock", timeout=LEASE_MS / 1000)
+    warm.acquire(blocking=False)
+    warm.release()
+
+    def run() -> None:
+        for lock in locks:
+            if not lock.acquire(blocking=False):
+                raise RuntimeError("redis-py's Lock was refused a free key")
+            lock.release()
+    return run
+
+
+def bare_scripts_workload(server: Server, tasks: int, fenced: bool = False
+                          ) -> Callable[[], None]:
+    """Both steps as scripts doing nothing more than the floor and the owner
+    check: the least any lock pays whose acquire and release are scripts.
+    ``fenced``: the acquire also hands out a fencing token."""
+    take = server.client.script_load(FENCED_TAKE if fenced else BARE_TAKE)
+    free = server.client.script_load(BARE_FREE)
+    conn = Connection(port=server.port)
+    conn.connect()
+    names = [f"singleton:{{{uuid.uuid4().hex}}}:" for _ in range(tasks)]
+
+    def run() -> None:
+        for base in names:
+            name = base + "lock"
+            keys = [2, name, base + "fence"] if fenced else [1, name]
+            conn.send_packed_command(
+                [pack(["EVALSHA", take, *keys, "w1:1234:abcdef", LEASE_MS])],
+                check_health=False)
+            if not conn.read_response():
+                raise RuntimeError("the bare script lock was refused a free key")
+            conn.send_packed_command([pack(["EVALSHA", free, 1, name, "w1:1234:abcdef"])],
+                                     check_health=False)
+            conn.read_response()
+    return run
+
+
 def _engine(server: Server) -> LockEngine:
     config = SingletonConfig.defaults(f"redis://127.0.0.1:{server.port}/0")
     return LockEngine.from_config(config)
@@ -189,6 +267,8 @@ def get_workload(server: Server, tasks: int) -> Callable[[], None]:
 
 WORKLOADS: dict[str, Callable[[Server, int], Callable[[], None]]] = {
     "floor": floor_workload, "ours": ours_workload, "skip": skip_workload, "get": get_workload,
+    "redispy": redispy_workload, "scripts": bare_scripts_workload,
+    "fenced": lambda server, tasks: bare_scripts_workload(server, tasks, fenced=True),
 }
 
 
@@ -246,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--callgrind", action="store_true",
                         help="count the server's instructions under valgrind (slow: use "
                              "--tasks 2000 --rounds 1; they repeat exactly)")
-    parser.add_argument("--workloads", default="floor,ours,get,skip")
+    parser.add_argument("--workloads", default="floor,ours,redispy,scripts,fenced,get,skip")
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     server = Server(args.callgrind)
@@ -271,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         rows = results[name]
         cpu = statistics.median(r["cpu_us"] for r in rows)
         spread = f"{min(r['cpu_us'] for r in rows):.1f}-{max(r['cpu_us'] for r in rows):.1f}"
-        line = f"{name:6} server CPU per task {cpu:6.1f} us (rounds {spread})"
+        line = f"{name:7} server CPU per task {cpu:6.1f} us (rounds {spread})"
         base = get if name == "skip" else floor
         if base and name not in ("floor", "get"):
             line += f"  {cpu / base:.2f}x {'get' if name == 'skip' else 'floor'}"
@@ -280,7 +360,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             line += f"  instructions per task {per_task:,.0f}"
         print(line)
         last = rows[-1]["commands"]
-        print("       " + ", ".join(f"{cmd} {calls:g} ({usec:.2f} us)"
+        print("        " + ", ".join(f"{cmd} {calls:g} ({usec:.2f} us)"
                                     for cmd, (calls, usec) in sorted(last.items())))
     for name, (median, p90) in sorted(scripts.items()):
         print(f"script {name}: {median:.0f} us median, {p90:.0f} us p90 inside Redis (slow log)")

@@ -96,3 +96,21 @@ def test_render_redraws_from_results_json_alone(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "results.md").read_text().startswith("### Capacity of one Redis")
     assert (tmp_path / "capacity.png").stat().st_size > 5000
+
+
+def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
+    """benchmarks.lockcpu: every workload runs (each checks its lock was granted)
+    and each lock is set against the floor of the same run."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.lockcpu", "--tasks", "200",
+                          "--rounds", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()
+             if "server CPU per task" in line}
+    assert set(lines) == {"floor", "ours", "redispy", "scripts", "fenced", "get", "skip"}
+    for name in ("ours", "redispy", "scripts", "fenced"):
+        assert "x floor" in lines[name], lines[name]
+    assert "x get" in lines["skip"]
+    # ours: one script call to take and one to free, nothing sent besides
+    calls = out.stdout.split(lines["ours"])[1].splitlines()[1]
+    assert "evalsha 2 " in calls and "del 1 " in calls, calls
