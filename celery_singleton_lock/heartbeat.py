@@ -36,6 +36,7 @@ from .cluster import ClusterWire, slot_of
 from .engine import LockEngine
 from .lock import SingletonLock
 from .process import ForkSafeLock
+from .redlock import RedlockEngine
 from .replies import Acquire, Renew
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -148,14 +149,56 @@ class RedisWatch:
             self.fd = None
 
 
-class ClusterWatch:
+class MultiWatch:
+    """One :class:`RedisWatch` per server of a deployment made of several."""
+
+    def __init__(self) -> None:
+        self.watches: dict[str, RedisWatch] = {}
+
+    @property
+    def retry_in(self) -> Optional[float]:
+        waits = [w.retry_in for w in self.watches.values() if w.retry_in is not None]
+        return min(waits) if waits else None
+
+    def poll(self) -> tuple[list[int], list[Back]]:
+        fds: list[int] = []
+        back: list[Back] = []
+        for watch in list(self.watches.values()):
+            f, b = watch.poll()
+            fds.extend(f)
+            back.extend(b)
+        return fds, back
+
+    def gone(self, fd: Optional[int] = None) -> bool:
+        for watch in list(self.watches.values()):
+            if watch.fd is not None and watch.fd == fd:
+                return watch.gone()
+        return False
+
+    def close(self) -> None:
+        for watch in self.watches.values():
+            watch.close()
+
+
+class MastersWatch(MultiWatch):
+    """Redlock: every master watched. A master that comes back after going
+    away starts a round at once, which writes the held locks back on it if it
+    lost them (:meth:`Heartbeat.renew_now`)."""
+
+    def __init__(self, engine: RedlockEngine) -> None:
+        super().__init__()
+        for master in engine.masters:
+            self.watches[master.name] = RedisWatch(master.engine.wire.new_connection)
+
+
+class ClusterWatch(MultiWatch):
     """One :class:`RedisWatch` per primary of a Cluster, following the slot
     map: a primary that restarts (or is killed) is noticed at once, and only
     the locks whose slots it serves are taken back."""
 
     def __init__(self, wire: ClusterWire) -> None:
+        super().__init__()
         self.wire = wire
-        self.watches: dict[str, RedisWatch] = {}
         self._slots: dict[str, set[int]] = {}
         self._map_seen = -1
 
@@ -180,30 +223,9 @@ class ClusterWatch:
                 self.watches[name] = RedisWatch(wire.new_connection,
                                                 _in_slots(self._slots[name]))
 
-    @property
-    def retry_in(self) -> Optional[float]:
-        waits = [w.retry_in for w in self.watches.values() if w.retry_in is not None]
-        return min(waits) if waits else None
-
     def poll(self) -> tuple[list[int], list[Back]]:
         self._follow_map()
-        fds: list[int] = []
-        back: list[Back] = []
-        for watch in list(self.watches.values()):
-            f, b = watch.poll()
-            fds.extend(f)
-            back.extend(b)
-        return fds, back
-
-    def gone(self, fd: Optional[int] = None) -> bool:
-        for watch in list(self.watches.values()):
-            if watch.fd is not None and watch.fd == fd:
-                return watch.gone()
-        return False
-
-    def close(self) -> None:
-        for watch in self.watches.values():
-            watch.close()
+        return super().poll()
 
 
 def _in_slots(slots: set[int]) -> Callable[[str], bool]:
@@ -235,9 +257,13 @@ class Heartbeat:
         # With nothing held the renewer still wakes this often, so a lock with
         # the usual lease never has to wake it: taking a lock is a dict insert.
         self.idle_interval = engine.config.ttl / RENEW_FRACTION
-        self.watch: Union[RedisWatch, ClusterWatch] = (
-            ClusterWatch(engine.wire) if isinstance(engine.wire, ClusterWire)
-            else RedisWatch(engine.wire.new_connection))
+        self.watch: Union[RedisWatch, MultiWatch]
+        if isinstance(engine, RedlockEngine):
+            self.watch = MastersWatch(engine)
+        elif isinstance(engine.wire, ClusterWire):
+            self.watch = ClusterWatch(engine.wire)
+        else:
+            self.watch = RedisWatch(engine.wire.new_connection)
         self.rounds = 0
         self.reasserted = 0
         self.failed_rounds = 0  # in a row, since the last round that got through
@@ -360,8 +386,14 @@ class Heartbeat:
             return True
         sent_at = time.monotonic()
         entries = [(lock.keys.lock, lock.exec_id, int(lock.lease * 1000)) for lock in locks]
+        gaps: list[list[int]] = []
         try:
-            results = self.engine.renew(entries)
+            if isinstance(self.engine, RedlockEngine):
+                # after a master came back, hear it too: it answers last
+                results, gaps = self.engine.renew_detail(entries,
+                                                         every=take_back is not _nothing)
+            else:
+                results = self.engine.renew(entries)
         except redis.RedisError as exc:
             # said once per outage: failed rounds are tried again every 0.5 s
             logger.log(logging.DEBUG if self.failed_rounds else logging.WARNING,
@@ -376,9 +408,11 @@ class Heartbeat:
                            self.failed_rounds)
             self.failed_rounds = 0
         self.rounds += 1
-        for lock, result in zip(locks, results):
+        for i, (lock, result) in enumerate(zip(locks, results)):
             if result is Renew.RENEWED:
                 lock.renewed(sent_at)
+                if gaps and gaps[i]:
+                    self._refill(lock, gaps[i])
             elif result is Renew.ABSENT and lock.held and not lock.handed_off:
                 if take_back(lock.keys.lock):
                     self._take_back(lock, sent_at)
@@ -387,6 +421,21 @@ class Heartbeat:
             elif result is Renew.NOT_OURS and lock.held and not lock.handed_off:
                 lock.mark_lost("renewal found the lock held by another execution")
         return Renew.UNANSWERED not in results
+
+    def _refill(self, lock: SingletonLock, masters: list[int]) -> None:
+        """Redlock: the lock is held on a majority but some masters answered
+        that they no longer have it: write it back on them."""
+        assert isinstance(self.engine, RedlockEngine)
+
+        def still_held() -> bool:
+            with self._mutex:
+                mine = self._held.get(id(lock)) is lock
+            return mine and lock.held and not lock.handed_off and not lock.lost
+
+        self.engine.refill(
+            lock.keys, task_id=lock.task_id, exec_id=lock.exec_id, token=lock.token,
+            lease_ms=int(lock.lease * 1000), hostname=lock.hostname, retries=lock.retries,
+            task_name=lock.task_name, only=masters, still_held=still_held)
 
     def _take_back(self, lock: SingletonLock, sent_at: float) -> None:
         """An absent key of a lock whose local lease is still valid: write the

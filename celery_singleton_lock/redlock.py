@@ -143,6 +143,9 @@ class RedlockEngine(LockEngine):
         #: the longest a call waits for the masters (a broken connection is
         #: tried once more, on a fresh connect)
         self.call_timeout = 2 * (timeout + connect)
+        #: locks written back on a master that had lost them (:meth:`refill`)
+        self.refilled = 0
+        self._counting = threading.Lock()
 
     def lease_margin(self, lease: float) -> float:
         """The clock drift allowed (1 % of the lease plus 2 ms): the masters'
@@ -389,8 +392,20 @@ class RedlockEngine(LockEngine):
         """Renew on every master; per lock: RENEWED while a majority renewed it,
         UNANSWERED when too few masters answered (left alone, like an error),
         else lost (ABSENT or NOT_OURS, whichever more masters said)."""
+        return self.renew_detail(entries)[0]
+
+    def renew_detail(self, entries: Sequence[tuple[str, str, int]], *, every: bool = False
+                     ) -> tuple[list[Renew], list[list[int]]]:
+        """:meth:`renew`, and per lock the masters that answered that they no
+        longer have it while a majority renewed it (a master restarted empty,
+        or one that evicted the key): :meth:`refill` writes it back there.
+
+        Only masters that answered before the outcome was decided are heard;
+        ``every``: wait for every master (up to :attr:`call_timeout`), as after
+        a master came back, which reconnects and answers last.
+        """
         if not entries:
-            return []
+            return [], []
         quorum = self.quorum
 
         def all_renewed(results: list[Any]) -> bool:
@@ -399,16 +414,21 @@ class RedlockEngine(LockEngine):
                 sum(1 for a in answers if a[i] is Renew.RENEWED) >= quorum
                 for i in range(len(entries)))
 
-        results = self.each(lambda e: e.renew(entries), decided=all_renewed)
+        results = self.each(lambda e: e.renew(entries),
+                            decided=None if every else all_renewed)
         answers = [r for r in results if isinstance(r, list)]
         if not answers:
             raise QuorumError(f"renewal of {len(entries)} lock(s)", self._failed(
                 results, lambda r: isinstance(r, list)), 0, quorum)
         out: list[Renew] = []
+        gaps: list[list[int]] = []
         for i in range(len(entries)):
             said = Counter(a[i] for a in answers)
+            gaps.append([])
             if said[Renew.RENEWED] >= quorum:
                 out.append(Renew.RENEWED)
+                gaps[i] = [m for m, r in enumerate(results)
+                           if isinstance(r, list) and r[i] is Renew.ABSENT]
             elif said[Renew.HANDED_OFF] and said[Renew.RENEWED] + said[Renew.HANDED_OFF] >= quorum:
                 out.append(Renew.HANDED_OFF)
             elif len(answers) - said[Renew.RENEWED] - said[Renew.HANDED_OFF] < quorum:
@@ -416,7 +436,52 @@ class RedlockEngine(LockEngine):
             else:
                 out.append(Renew.NOT_OURS if said[Renew.NOT_OURS] > said[Renew.ABSENT]
                            else Renew.ABSENT)
-        return out
+        return out, gaps
+
+    def refill(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int,
+               lease_ms: int, hostname: str, retries: int, task_name: str,
+               only: Sequence[int], still_held: Callable[[], bool]) -> None:
+        """Write a lock held on a majority back on the masters at ``only``,
+        which lost it, with a fencing counter of at least ``token`` there.
+
+        Without it a lock held through one master's empty restart stands on
+        one master fewer until released: a second such restart during a long
+        task could hand a majority to another execution. Not waited for: each
+        master's queue runs it in order, after asking ``still_held`` (a
+        release sent meanwhile comes after it in the same queue and frees the
+        key again). A master where the key is taken, or done, is left alone.
+        """
+        def write_back(engine: LockEngine) -> bool:
+            if not still_held():
+                return False
+            got = engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
+                                 hostname=hostname, retries=retries, task_name=task_name,
+                                 scope="run")
+            if got.status is not Acquire.GRANTED:
+                return False
+            if got.token < token:
+                engine.raise_fence(keys, exec_id, token)
+            return True
+
+        def job(i: int) -> Callable[[LockEngine], bool]:
+            def run(engine: LockEngine) -> bool:
+                try:
+                    done = write_back(engine)
+                except redis.RedisError as exc:
+                    logger.warning("Could not write singleton lock %s back on %s: %r",
+                                   keys.base, self.masters[i].name, exc)
+                    return False
+                if done:
+                    with self._counting:
+                        self.refilled += 1
+                    logger.warning("Wrote singleton lock %s of %s[%s] back on %s: that "
+                                   "master had lost it (restarted empty?)", keys.base,
+                                   task_name, task_id, self.masters[i].name)
+                return done
+            return run
+
+        for i in only:
+            self.each(job(i), only=[i], timeout=0.0)
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
         results = self.each(lambda e: e.hand_off(keys, exec_id, next_retries, lease_ms),

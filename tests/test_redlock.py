@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any, Iterator, Optional
 
@@ -22,7 +23,9 @@ import redis
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.checks import engine_checks, startup_check
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.heartbeat import Heartbeat, MastersWatch
 from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.redlock import QuorumError, RedlockEngine
 from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released, Renew
 from tests import promises
@@ -174,6 +177,59 @@ def test_a_master_restarted_empty_gives_a_second_execution_no_majority(masters, 
     assert engine.release(keys, "exec-a", "A") is True
     b = take(engine, keys, "B", "exec-b")
     assert b.status is Acquire.GRANTED and b.token > a.token
+
+
+def test_a_held_lock_is_written_back_on_every_master_restarted_empty(masters, engine):
+    """A's renewer watches every master. Three of the five restart empty, one
+    after the other, under A's lock: each gets the lock back at once (the next
+    round is 10 s away), with a fencing counter at least A's token, so A keeps
+    its majority throughout. Without the write-back the three would be empty
+    and B would be granted on them."""
+    keys = new_keys()
+    started = time.monotonic()
+    got = take(engine, keys, "A", "exec-a")
+    lock = SingletonLock(keys, task_id="A", task_name="t.x", exec_id="exec-a", token=got.token,
+                         lease=30.0, started=started, held=True, hostname="w1@host")
+    hb = Heartbeat(engine)
+    hb.add(lock)
+    try:
+        assert isinstance(hb.watch, MastersWatch)
+        wait_for(lambda: all(w.run_id for w in hb.watch.watches.values()), 5,
+                 what="a watch on every master")
+        for n, restarted in enumerate(masters[1:4], start=1):
+            restarted.stop()
+            restarted.start()  # same port, nothing persisted
+            wait_for(lambda r=restarted: holder_on(r, keys) == "A", 10,
+                     what=f"the lock back on restarted master {n}")
+            assert int(restarted.client(2).get(keys.fence)) >= lock.token
+            assert owner_field(restarted.client(2), keys.lock, "exec") == "exec-a"
+            wait_for(lambda n=n: engine.refilled == n, 5, what="the write-back counted")
+        b = take(engine, keys, "B", "exec-b")
+        assert b.status is Acquire.HELD and b.holder.task_id == "A"
+        assert not lock.lost and lock.token == got.token
+    finally:
+        hb.discard(lock)
+        hb.watch.close()
+
+
+def test_a_lock_no_longer_held_here_is_not_written_back(masters, engine):
+    """The write-back asks, in the master's own queue, whether the lock is
+    still held: a lock released meanwhile stays released."""
+    keys = new_keys()
+    got = take(engine, keys, "A", "exec-a")
+    assert got.status is Acquire.GRANTED
+    masters[0].client(2).delete(keys.lock)
+    renewed, gaps = engine.renew_detail([(keys.lock, "exec-a", 30_000)])
+    assert renewed == [Renew.RENEWED] and gaps == [[0]]
+    common = dict(task_id="A", exec_id="exec-a", token=got.token, lease_ms=30_000,
+                  hostname="w1@host", retries=0, task_name="t.x", only=gaps[0])
+    engine.refill(keys, still_held=lambda: False, **common)
+    engine.settle()  # runs after the write-back in the master's queue
+    wait_for(lambda: engine.unsettled == 0, 5, what="the master's queue drained")
+    assert holder_on(masters[0], keys) is None and engine.refilled == 0
+    engine.refill(keys, still_held=lambda: True, **common)
+    wait_for(lambda: holder_on(masters[0], keys) == "A", 5, what="the lock written back")
+    assert engine.refilled == 1
 
 
 def test_too_few_masters_is_a_backend_error_naming_them(masters, engine):
@@ -346,9 +402,9 @@ def test_the_cli_releases_on_every_master_and_refuses_to_list_one(worker_masters
 @pytest.mark.worker
 def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_without_a_majority(
         worker_masters, app, events, key):
-    """A task with a 1 s lease runs; the first master (the one the renewer
-    watches) is killed: renewals go on on the other four. Two more are killed:
-    no renewal reaches a majority, and the task sees its lock lost."""
+    """A task with a 1 s lease runs; the first master is killed: renewals go on
+    on the other four. Two more are killed: no renewal reaches a majority, and
+    the task sees its lock lost."""
     lock = app.tasks["t.hold_short"].singleton_keys(key).lock
     res = app.tasks["t.hold_short"].delay(key, 3.0, "minority")
     wait_for(lambda: events.starts("minority"), 15, what="start")
@@ -366,6 +422,28 @@ def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_with
         for s in down:
             if not s.running:
                 s.start()  # back empty, for the tests after this one
+
+
+@pytest.mark.worker
+def test_a_running_task_keeps_its_majority_while_masters_restart_empty(worker_masters, app,
+                                                                       events, key):
+    """A task holds its key; three of the five masters restart empty, one
+    after another. The worker's renewer writes the lock back on each as it
+    returns, so the key never stands on fewer than four masters: a duplicate
+    sent after the third restart is skipped, not run beside the first (without
+    the write-back the three empty masters would be a majority for it)."""
+    lock = app.tasks["t.hold"].singleton_keys(key).lock
+    res = app.tasks["t.hold"].delay(key, 8.0, "restarts")
+    wait_for(lambda: events.starts("restarts"), 15, what="start")
+    for s in worker_masters[1:4]:
+        s.stop()
+        s.start()  # same port, nothing persisted
+        wait_for(lambda s=s: owner_field(s.client(2), lock, "task") == res.id, 10,
+                 what=f"the lock back on the restarted master {s.port}")
+    dup = app.tasks["t.hold"].delay(key, 0.0, "restarts-dup")
+    assert dup.get(timeout=15)["skipped"] is True
+    assert res.get(timeout=20)["lost"] is False
+    assert not events.starts("restarts-dup")
 
 
 def test_redlocks_speaks_tls_to_every_master(tmp_path):
