@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, cast
 
 import click
@@ -93,14 +93,21 @@ class Row:
     age: Optional[float] = None
     live: str = ""
     exec: str = ""
+    #: Redlock: on how many masters, of how many (``3/5``); empty on one server
+    masters: str = ""
 
     def cells(self) -> list[str]:
-        return [self.key, self.state, self.task or "?", self.holder, self.host,
-                str(self.pid or ""), self.token, _seconds(self.ttl), _seconds(self.age),
-                self.live]
+        cells = [self.key, self.state, self.task or "?", self.holder, self.host,
+                 str(self.pid or ""), self.token, _seconds(self.ttl), _seconds(self.age),
+                 self.live]
+        return [*cells, self.masters] if self.masters else cells
 
 
 HEADERS = ["KEY", "STATE", "TASK", "HOLDER", "HOST", "PID", "TOKEN", "TTL", "AGE", "LIVE"]
+
+
+def _headers(rows: Sequence[Row]) -> list[str]:
+    return [*HEADERS, "MASTERS"] if rows and rows[0].masters else HEADERS
 
 
 def _seconds(value: Optional[float]) -> str:
@@ -137,6 +144,7 @@ def _scan_digests(client: redis.Redis, prefix: str) -> list[str]:
 
 
 def _rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]:
+    from .engine import marker_task
     from .keys import LockKeys
 
     seconds, micros = client.execute_command("TIME")  # type: ignore[no-untyped-call]
@@ -166,12 +174,33 @@ def _rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]
                     age=(now_ms - at) / 1000 if at else None, live=_liveness(record),
                     exec=record.get("exec", "")))
             if queued:
-                rows.append(Row(key=keys.base, state="queued", task=name, holder=queued,
+                marked, by = marker_task(queued)
+                rows.append(Row(key=keys.base, state="queued", task=marked or name, holder=by,
                                 ttl=_ttl(queued_ttl)))
             if done:
-                rows.append(Row(key=keys.base, state="done", task=name, holder=done,
+                marked, by = marker_task(done)
+                rows.append(Row(key=keys.base, state="done", task=marked or name, holder=by,
                                 ttl=_ttl(done_ttl)))
     return rows
+
+
+def _merged(views: Sequence[list[Row]], total: int) -> list[Row]:
+    """Redlock: one row per thing held, with on how many masters it is. A row
+    on fewer than a majority is not the lock's view (a grant being given back,
+    a master that missed a release): it shows, with its count, to be purged."""
+    groups: dict[tuple[str, str, str, str], list[Row]] = {}
+    for rows in views:
+        for row in rows:
+            groups.setdefault((row.key, row.state, row.holder, row.exec), []).append(row)
+    merged = []
+    for same in groups.values():
+        ttls = [r.ttl for r in same if r.ttl is not None]
+        tokens = [r.token for r in same if r.token.isdigit()]
+        merged.append(replace(
+            same[0], ttl=min(ttls) if ttls else None,
+            token=max(tokens, key=int) if tokens else same[0].token,
+            masters=f"{len(same)}/{total}"))
+    return merged
 
 
 def _ttl(pttl: Any) -> Optional[float]:
@@ -208,16 +237,52 @@ class _Context:
         self.client = self.engine.client
         self.url = masking.mask_url(self.config.redis_url)
 
-    def one_server(self, command: str) -> None:
-        """Stop a command that reads or writes one Redis directly: with Redlock
-        each master has its own view, and one master's is not the lock's."""
+    @property
+    def servers(self) -> list[tuple[str, redis.Redis]]:
+        """Every Redis the locks live on: the masters with Redlock, else the one."""
         from .redlock import RedlockEngine
 
         if isinstance(self.engine, RedlockEngine):
-            _fail(f"celery singleton {command} is not offered with a redlock:// URL: it reads "
-                  "one Redis, and a Redlock lock lives on a majority of masters. Use "
-                  "`celery singleton release KEY` (it asks every master) and "
-                  "`celery singleton doctor` (it checks every master)")
+            return [(m.name, m.engine.client) for m in self.engine.masters]
+        return [(self.url, self.client)]
+
+    def rows(self, digests: Optional[Sequence[str]] = None) -> list[Row]:
+        """What is held under ``digests`` (every key hash found with SCAN when
+        None). With Redlock, every master is read and the rows merged; the
+        masters that do not answer are named on stderr, and fewer than a
+        majority answering is an error."""
+        from .redlock import RedlockEngine
+
+        prefix = self.config.key_prefix
+        if not isinstance(self.engine, RedlockEngine):
+            return _rows(self.client, prefix,
+                         _scan_digests(self.client, prefix) if digests is None else digests)
+        answering: list[tuple[str, redis.Redis]] = []
+        found: dict[str, None] = dict.fromkeys(digests or ())
+        down: list[str] = []
+        for name, client in self.servers:
+            try:
+                if digests is None:  # a key on any master is looked up on all
+                    found.update(dict.fromkeys(_scan_digests(client, prefix)))
+                answering.append((name, client))
+            except redis.RedisError as exc:
+                down.append(f"{name} ({type(exc).__name__}: {exc})")
+        views: list[list[Row]] = []
+        for name, client in answering:
+            try:
+                views.append(_rows(client, prefix, list(found)))
+            except redis.RedisError as exc:
+                down.append(f"{name} ({type(exc).__name__}: {exc})")
+        if down:
+            click.echo("masters not answering: " + "; ".join(down), err=True)
+        if len(views) < self.engine.quorum:
+            _fail(f"only {len(views)} of {len(self.servers)} masters answered; a majority "
+                  f"({self.engine.quorum}) is needed to say what is held")
+        return _merged(views, len(self.servers))
+
+    def delete_everywhere(self, key: str) -> None:
+        for _, client in self.servers:
+            client.delete(key)
 
 
 # -- the commands ------------------------------------------------------------------
@@ -241,13 +306,11 @@ def list_(ctx: click.Context, task_name: Optional[str], state: Optional[str],
           as_json: bool) -> None:
     """Every held lock, send-time marker and done window, found with SCAN."""
     c = _Context(ctx)
-    c.one_server("list")
-    rows = _filtered(_rows(c.client, c.config.key_prefix,
-                           _scan_digests(c.client, c.config.key_prefix)), task_name, state)
+    rows = _filtered(c.rows(), task_name, state)
     if as_json:
         _echo_json({"redis": c.url, "locks": [asdict(r) for r in rows]})
     elif rows:
-        click.echo(_table(HEADERS, [r.cells() for r in rows]))
+        click.echo(_table(_headers(rows), [r.cells() for r in rows]))
     else:
         click.echo(f"no singleton keys in {c.url}")
 
@@ -266,7 +329,6 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     """The key a call of TASK maps to, and who holds it. The arguments are
     hashed, never printed."""
     c = _Context(ctx)
-    c.one_server("key")
     task = c.app.tasks.get(task_name)
     if task is None or not callable(getattr(task, "singleton_keys", None)):
         _fail(f"no singleton task named {task_name!r} in this app")
@@ -274,15 +336,15 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     kwargs = _parse_json(kwargs_json, dict, "--kwargs", "a JSON object")
     keys = task.singleton_keys(*args, **kwargs)
     digest = keys.base[len(c.config.key_prefix) + 1:-1]
-    rows = _rows(c.client, c.config.key_prefix, [digest])
+    rows = c.rows([digest])
     if as_json:
         _echo_json({"task": task_name, "key": keys.base, "lock": keys.lock,
-                    "held": any(r.state == "run" for r in rows),
+                    "held": any(r.state == "run" and _on_a_majority(r) for r in rows),
                     "locks": [asdict(r) for r in rows]})
         return
     click.echo(f"task  {task_name}\nkey   {keys.base}\nlock  {keys.lock}")
     if rows:
-        click.echo(_table(HEADERS, [r.cells() for r in rows]))
+        click.echo(_table(_headers(rows), [r.cells() for r in rows]))
     else:
         click.echo("free: nothing holds this key")
 
@@ -377,9 +439,7 @@ def purge(ctx: click.Context, task_name: str, yes: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
     done windows. A dry run unless --yes. Fencing counters stay: tokens only go up."""
     c = _Context(ctx)
-    c.one_server("purge")
-    rows = _filtered(_rows(c.client, c.config.key_prefix,
-                           _scan_digests(c.client, c.config.key_prefix)), task_name, None)
+    rows = _filtered(c.rows(), task_name, None)
     outcome: list[dict[str, Any]] = []
     for row in rows:
         entry = {**asdict(row), "action": "would delete"}
@@ -410,8 +470,16 @@ def _purge_row(c: _Context, row: Row) -> bool:
         return c.engine.release(keys, row.exec, row.holder, finished=False)
     if row.state == "queued":
         return c.engine.unqueue(keys, row.holder)
-    c.client.delete(keys.done)
+    c.delete_everywhere(keys.done)
     return True
+
+
+def _on_a_majority(row: Row) -> bool:
+    """Held as the lock sees it: always on one server; on a majority with Redlock."""
+    if not row.masters:
+        return True
+    on, total = (int(n) for n in row.masters.split("/"))
+    return on * 2 > total
 
 
 @singleton.command(cls=CeleryCommand)

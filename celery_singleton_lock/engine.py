@@ -80,23 +80,32 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
 
 
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
-                 always_record: bool, done_ttl: float, fin_ms: int
+                 always_record: bool, done_ttl: float, fin_ms: int, task_name: str = ""
                  ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``release.lua``: the usual release passes two keys and
     two strings; the finish marker's task id and TTL come from the owner record."""
     done_ms = int(done_ttl * 1000)
     mode = 0 if not finished else 2 if always_record else 1
     if done_ms > 0:
-        return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms]
+        return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms,
+                                                 _field(task_name)]
     if mode == 2:
         return [keys.lock, keys.fin], [exec_id, mode, task_id, fin_ms]
     return [keys.lock, keys.fin], [exec_id, mode]
 
 
-def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int
+def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = ""
                  ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``enqueue.lua``."""
-    return [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1)]
+    return [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1),
+                                                _field(task_name)]
+
+
+def marker_task(value: Any) -> tuple[str, str]:
+    """(task name, task id) of a send-time or done marker's value."""
+    text = str(value or "")
+    name, newline, task_id = text.partition("\n")
+    return (name, task_id) if newline else ("", text)
 
 
 def unqueue_call(keys: LockKeys, task_id: str) -> tuple[list[str], list[Any]]:
@@ -224,23 +233,25 @@ class LockEngine:
         raise TooFewReplicasError(keys.base, count, wanted)
 
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
-                always_record: bool = False, done_ttl: float = 0.0) -> bool:
+                always_record: bool = False, done_ttl: float = 0.0, task_name: str = ""
+                ) -> bool:
         """Free the lock if ``exec_id`` still owns it; True when this call freed it.
 
         A repeat after a lost reply that finds the key free counts as freed: its
-        first attempt did it. ``done_ttl`` > 0: the task succeeded and its key
-        stays done that long.
+        first attempt did it. ``done_ttl`` > 0: the task (``task_name``)
+        succeeded and its key stays done that long.
         """
         reply, repeated = self.wire.call(self._release, *self._release_call(
-            keys, exec_id, task_id, finished, always_record, done_ttl))
+            keys, exec_id, task_id, finished, always_record, done_ttl, task_name))
         answer = replies.released(reply, repeated)
         return answer.status is Release.RELEASED or (
             answer.status is Release.FREE and answer.repeated)
 
     def _release_call(self, keys: LockKeys, exec_id: str, task_id: str, finished: bool,
-                      always_record: bool, done_ttl: float) -> tuple[list[str], list[Any]]:
+                      always_record: bool, done_ttl: float, task_name: str
+                      ) -> tuple[list[str], list[Any]]:
         return release_call(keys, exec_id, task_id, finished, always_record, done_ttl,
-                            self._fin_ms)
+                            self._fin_ms, task_name)
 
     def release_later(
         self,
@@ -251,6 +262,7 @@ class LockEngine:
         *,
         always_record: bool = False,
         done_ttl: float = 0.0,
+        task_name: str = "",
     ) -> None:
         """:meth:`release` without waiting for the reply.
 
@@ -266,11 +278,13 @@ class LockEngine:
                 answered(replies.released(reply, repeated), None)
 
         self.wire.call_later(self._release, *self._release_call(
-            keys, exec_id, task_id, True, always_record, done_ttl), done)
+            keys, exec_id, task_id, True, always_record, done_ttl, task_name), done)
 
-    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Enqueued:
+    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
+                task_name: str = "") -> Enqueued:
         """Take the key for a task about to be sent."""
-        reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms))
+        reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms,
+                                                               task_name))
         return replies.enqueued(reply)
 
     def unqueue(self, keys: LockKeys, task_id: str) -> bool:
@@ -408,7 +422,7 @@ class LockEngine:
 
     def queued_by(self, keys: LockKeys) -> str:
         """The id of the task that took the key when it was sent, or ''."""
-        return str(self.client.get(keys.queued) or "")
+        return marker_task(self.client.get(keys.queued))[1]
 
     def clear_dead_holder(self, keys: LockKeys, holder: Holder) -> bool:
         """Free a lock whose holder process is provably gone from this host."""

@@ -314,12 +314,14 @@ class RedlockEngine(LockEngine):
         return next(a for a in refusals if counts[name(a)] == best)
 
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
-                always_record: bool = False, done_ttl: float = 0.0) -> bool:
+                always_record: bool = False, done_ttl: float = 0.0, task_name: str = ""
+                ) -> bool:
         """Release on every master; True when it freed the lock on any (a
         master that does not answer keeps it until its TTL)."""
         results = self.each(
             lambda e: e.release(keys, exec_id, task_id, finished=finished,
-                                always_record=always_record, done_ttl=done_ttl),
+                                always_record=always_record, done_ttl=done_ttl,
+                                task_name=task_name),
             decided=lambda rs: sum(r is True for r in rs) >= self.quorum, skip_stale=False)
         if all(isinstance(r, Exception) or r is MISSING for r in results):
             raise QuorumError(f"release of {keys.base}", self._failed(
@@ -335,6 +337,7 @@ class RedlockEngine(LockEngine):
         *,
         always_record: bool = False,
         done_ttl: float = 0.0,
+        task_name: str = "",
     ) -> None:
         """:meth:`release` without waiting: each master's queue sends it before
         anything this process sends that master next; ``answered`` is called
@@ -380,7 +383,7 @@ class RedlockEngine(LockEngine):
                 try:
                     self.masters[i].engine.release_later(
                         keys, exec_id, task_id, one(i), always_record=always_record,
-                        done_ttl=done_ttl)
+                        done_ttl=done_ttl, task_name=task_name)
                 except Exception as exc:
                     one(i)(None, exc)
             return run
@@ -488,14 +491,15 @@ class RedlockEngine(LockEngine):
                             decided=lambda rs: sum(r is True for r in rs) >= self.quorum)
         return sum(1 for r in results if r is True) >= self.quorum
 
-    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int) -> Enqueued:
+    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
+                task_name: str = "") -> Enqueued:
         """Take the key at send time on a majority, or say who has it."""
         quorum, total = self.quorum, len(self.masters)
 
         def taken(r: Any) -> bool:
             return isinstance(r, Enqueued) and r.status is Enqueue.TAKEN
 
-        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms),
+        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms, task_name),
                             decided=_settled_by(quorum, Enqueued, taken))
         if sum(1 for r in results if taken(r)) >= quorum:
             return Enqueued(Enqueue.TAKEN)

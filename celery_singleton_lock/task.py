@@ -146,7 +146,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         engine = engine_for(self.app)
         marker_ms = int((_send_delay(self, options) + config.queue_ttl) * 1000)
         try:
-            answer = engine.enqueue(keys, task_id, config.scope, marker_ms)
+            answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name)
         except redis.RedisError as exc:
             monitor.count(engine, "backend_errors", self.name, "send")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="send",
@@ -414,7 +414,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         # The command leaves now and Redis frees the key before anything this
         # process sends next; its reply is read on the next call.
         engine.release_later(lock.keys, lock.exec_id, lock.task_id, answered,
-                             always_record=bool(self.acks_late), done_ttl=done_ttl)
+                             always_record=bool(self.acks_late), done_ttl=done_ttl,
+                             task_name=lock.task_name)
 
     def _hand_off(self, engine: LockEngine, lock: SingletonLock, delay: float) -> None:
         lease_ms = int((max(delay, 0.0) + lock.lease) * 1000)

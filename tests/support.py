@@ -14,13 +14,14 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from celery_singleton_lock.engine import marker_task
 from celery_singleton_lock.replies import RECORD_FIELDS, record
 from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "free_port", "owner_field",
-           "owner_record", "wait_for", "write_owner"]
+__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "free_port", "marker",
+           "owner_field", "owner_record", "wait_for", "write_owner"]
 
 
 def owner_record(client: Any, lock_key: str) -> dict[str, str]:
@@ -30,6 +31,12 @@ def owner_record(client: Any, lock_key: str) -> dict[str, str]:
 
 def owner_field(client: Any, lock_key: str, field: str) -> Optional[str]:
     return owner_record(client, lock_key).get(field)
+
+
+def marker(client: Any, key: str) -> Optional[tuple[str, str]]:
+    """A send-time or done marker as (task name, task id); None when absent."""
+    value = client.get(key)
+    return None if value is None else marker_task(value)
 
 
 def write_owner(client: Any, lock_key: str, **fields: Any) -> None:

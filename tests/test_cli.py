@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import LockKeys
-from tests.support import ROOT, RedisServer, Worker, free_port, wait_for
+from tests.support import ROOT, RedisServer, Worker, free_port, marker, wait_for
 from tests.workerapp import make_app
 
 #: an argument value that must never be printed by any command
@@ -119,15 +119,17 @@ def rows(out: subprocess.CompletedProcess[str]) -> dict[tuple[str, str], dict[st
 
 def test_list_json_shows_running_queued_done_and_stale_keys_with_their_holders(scene):
     """Each kind of key is one row: the running lock names the task, the worker child's
-    pid and token, alive; the stale one is dead; queued and done name their task ids."""
+    pid and token, alive; the stale one is dead; queued and done name their task and
+    its id (the markers carry the task's name)."""
     found = rows(cli(scene, "list", "--json"))
     held = found[(scene.held.base, "run")]
     assert (held["task"], held["holder"], held["pid"], held["live"]) == (
         "t.hold", scene.held_id, scene.held_pid, "alive")
     assert int(held["token"]) == scene.held_token
     assert 0 < held["ttl"] <= 2.0 and held["age"] >= 0
-    assert found[(scene.queued.base, "queued")]["holder"] == scene.queued_id
-    assert found[(scene.done.base, "done")]["holder"] == scene.done_id
+    queued, done = found[(scene.queued.base, "queued")], found[(scene.done.base, "done")]
+    assert (queued["task"], queued["holder"]) == ("t.queue", scene.queued_id)
+    assert (done["task"], done["holder"]) == ("t.run_done_long", scene.done_id)
     stale = found[(scene.stale.base, "run")]
     assert (stale["holder"], stale["pid"], stale["live"]) == (
         scene.stale_id, scene.stale_pid, "dead")
@@ -152,6 +154,8 @@ def test_list_filters_by_task_and_state(scene):
     assert set(rows(cli(scene, "list", "--json", "--state", "queued"))) == {
         (scene.queued.base, "queued")}
     assert rows(cli(scene, "list", "--json", "--task", "t.hold", "--state", "queued")) == {}
+    assert set(rows(cli(scene, "list", "--json", "--task", "t.queue"))) >= {
+        (scene.queued.base, "queued")}
 
 
 def test_key_maps_a_call_to_its_key_and_holder_in_any_call_form(scene):
@@ -222,9 +226,9 @@ def test_release_of_a_send_time_marker_needs_force(scene):
     key = f"m-{uuid.uuid4().hex}"
     sent = scene.app.tasks["t.queue"].apply_async(kwargs={"key": key}, countdown=60)
     keys = scene.app.tasks["t.queue"].singleton_keys(key)
-    assert scene.locks.get(keys.queued) == sent.id
+    assert marker(scene.locks, keys.queued) == ("t.queue", sent.id)
     assert cli(scene, "release", keys.base).returncode == 1
-    assert scene.locks.get(keys.queued) == sent.id
+    assert marker(scene.locks, keys.queued) == ("t.queue", sent.id)
     out = cli(scene, "release", keys.base, "--force")
     assert out.returncode == 0 and sent.id in out.stdout
     assert scene.locks.get(keys.queued) is None
@@ -251,6 +255,31 @@ def test_purge_is_a_dry_run_unless_yes_and_keeps_the_fencing_counters(scene):
     assert not any(scene.locks.exists(k.lock) for k in keys)
     assert all(scene.locks.exists(k.fence) for k in keys)
     assert scene.locks.exists(scene.held.lock), "other tasks' locks are untouched"
+
+
+def test_purge_by_task_frees_its_send_time_markers_and_done_windows(scene):
+    """With no lock held, a task's keys are its markers: `purge --task` finds
+    them by the name they carry and frees them on --yes."""
+    done = scene.app.tasks["t.run_done_long"]
+    finished = done.delay(f"pd-{SECRET}", 0.0, "purge-done")
+    finished.get(timeout=20)
+    done_keys = done.singleton_keys(f"pd-{SECRET}")
+    assert marker(scene.locks, done_keys.done) == ("t.run_done_long", finished.id)
+    out = cli(scene, "purge", "--task", "t.run_done_long", "--yes", "--json")
+    assert out.returncode == 0, out.stderr
+    assert (done_keys.base, "done", "deleted") in {
+        (e["key"], e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]}
+    assert not scene.locks.exists(done_keys.done)
+
+    key = f"pq-{uuid.uuid4().hex}"
+    sent = scene.app.tasks["t.queue"].apply_async(kwargs={"key": key}, countdown=60)
+    queued_keys = scene.app.tasks["t.queue"].singleton_keys(key)
+    out = cli(scene, "purge", "--task", "t.queue", "--yes", "--json")
+    assert out.returncode == 0, out.stderr
+    assert (queued_keys.base, "queued", "deleted") in {
+        (e["key"], e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]}
+    assert not scene.locks.exists(queued_keys.queued)
+    sent.revoke()
 
 
 def test_doctor_prints_findings_with_what_to_do_and_exits_1_on_warnings(scene):

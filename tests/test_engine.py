@@ -19,7 +19,7 @@ from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.process import PROCESS
 from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released
-from tests.support import ROOT, owner_field, owner_record, wait_for, write_owner
+from tests.support import ROOT, marker, owner_field, owner_record, wait_for, write_owner
 
 
 @pytest.fixture
@@ -302,8 +302,8 @@ def test_done_marker_counts_success_only(engine, r):
     engine.release(keys, "ea", "a")  # failed: no done_ttl
     assert r.get(keys.done) is None
     take(engine, keys, "b", "eb")
-    engine.release(keys, "eb", "b", done_ttl=5)
-    assert r.get(keys.done) == "b" and 4000 < r.pttl(keys.done) <= 5000
+    engine.release(keys, "eb", "b", done_ttl=5, task_name="t.b")
+    assert marker(r, keys.done) == ("t.b", "b") and 4000 < r.pttl(keys.done) <= 5000
     done = take(engine, keys, "c")
     assert done.status is Acquire.DONE and done.holder.task_id == "b"
     assert take(engine, keys, "b").status is Acquire.FINISHED
@@ -407,7 +407,7 @@ def test_a_release_sent_without_waiting_frees_the_key_and_is_answered_later(engi
     engine.release_later(keys, "ea", "a", answers, done_ttl=60)
     assert engine.unsettled == 1 and answers.got == []  # nothing read yet
     wait_for(lambda: not r.exists(keys.lock), timeout=2)
-    assert r.get(keys.done) == "a"  # the success record went with it
+    assert marker(r, keys.done) == ("", "a")  # the success record went with it
     # the next call on the connection reads the owed reply first
     assert take(engine, new_keys(), "b").status is Acquire.GRANTED
     assert answers.got == [(Released(Release.RELEASED), None)] and engine.unsettled == 0
@@ -443,7 +443,7 @@ def test_a_release_whose_script_was_flushed_is_sent_again(engine, r):
     engine.release_later(keys, "ea", "a", answers, done_ttl=60)
     engine.settle()
     assert answers.got == [(Released(Release.RELEASED), None)]  # it had not run: no repeat
-    assert not r.exists(keys.lock) and r.get(keys.done) == "a"
+    assert not r.exists(keys.lock) and marker(r, keys.done) == ("", "a")
 
 
 def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
@@ -463,7 +463,7 @@ def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
         # the repeat found its own work done (the key free), says it was a
         # repeat, and the success record stands
         assert answers.got == [(Released(Release.FREE, repeated=True), None)]
-        assert not r.exists(keys.lock) and r.get(keys.done) == "a"
+        assert not r.exists(keys.lock) and marker(r, keys.done) == ("", "a")
     finally:
         proxy.close()
 

@@ -381,22 +381,47 @@ def run_cli(worker: Worker, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.worker
-def test_the_cli_releases_on_every_master_and_refuses_to_list_one(worker_masters, worker, app,
-                                                                   events, key):
-    """`release --force` asks every master who holds the key and frees it on
-    all of them (the task then sees its lock lost); `list` reads one Redis, so
-    it refuses a redlock:// URL and says what to use instead."""
-    res = app.tasks["t.hold"].delay(key, 3.0, "cli")
+def test_the_cli_reads_and_frees_every_master(worker_masters, worker, app, events, key):
+    """With Redlock, `list` and `key` read every master and show each held
+    thing once, with on how many masters it is; a record left on one master
+    only shows as 1/5 and is not "held". `release --force` frees the key on
+    every master (the task then sees its lock lost); `purge --yes` frees a
+    done window on every master."""
+    keys = app.tasks["t.hold"].singleton_keys(key)
+    res = app.tasks["t.hold"].delay(key, 8.0, "cli")
     wait_for(lambda: events.starts("cli"), 15, what="start")
-    lock = app.tasks["t.hold"].singleton_keys(key).lock
-    out = run_cli(worker, "release", lock, "--force", "--json")
+    listed = run_cli(worker, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [r for r in json.loads(listed.stdout)["locks"] if r["key"] == keys.base]
+    assert [(r["state"], r["holder"], r["task"], r["masters"]) for r in rows] == [
+        ("run", res.id, "t.hold", "5/5")]
+    table = run_cli(worker, "list", "--task", "t.hold")
+    assert "MASTERS" in table.stdout and "5/5" in table.stdout, table.stdout
+    shown = run_cli(worker, "key", "t.hold", "--args", json.dumps([key]), "--json")
+    assert json.loads(shown.stdout)["held"] is True
+
+    out = run_cli(worker, "release", keys.lock, "--force", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["action"] == "released"
-    assert not any(s.client(2).exists(lock) for s in worker_masters)
+    assert not any(s.client(2).exists(keys.lock) for s in worker_masters)
     res.get(timeout=15)
-    refused = run_cli(worker, "list")
-    assert refused.returncode == 2
-    assert "not offered with a redlock:// URL" in refused.stderr
+
+    # a record on one master only (a grant not given back): shown, not held
+    stray = LockKeys(keys.base[:-(len(keys.base) - keys.base.index("{"))], uuid.uuid4().hex)
+    one = worker_masters[0].client(2)
+    one.set(stray.lock, "\n".join(["exec-x", "", "", "7", "0", "30000", "0", "0", "1",
+                                    "elsewhere", "w9@far", "t.hold", "task-x"]), px=30_000)
+    for s in worker_masters:  # the done window a success with singleton_done_ttl leaves
+        s.client(2).set(keys.done, f"t.hold\n{res.id}", px=30_000)
+    shown = json.loads(run_cli(worker, "list", "--json").stdout)["locks"]
+    assert {(r["key"], r["state"], r["masters"]) for r in shown} >= {
+        (stray.base, "run", "1/5"), (keys.base, "done", "5/5")}
+    stray_json = run_cli(worker, "key", "t.hold", "--args", json.dumps([key]), "--json")
+    assert json.loads(stray_json.stdout)["held"] is False
+    purged = run_cli(worker, "purge", "--task", "t.hold", "--yes", "--json")
+    assert purged.returncode == 0, purged.stderr
+    assert not any(s.client(2).exists(keys.done) or s.client(2).exists(stray.lock)
+                   for s in worker_masters)
 
 
 @pytest.mark.worker

@@ -17,7 +17,7 @@ from celery_singleton_lock import (
     is_deduplicated,
     is_skipped,
 )
-from tests.support import Worker, wait_for
+from tests.support import Worker, marker, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -139,7 +139,7 @@ def test_far_eta_keeps_the_key_and_revoke_frees_it(client_app, events, key, r):
     t = client_app.tasks["t.queue"]
     far = t.apply_async((key, 0.0, "far"), countdown=120)
     lock_key = t.singleton_keys(key, 0.0, "far").queued
-    assert r.get(lock_key) == far.id
+    assert marker(r, lock_key) == ("t.queue", far.id)
     # Lasts past the ETA, however far, plus the queue grace.
     assert r.pttl(lock_key) > 120_000
     assert is_deduplicated(t.delay(key, 0.0, "dup"))
@@ -160,7 +160,7 @@ def test_lost_queued_message_frees_its_key_within_the_queue_ttl(redis_server, r,
     with app.connection_for_write() as conn:
         purged = app.amqp.queues[f"nobody-{key}"].bind(conn.default_channel).purge()
     assert purged == 1
-    assert r.get(t.singleton_keys(key).queued) == lost.id
+    assert marker(r, t.singleton_keys(key).queued) == (t.name, lost.id)
     started = time.monotonic()
     wait_for(lambda: not is_deduplicated(t.delay(key, 0.0, "next")), 5,
              what="the orphaned key to free")

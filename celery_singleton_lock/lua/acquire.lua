@@ -3,9 +3,10 @@
 -- KEYS[1] lock    string: the owner record; its TTL is the lease
 -- KEYS[2] fence   string: last fencing token granted for this key
 -- KEYS[3] fin     string: id of a task that finished while a copy of it waited
--- KEYS[4] done    string: id of the task whose success keeps the key done
--- KEYS[5] queued  string: id of the task that took the key when it was sent
+-- KEYS[4] done    string: the task whose success keeps the key done
+-- KEYS[5] queued  string: the task that took the key when it was sent
 --                 (scopes 'queue' and 'queue_and_run' only)
+-- (both markers: the task's name, a newline, its id; enqueue.lua, release.lua)
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
 -- ARGV[5] scope, with KEYS[5]: 'queue' or 'queue_and_run'
@@ -51,9 +52,16 @@ end
 
 -- The marker this task left when it was sent: the key passes from it to the
 -- execution in this same script, so no duplicate slips in between.
+local function task_of(marker)
+  local i = string.find(marker, '\n', 1, true)
+  if i then return string.sub(marker, i + 1) end
+  return marker
+end
+
 local own_queued = false
 if queued then
-  own_queued = redis.call('GET', queued) == task_id
+  local marker = redis.call('GET', queued)
+  own_queued = marker and task_of(marker) == task_id
 end
 
 local record = redis.call('GET', lock)
@@ -80,6 +88,7 @@ end
 
 local done_by = redis.call('GET', done)
 if done_by then
+  done_by = task_of(done_by)
   if own_queued then redis.call('DEL', queued) end
   if done_by == task_id then return {3, task_id} end
   return {4, done_by}
@@ -97,7 +106,7 @@ if ARGV[5] == 'queue_and_run' and not own_queued then
   if other then
     -- sent while another was queued, past the send-time check (a canvas
     -- member, a plain send_task): the queued one owns the key
-    return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. other, 0}
+    return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. task_of(other), 0}
   end
 end
 if own_queued then

@@ -1,7 +1,10 @@
 -- Take a key when a task is sent (scopes 'queue' and 'queue_and_run').
 --
 -- KEYS[1] queued  KEYS[2] lock  KEYS[3] done
--- ARGV[1] task id   ARGV[2] scope   ARGV[3] marker TTL ms
+-- ARGV[1] task id   ARGV[2] scope   ARGV[3] marker TTL ms   ARGV[4] task name
+--
+-- The send-time and done markers hold the task's name, a newline, its id
+-- (names have no newline; an id may hold any character).
 --
 -- A task's own retries and waits never come here; a send that reuses the id of
 -- the queued or running task (a caller's idempotency key as task id) is a
@@ -14,13 +17,19 @@
 local queued, lock, done = KEYS[1], KEYS[2], KEYS[3]
 local task_id = ARGV[1]
 
+local function task_of(marker)
+  local i = string.find(marker, '\n', 1, true)
+  if i then return string.sub(marker, i + 1) end
+  return marker
+end
+
 local done_by = redis.call('GET', done)
 if done_by then
-  return {4, done_by}
+  return {4, task_of(done_by)}
 end
 local other = redis.call('GET', queued)
 if other then
-  return {0, other}
+  return {0, task_of(other)}
 end
 if ARGV[2] == 'queue_and_run' then
   local record = redis.call('GET', lock)
@@ -29,5 +38,5 @@ if ARGV[2] == 'queue_and_run' then
     return {0, string.match(record, '^' .. string.rep('[^\n]*\n', 12) .. '(.*)$')}
   end
 end
-redis.call('SET', queued, task_id, 'PX', ARGV[3])
+redis.call('SET', queued, ARGV[4] .. '\n' .. task_id, 'PX', ARGV[3])
 return {1}

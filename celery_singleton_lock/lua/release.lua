@@ -7,7 +7,7 @@
 --         record it always (acks_late tasks); '0' not finished (a dead owner
 --         being cleared)
 -- ARGV[3] task id, ARGV[4] fin TTL ms: with '2', or with KEYS[3]
--- ARGV[5] done TTL ms, with KEYS[3]
+-- ARGV[5] done TTL ms, ARGV[6] task name, with KEYS[3]
 --
 -- Returns 1 released, 0 held by another execution, -1 free (no owner record:
 -- the lease ran out, or an earlier copy of this very command freed it)
@@ -30,7 +30,8 @@ elseif ARGV[2] == '1' and ours and copies == '1' then
 end
 if KEYS[3] then
   -- the work is done even if the lease was lost on the way
-  redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[5])
+  -- the task's name, a newline, its id (as the send-time marker, enqueue.lua)
+  redis.call('SET', KEYS[3], ARGV[6] .. '\n' .. ARGV[3], 'PX', ARGV[5])
 end
 if not ours then
   if record then return 0 end
