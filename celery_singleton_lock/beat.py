@@ -25,7 +25,7 @@ import socket
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import redis
 from celery.beat import PersistentScheduler, event_t
@@ -33,7 +33,7 @@ from celery.schedules import crontab, schedstate
 from celery.schedules import schedule as interval_schedule
 
 from .config import check_ttl, choice, get_config
-from .engine import engine_for
+from .engine import LockEngine, engine_for
 from .keys import digest
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -224,7 +224,7 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
-def claim_tick_run(client: redis.Redis, prefix: str, request: Any) -> bool:
+def claim_tick_run(engine: Union[LockEngine, redis.Redis], prefix: str, request: Any) -> bool:
     """True when this execution is the first of its (entry, tick): let it run.
 
     ``request`` is the task's request (or a mapping of its headers). A message
@@ -232,6 +232,8 @@ def claim_tick_run(client: redis.Redis, prefix: str, request: Any) -> bool:
     same task id is True again (its own retry, a redelivery after a crash);
     another id for a tick that already ran is False: drop it. If Redis cannot
     answer, True: the task's own lock and its backend-error policy decide.
+    ``engine``: the app's lock engine (with Redlock, the marker goes on a
+    majority of the masters), or a Redis client.
     """
     entry = _header(request, ENTRY_HEADER)
     tick = _header(request, TICK_HEADER)
@@ -240,10 +242,13 @@ def claim_tick_run(client: redis.Redis, prefix: str, request: Any) -> bool:
     task_id = str(_header(request, "id") or "")
     try:
         key = run_key(prefix, str(entry), _aware(dt.datetime.fromisoformat(str(tick))))
-        pipe = client.pipeline(transaction=False)
-        pipe.set(key, task_id, nx=True, px=RUN_MARKER_TTL_MS)
-        pipe.get(key)
-        first, holder = pipe.execute()
+        if isinstance(engine, LockEngine):
+            first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
+        else:
+            pipe = engine.pipeline(transaction=False)
+            pipe.set(key, task_id, nx=True, px=RUN_MARKER_TTL_MS)
+            pipe.get(key)
+            first, holder = pipe.execute()
     except ValueError:
         logger.warning("Beat tick header %r of entry %r is not a time: not checked", tick, entry)
         return True
@@ -401,11 +406,12 @@ class SingletonSchedulerMixin:
             self._sending.pop(entry.name, None)
 
     def _claim(self, entry: Any, tick: dt.datetime) -> bool:
-        """One round trip: SET NX PX. True when this beat sends the tick."""
+        """One round trip: SET NX PX (on a majority with Redlock). True when
+        this beat sends the tick."""
         key = claim_key(get_config(self.app).key_prefix, entry.name, tick)
         try:
-            won = engine_for(self.app).client.set(
-                key, self.beat_id, nx=True, px=self.singleton_beat.claim_ttl_ms)
+            won, _ = engine_for(self.app).claim(key, self.beat_id,
+                                                self.singleton_beat.claim_ttl_ms)
         except redis.RedisError as exc:
             if self.singleton_beat.on_backend_error == "send":
                 self.singleton_stats["sent_unclaimed"] += 1

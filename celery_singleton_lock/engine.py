@@ -292,6 +292,22 @@ class LockEngine:
         reply, _ = self.wire.call(self._unqueue, *unqueue_call(keys, task_id))
         return replies.flag(reply, "unqueue")
 
+    def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str]:
+        """``SET key value NX PX ttl_ms``, one round trip: (won, the value now
+        there). Won also when ``value`` was there already (the same claimant
+        again). Beat's tick claims and the worker's tick-run markers."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(key, value, nx=True, px=ttl_ms)
+        pipe.get(key)
+        first, holder = pipe.execute()
+        holder = str(holder) if holder is not None else ""
+        return bool(first) or holder == value, holder
+
+    def unclaim(self, key: str, value: str) -> bool:
+        """Delete a :meth:`claim` if ``value`` still has it."""
+        reply, _ = self.wire.call(self._unqueue, [key], [value])
+        return replies.flag(reply, "unclaim")
+
     def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
         """Renew ``(lock key, exec id, lease ms)`` entries in one round trip.
 

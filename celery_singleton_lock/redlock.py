@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections import Counter
@@ -59,6 +60,9 @@ REDLOCK_CLIENT_DEFAULTS: dict[str, Any] = {
     "socket_timeout": 0.5,
     "socket_connect_timeout": 0.5,
 }
+
+#: rounds a claim tries when its claimants split the masters between them
+CLAIM_ROUNDS = 6
 
 #: clock drift allowed per lease (the Redlock rule: 1 % of it plus 2 ms)
 DRIFT_FACTOR = 0.01
@@ -516,6 +520,41 @@ class RedlockEngine(LockEngine):
                         if counts[(r.status, r.holder.task_id if r.holder else "")] == best)
         raise QuorumError(f"send-time key {keys.base} not decided", self._failed(
             results, lambda r: isinstance(r, Enqueued)), len(refusals), quorum)
+
+    def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str]:
+        """Won when a majority of the masters hold ``value`` at ``key``.
+
+        Claimants racing for one key (beats at one tick, workers given two
+        copies of one tick) can split the masters so that none has a
+        majority: each gives back what it took and tries again after a random
+        pause, until one has a majority (the others then see it and lose).
+        Raises :class:`QuorumError` when failures, not a rival, leave the
+        claim undecided.
+        """
+        quorum = self.quorum
+        results: list[Any] = []
+        for round_ in range(CLAIM_ROUNDS):
+            results = self.each(lambda e: e.claim(key, value, ttl_ms),
+                                decided=_settled_by(quorum, tuple, lambda r: isinstance(
+                                    r, tuple) and r[1] == value))
+            ours = [i for i, r in enumerate(results) if isinstance(r, tuple) and r[1] == value]
+            if len(ours) >= quorum:
+                return True, value
+            rivals = Counter(r[1] for r in results if isinstance(r, tuple) and r[1] != value)
+            if ours:  # give back what this round took, before anyone tries again
+                self.each(lambda e: e.unclaim(key, value), only=ours, skip_stale=False)
+            late = [i for i, r in enumerate(results) if r is MISSING]
+            if late:  # queued after the claim still going on there
+                self.each(lambda e: e.unclaim(key, value), only=late, timeout=0.0,
+                          skip_stale=False)
+            if rivals and rivals.most_common(1)[0][1] >= quorum:
+                return False, rivals.most_common(1)[0][0]
+            if sum(1 for r in results if isinstance(r, Exception)) >= quorum:
+                break
+            time.sleep(random.uniform(0.005, 0.03) * (round_ + 1))
+        raise QuorumError(f"claim of {key} not decided", self._failed(
+            results, lambda r: isinstance(r, tuple)), sum(
+                1 for r in results if isinstance(r, tuple)), quorum)
 
     def unqueue(self, keys: LockKeys, task_id: str) -> bool:
         results = self.each(lambda e: e.unqueue(keys, task_id),

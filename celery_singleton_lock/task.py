@@ -217,7 +217,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             # sent it (a claim lost in a failover). Checked before the lock, so the
             # extra copy neither takes the key nor waits for it (docs/beat.md).
             from .beat import claim_tick_run
-            if not claim_tick_run(engine.client, config.key_prefix, req):
+            if not claim_tick_run(engine, config.key_prefix, req):
                 raise Ignore()
         exec_id = PROCESS.new_exec_id()
         started = time.monotonic()

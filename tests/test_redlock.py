@@ -8,19 +8,23 @@ on the session's standalone server.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections import Counter
 from typing import Any, Iterator, Optional
 
 import pytest
 import redis
 
 from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.beat import entry_base
 from celery_singleton_lock.checks import engine_checks, startup_check
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.heartbeat import Heartbeat, MastersWatch
@@ -30,6 +34,7 @@ from celery_singleton_lock.redlock import QuorumError, RedlockEngine
 from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released, Renew
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, owner_field, wait_for
+from tests.test_beat import Beat, tick_events
 from tests.workerapp import make_app
 
 
@@ -219,17 +224,55 @@ def test_a_lock_no_longer_held_here_is_not_written_back(masters, engine):
     got = take(engine, keys, "A", "exec-a")
     assert got.status is Acquire.GRANTED
     masters[0].client(2).delete(keys.lock)
-    renewed, gaps = engine.renew_detail([(keys.lock, "exec-a", 30_000)])
+    renewed, gaps = engine.renew_detail([(keys.lock, "exec-a", 30_000)], every=True)
     assert renewed == [Renew.RENEWED] and gaps == [[0]]
     common = dict(task_id="A", exec_id="exec-a", token=got.token, lease_ms=30_000,
                   hostname="w1@host", retries=0, task_name="t.x", only=gaps[0])
     engine.refill(keys, still_held=lambda: False, **common)
-    engine.settle()  # runs after the write-back in the master's queue
-    wait_for(lambda: engine.unsettled == 0, 5, what="the master's queue drained")
+    # a call on the same master's queue runs after the write-back: waited for
+    assert engine.each(lambda e: True, only=[0])[0] is True
     assert holder_on(masters[0], keys) is None and engine.refilled == 0
     engine.refill(keys, still_held=lambda: True, **common)
     wait_for(lambda: holder_on(masters[0], keys) == "A", 5, what="the lock written back")
     assert engine.refilled == 1
+
+
+def test_claims_racing_on_the_masters_give_each_key_to_exactly_one(masters, engine):
+    """Two processes' engines claim the same keys at the same moment (as beats
+    at one tick): each key goes to exactly one, on a majority, and the other
+    is told who has it; the same with the first master killed."""
+    rival = LockEngine.from_config(SingletonConfig.defaults(redlock_url(masters)))
+    assert isinstance(rival, RedlockEngine)
+    try:
+        for round_ in range(2):
+            if round_ == 1:
+                masters[0].stop()
+            for n in range(20):
+                key = f"singleton:{{race-{uuid.uuid4().hex}}}:claim"
+                start = threading.Barrier(2)
+                got: dict[str, tuple[bool, str]] = {}
+
+                def claim(e: RedlockEngine, name: str, key: str = key,
+                          start: threading.Barrier = start,
+                          got: dict[str, tuple[bool, str]] = got) -> None:
+                    start.wait()
+                    got[name] = e.claim(key, name, 60_000)
+
+                threads = [threading.Thread(target=claim, args=(e, name))
+                           for e, name in ((engine, "a"), (rival, "b"))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                winners = [name for name, (won, _) in got.items() if won]
+                assert len(winners) == 1, (round_, n, got)
+                loser = "b" if winners == ["a"] else "a"
+                assert got[loser] == (False, winners[0])
+                on = sum(1 for s in masters if s.running and s.client(2).get(key) == winners[0])
+                assert on >= 3
+                assert not any(s.running and s.client(2).get(key) == loser for s in masters)
+    finally:
+        rival.close()
 
 
 def test_too_few_masters_is_a_backend_error_naming_them(masters, engine):
@@ -469,6 +512,51 @@ def test_a_running_task_keeps_its_majority_while_masters_restart_empty(worker_ma
     assert dup.get(timeout=15)["skipped"] is True
     assert res.get(timeout=20)["lost"] is False
     assert not events.starts("restarts-dup")
+
+
+@pytest.mark.worker
+def test_beats_on_redlock_send_every_tick_once_through_the_first_masters_death(
+        worker_masters, redis_server, events):
+    """Three beats claim each tick on a majority of the masters, and the worker
+    checks each tick's run of a SingletonTask on a majority too. The first
+    master of the URL is killed halfway: every tick still runs exactly once,
+    none missing (a claim on the first master alone would stop the ticks)."""
+    url = redlock_url(worker_masters)
+    worker = Worker(redis_server.url(), f"rlb-{uuid.uuid4().hex[:8]}", concurrency=2,
+                    lock_url=url, conf=CONF)
+    worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.beatapp:app"
+    worker.start()
+    entry = f"rl-second-{uuid.uuid4().hex[:6]}"
+    sched = {entry: {"task": "t.tick_hold", "every": 1,
+                     "kwargs": {"key": f"k-{entry}", "seconds": 0.0}}}
+    beats = [Beat(redis_server.url(), worker.queue, sched, name=f"rl{name}", offset=offset,
+                  lock_url=url).start() for name, offset in (("a", 0.0), ("b", 0.3), ("c", -0.3))]
+    first = worker_masters[0]
+    try:
+        def ticks() -> list[str]:
+            return sorted({e["singleton_beat_tick"] for e in tick_events(events, entry, "start")})
+
+        wait_for(lambda: len(ticks()) >= 4, 40, what="4 ticks on Redlock")
+        claims = list(worker_masters[1].client(2).scan_iter(f"{entry_base('singleton:', entry)}:*"))
+        assert claims and all(sum(1 for s in worker_masters if s.client(2).exists(k)) >= 3
+                              for k in claims)
+        first.stop()
+        killed_at = ticks()[-1]
+        wait_for(lambda: len([t for t in ticks() if t > killed_at]) >= 6, 40,
+                 what="6 ticks after the first master died")
+        for beat in beats:
+            beat.stop()
+        runs = Counter(e["singleton_beat_tick"] for e in tick_events(events, entry, "start"))
+        assert set(runs.values()) == {1}, [t for t, n in runs.items() if n > 1]
+        stamps = sorted(dt.datetime.fromisoformat(t) for t in runs)
+        gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+        assert gaps == [1.0] * len(gaps), gaps
+    finally:
+        for beat in beats:
+            beat.stop()
+        worker.stop()
+        if not first.running:
+            first.start()  # back empty, for the tests after this one
 
 
 def test_redlocks_speaks_tls_to_every_master(tmp_path):
