@@ -22,6 +22,7 @@ import heapq
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ RUN_MARKER_TTL_MS = 3600 * 1000
 _WAKE_SLACK = 0.015
 #: how often a beat holding a buffered tick looks whether the running one ended
 _BUFFER_POLL = 0.25
+#: how often every beat looks for ticks buffered by a beat that may have died
+#: since (one EXISTS per ``buffer_one`` entry of a SingletonTask)
+_BUFFER_ADOPT = 1.0
 #: extra life of a claim beyond the catch-up window and the clock-skew bound
 _CLAIM_MARGIN = 10.0
 
@@ -300,6 +304,7 @@ class SingletonSchedulerMixin:
         self._due: dict[str, dt.datetime] = {}  # tick is_due found, for apply_entry
         self._sending: dict[str, dt.datetime] = {}  # tick being sent, for apply_async
         self._buffered: dict[str, Any] = {}  # entries this beat buffered a tick of
+        self._adopt_at = 0.0  # monotonic time of the next look for others' buffers
         super().__init__(*args, **kwargs)
 
     # -- the clock ----------------------------------------------------------------
@@ -343,11 +348,41 @@ class SingletonSchedulerMixin:
         heapify(self._heap)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Celery's tick; a beat holding a buffered tick also looks whether it may go."""
+        """Celery's tick; a beat holding a buffered tick also looks whether it may
+        go, and every beat with ``buffer_one`` entries looks for buffered ticks
+        it does not hold (their beat may have died)."""
+        buffering = self._buffer_one_entries()
+        if buffering and time.monotonic() >= self._adopt_at:
+            self._adopt_buffers(buffering)
+            self._adopt_at = time.monotonic() + _BUFFER_ADOPT
         if self._buffered:
             self._send_buffered()
         delay: float = super().tick(*args, **kwargs)  # type: ignore[misc]
-        return min(delay, _BUFFER_POLL) if self._buffered else delay
+        if self._buffered:
+            delay = min(delay, _BUFFER_POLL)
+        if buffering:
+            delay = min(delay, max(self._adopt_at - time.monotonic(), 0.0))
+        return delay
+
+    def _buffer_one_entries(self) -> list[Any]:
+        return [e for e in self.schedule.values()
+                if self.singleton_overlap(e) == "buffer_one" and self._task_keys(e) is not None]
+
+    def _adopt_buffers(self, entries: list[Any]) -> None:
+        """Take on the buffered ticks this beat does not hold: the beat that
+        buffered one may be dead, and nobody would send it. Every beat that
+        holds a buffer polls it; ``GETDEL`` lets one of them send it."""
+        client = engine_for(self.app).client
+        prefix = get_config(self.app).key_prefix
+        for entry in entries:
+            if entry.name in self._buffered:
+                continue
+            try:
+                waiting = client.exists(buffer_key(prefix, entry.name))
+            except redis.RedisError:
+                return  # the next look, or the next tick, tries again
+            if waiting:
+                self._buffered[entry.name] = entry
 
     # -- sending ------------------------------------------------------------------
 
@@ -520,6 +555,14 @@ class SingletonSchedulerMixin:
             if waiting is None:
                 continue  # another beat sent it, or a newer buffer replaced it
             tick = from_ms(int(waiting))
+            decided = self._done.get(name)
+            if decided is not None and decided > tick:
+                # a newer tick was decided meanwhile (sent, buffered or skipped):
+                # it stands for this one, which would run late and out of order
+                self.singleton_stats["buffer_dropped"] += 1
+                logger.info("Beat entry %r tick %s dropped from the buffer: tick %s came "
+                            "after it", name, tick_name(tick), tick_name(decided))
+                continue
             logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
             self._send(entry, tick, self.producer)  # type: ignore[attr-defined]
 

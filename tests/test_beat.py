@@ -27,11 +27,16 @@ from celery.schedules import crontab, schedule
 from celery_singleton_lock.beat import (
     BeatConfig,
     beat_config,
+    buffer_key,
+    claim_key,
     claim_tick_run,
     entry_base,
+    from_ms,
     interval_ticks,
+    tick_name,
     ticks_around,
 )
+from celery_singleton_lock.engine import engine_for
 from celery_singleton_lock.exceptions import ConfigurationError
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, wait_for
@@ -368,6 +373,72 @@ def test_overlapping_ticks_of_a_long_singleton_task_are_skipped_or_buffered_and_
         end_times = [e["at"] for e in ends]
         assert any(parse(s["singleton_beat_tick"]).timestamp() < end_at < s["at"]
                    for s in starts for end_at in end_times)
+
+
+def test_a_tick_buffered_by_a_beat_killed_meanwhile_is_sent_by_another(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """buffer_one: while the task's key is held, one of two beats buffers a
+    tick; it is killed (-9) before the key is freed. The other beat, which
+    looks every second for buffered ticks it does not hold, sends that tick
+    as soon as the key is free, not the next tick in its place."""
+    from tests.beatapp import make_beat_app
+
+    key = uuid.uuid4().hex[:8]
+    sched = {"waits": {"task": "t.tick_hold", "every": 4,
+                       "kwargs": {"key": key, "seconds": 0.0},
+                       "options": {"singleton_overlap": "buffer_one"}}}
+    app = make_beat_app(redis_server.url(), beat_worker.queue)
+    keys = app.tasks["t.tick_hold"].singleton_keys(key)
+    engine = engine_for(app)
+    engine.acquire(keys, task_id="earlier-run", exec_id="earlier-exec", lease_ms=60_000,
+                   hostname="test@host", retries=0, task_name="t.tick_hold")
+    for name in ("a", "b"):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name).start())
+    waiting = wait_for(lambda: r.get(buffer_key("singleton:", "waits")), 30,
+                       what="a tick buffered while the key is held")
+    tick = from_ms(int(waiting))
+    buffering = r.get(claim_key("singleton:", "waits", tick))  # who claimed it buffered it
+    victim = next(b for b in beats if b.proc is not None
+                  and b.proc.pid == int(buffering.split(":")[1]))
+    victim.kill()
+    assert engine.release(keys, "earlier-exec", "earlier-run", finished=False)
+
+    def ran() -> list[dict[str, Any]]:
+        return [e for e in tick_events(events, "waits", "start")
+                if e["singleton_beat_tick"] == tick_name(tick)]
+
+    wait_for(ran, 10, what="the buffered tick to run after its beat died")
+    assert ran()[0]["singleton_beat_id"] != buffering
+    survivor = next(b for b in beats if b is not victim)
+    assert "sent from the buffer" in survivor.logs()
+
+
+def test_a_buffered_tick_older_than_a_tick_decided_since_is_dropped_not_sent(redis_server):
+    """A buffer found after a newer tick of its entry was decided (sent, say,
+    because the run had ended by then) stands for nothing: sending it would
+    run an older tick after a newer one. It is dropped and counted; a buffer
+    of the latest tick is sent."""
+    from tests.beatapp import make_beat_app
+    from tests.promises import VirtualScheduler
+
+    app = make_beat_app(redis_server.url(), "unused", schedule={
+        "late": {"task": "t.tick_hold", "every": 4, "kwargs": {"key": uuid.uuid4().hex},
+                 "options": {"singleton_overlap": "buffer_one"}}})
+    beat = VirtualScheduler(app=app)
+    beat.sent = []
+    entry = beat.schedule["late"]
+    client = engine_for(app).client
+    older = dt.datetime(2030, 1, 1, 0, 0, 4, tzinfo=UTC)
+    newer = older + dt.timedelta(seconds=4)
+    for decided, expect_sent in ((newer, False), (older, True)):
+        client.set(buffer_key("singleton:", "late"), str(int(older.timestamp() * 1000)))
+        beat._done["late"] = decided
+        beat._buffered["late"] = entry
+        beat._send_buffered()
+        assert client.get(buffer_key("singleton:", "late")) is None
+        assert bool(beat.sent) is expect_sent, (decided, beat.sent)
+    assert beat.sent == [("late", older, beat.beat_id)]
+    assert beat.singleton_stats["buffer_dropped"] == 1
 
 
 def test_redis_down_at_a_tick_sends_nothing_logs_the_entry_and_the_beat_lives_on(
