@@ -7,7 +7,9 @@ arrived) and a connection of its own to the lock Redis that never carries a
 command. That connection turns readable the moment the server goes away (a
 crash, a restart, a kill), so the renewer learns of it at once instead of at
 its next round: it reconnects as soon as Redis answers again and re-asserts
-every held lock right away. On a Cluster it watches every primary the same way.
+every held lock right away. On a Cluster it watches every primary the same way,
+with Redlock every master (a lock held on a majority is written back on a
+master that lost it).
 
 Each round, per lock: renewed; handed to a retry (left alone); held by another
 execution (lost, at once); or absent (lost: released by an operator, or

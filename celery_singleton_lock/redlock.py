@@ -20,7 +20,11 @@ where lock logic lives.
   token is larger.
 - **Renew** on every master: a lock stays held while a majority renewed it;
   fewer answers leave it alone (its deadline makes it lost, as a lapsed lease),
-  a majority that no longer has it makes it lost at once.
+  a majority that no longer has it makes it lost at once. A master that says
+  it no longer has a lock a majority renewed (restarted empty) gets it written
+  back (:meth:`RedlockEngine.refill`, from the renewer).
+- **Claims** (beat's tick claims, the worker's tick-run markers): won on a
+  majority; claimants that split the masters give back and try again.
 - **Release** on every master; one that does not answer is left to its TTL.
 
 Calls to the masters go out concurrently: one thread per master, each with a
