@@ -296,9 +296,10 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
                 continue
             findings.append(Finding(ERROR, "script", f"script {name} failed: {_server_text(exc)}",
                                     "check that the server supports Lua scripting (EVALSHA)"))
-    # the grant's fencing counter lives a day (acquire.lua): not the probe's
+    # nothing of the probe stays: the grant's fencing counter would live a day
+    # (acquire.lua), the finish and done markers a second
     with contextlib.suppress(redis.RedisError):
-        _cmd(client, "DEL", keys.fence)
+        _cmd(client, "DEL", keys.fence, keys.fin, keys.done)
     if command_denied:
         wanted = sorted({c for n in command_denied for c in script_commands(SCRIPTS[n])})
         denied = _denied_in_scripts(client, config.key_prefix, wanted)

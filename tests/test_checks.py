@@ -195,6 +195,18 @@ def test_a_policy_that_may_evict_lock_keys_is_a_warning(policy, caplog):
         server.cleanup()
 
 
+def test_the_checks_leave_no_key_behind(own_redis):
+    """The probe runs every script on a fresh key: its fencing counter (a day),
+    finish and done markers (a second) are deleted with it, so a worker's
+    start adds nothing to the lock Redis."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    client = own_redis.client(0)
+    client.flushdb()  # the test's own server
+    findings = checks.run_checks(engine.client, engine.config)
+    assert by_code(findings)["scripts"].level == "ok"
+    assert client.dbsize() == 0, list(client.scan_iter())
+
+
 def test_noeviction_is_ok(own_redis):
     engine = engine_for_url(own_redis.url(2))
     assert by_code(checks.run_checks(engine.client, engine.config))["eviction"].level == "ok"
