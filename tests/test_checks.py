@@ -267,13 +267,3 @@ def test_replicas_warn_and_a_replica_as_lock_redis_is_an_error(own_redis):
             checks.startup_check(engine)
     finally:
         replica.cleanup()
-
-
-def test_the_probe_leaves_no_key_without_a_ttl(own_redis):
-    """Running every script once leaves only keys that expire within seconds."""
-    engine = engine_for_url(own_redis.url(2))
-    checks.run_checks(engine.client, engine.config)
-    client = own_redis.client(2)
-    names = list(client.scan_iter("*"))
-    assert names, "the probe ran the scripts"
-    assert all(0 < client.pttl(n) <= 10_000 for n in names)

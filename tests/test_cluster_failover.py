@@ -137,6 +137,13 @@ def test_a_primary_killed_under_a_held_lock_fails_over_and_the_lock_stays(cluste
     # the old primary comes back as a replica of the new one: WAIT 1 can be met again
     old.start()
     wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+
+    def replicating() -> bool:
+        info = new.client().info("replication")
+        return any(isinstance(v, dict) and v.get("state") == "online"
+                   for k, v in info.items() if k.startswith("slave"))
+
+    wait_for(replicating, 30, interval=0.1, what="the old primary replicating again")
     assert engine.release(keys, exec_id, "t1") is True
     later = take(engine, keys, "t3", uuid.uuid4().hex)
     assert later.status is Acquire.GRANTED and later.token > first.token
