@@ -52,16 +52,10 @@ end
 
 -- The marker this task left when it was sent: the key passes from it to the
 -- execution in this same script, so no duplicate slips in between.
-local function task_of(marker)
-  local i = string.find(marker, '\n', 1, true)
-  if i then return string.sub(marker, i + 1) end
-  return marker
-end
-
 local own_queued = false
 if queued then
   local marker = redis.call('GET', queued)
-  own_queued = marker and task_of(marker) == task_id
+  own_queued = marker and (string.match(marker, '\n(.*)$') or marker) == task_id
 end
 
 local record = redis.call('GET', lock)
@@ -88,7 +82,7 @@ end
 
 local done_by = redis.call('GET', done)
 if done_by then
-  done_by = task_of(done_by)
+  done_by = string.match(done_by, '\n(.*)$') or done_by  -- the id after the name
   if own_queued then redis.call('DEL', queued) end
   if done_by == task_id then return {3, task_id} end
   return {4, done_by}
@@ -106,7 +100,7 @@ if ARGV[5] == 'queue_and_run' and not own_queued then
   if other then
     -- sent while another was queued, past the send-time check (a canvas
     -- member, a plain send_task): the queued one owns the key
-    return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. task_of(other), 0}
+    return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. (string.match(other, '\n(.*)$') or other), 0}
   end
 end
 if own_queued then

@@ -17,19 +17,13 @@
 local queued, lock, done = KEYS[1], KEYS[2], KEYS[3]
 local task_id = ARGV[1]
 
-local function task_of(marker)
-  local i = string.find(marker, '\n', 1, true)
-  if i then return string.sub(marker, i + 1) end
-  return marker
-end
-
 local done_by = redis.call('GET', done)
 if done_by then
-  return {4, task_of(done_by)}
+  return {4, (string.match(done_by, '\n(.*)$') or done_by)}
 end
 local other = redis.call('GET', queued)
 if other then
-  return {0, task_of(other)}
+  return {0, (string.match(other, '\n(.*)$') or other)}
 end
 if ARGV[2] == 'queue_and_run' then
   local record = redis.call('GET', lock)
