@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
 
 import redis
 from celery.beat import PersistentScheduler, event_t
@@ -228,7 +228,7 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
-def claim_tick_run(engine: Union[LockEngine, redis.Redis], prefix: str, request: Any) -> bool:
+def claim_tick_run(engine: LockEngine, prefix: str, request: Any) -> bool:
     """True when this execution is the first of its (entry, tick): let it run.
 
     ``request`` is the task's request (or a mapping of its headers). A message
@@ -237,7 +237,7 @@ def claim_tick_run(engine: Union[LockEngine, redis.Redis], prefix: str, request:
     another id for a tick that already ran is False: drop it. If Redis cannot
     answer, True: the task's own lock and its backend-error policy decide.
     ``engine``: the app's lock engine (with Redlock, the marker goes on a
-    majority of the masters), or a Redis client.
+    majority of the masters).
     """
     entry = _header(request, ENTRY_HEADER)
     tick = _header(request, TICK_HEADER)
@@ -246,13 +246,7 @@ def claim_tick_run(engine: Union[LockEngine, redis.Redis], prefix: str, request:
     task_id = str(_header(request, "id") or "")
     try:
         key = run_key(prefix, str(entry), _aware(dt.datetime.fromisoformat(str(tick))))
-        if isinstance(engine, LockEngine):
-            first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
-        else:
-            pipe = engine.pipeline(transaction=False)
-            pipe.set(key, task_id, nx=True, px=RUN_MARKER_TTL_MS)
-            pipe.get(key)
-            first, holder = pipe.execute()
+        first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
     except ValueError:
         logger.warning("Beat tick header %r of entry %r is not a time: not checked", tick, entry)
         return True

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 import pytest
 from celery.schedules import crontab, schedule
 
+from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.beat import (
     BeatConfig,
     beat_config,
@@ -36,7 +37,7 @@ from celery_singleton_lock.beat import (
     tick_name,
     ticks_around,
 )
-from celery_singleton_lock.engine import engine_for
+from celery_singleton_lock.engine import LockEngine, engine_for
 from celery_singleton_lock.exceptions import ConfigurationError
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, wait_for
@@ -122,16 +123,18 @@ def test_two_beats_with_clocks_five_seconds_apart_send_each_tick_once(redis_serv
     promises.two_beats_with_skewed_clocks_send_each_tick_once(redis_server.url())
 
 
-def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(r):
-    """A tick sent twice (a claim lost in a failover) runs once; its own retry still runs."""
+def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(redis_server, r):
+    """A tick sent twice (a claim lost in a failover) runs once; its own retry still runs.
+    (``r`` empties the lock db first.)"""
+    engine = LockEngine.from_config(SingletonConfig.defaults(redis_server.url(2)))
     headers = {"singleton_beat_entry": "report",
                "singleton_beat_tick": "2030-01-01T00:00:00.000+00:00"}
-    assert claim_tick_run(r, "singleton:", {**headers, "id": "first"})
-    assert claim_tick_run(r, "singleton:", {**headers, "id": "first"})  # its retry/redelivery
-    assert not claim_tick_run(r, "singleton:", {**headers, "id": "second-copy"})
-    assert claim_tick_run(r, "singleton:", {"id": "not-from-beat"})
-    assert claim_tick_run(r, "singleton:", {**headers, "singleton_beat_tick":
-                                            "2030-01-01T00:00:01.000+00:00", "id": "next"})
+    assert claim_tick_run(engine, "singleton:", {**headers, "id": "first"})
+    assert claim_tick_run(engine, "singleton:", {**headers, "id": "first"})  # its retry/redelivery
+    assert not claim_tick_run(engine, "singleton:", {**headers, "id": "second-copy"})
+    assert claim_tick_run(engine, "singleton:", {"id": "not-from-beat"})
+    assert claim_tick_run(engine, "singleton:", {**headers, "singleton_beat_tick":
+                                                 "2030-01-01T00:00:01.000+00:00", "id": "next"})
 
 
 # -- real beats -----------------------------------------------------------------------

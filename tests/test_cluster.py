@@ -138,9 +138,9 @@ def test_tick_claims_go_to_the_node_of_their_key(cluster, engine):
     id again (a retry) runs."""
     tick = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.timezone.utc).isoformat()
     req = {ENTRY_HEADER: "nightly", TICK_HEADER: tick, "id": "a"}
-    assert claim_tick_run(engine.client, "singleton:", req) is True
-    assert claim_tick_run(engine.client, "singleton:", {**req, "id": "b"}) is False
-    assert claim_tick_run(engine.client, "singleton:", req) is True
+    assert claim_tick_run(engine, "singleton:", req) is True
+    assert claim_tick_run(engine, "singleton:", {**req, "id": "b"}) is False
+    assert claim_tick_run(engine, "singleton:", req) is True
 
 
 # -- through real workers ---------------------------------------------------------------
