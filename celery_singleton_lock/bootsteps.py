@@ -6,7 +6,10 @@ singleton_locks``."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Optional
 
 import redis
 from celery import bootsteps
@@ -30,9 +33,15 @@ def validate_app(app: Any) -> None:
             task.singleton_settings(reload=True)
 
 
-def held_locks(app: Any, hostname: str) -> dict[str, Any]:
-    """What ``hostname`` holds: its pool children publish their held locks to
-    the lock Redis each :data:`monitor.PUBLISH_INTERVAL`; read in one call."""
+#: the longest ``celery inspect stats`` (Flower polls it) waits for the lock
+#: Redis: the worker's main loop answers it, and must not stall on a slow Redis
+MONITOR_WAIT = 0.5
+
+_reading: Optional[Future[dict[str, Any]]] = None
+_reading_lock = threading.Lock()
+
+
+def _read_held(app: Any, hostname: str) -> dict[str, Any]:
     config = get_config(app)
     client = engine_for(app).client
     try:
@@ -41,6 +50,37 @@ def held_locks(app: Any, hostname: str) -> dict[str, Any]:
     except redis.RedisError as exc:
         return {"held": None, "locks": [], "error": f"lock Redis: {type(exc).__name__}"}
     return {"held": len(locks), "locks": locks, **totals}
+
+
+def held_locks(app: Any, hostname: str, wait: float = MONITOR_WAIT) -> dict[str, Any]:
+    """What ``hostname`` holds: its pool children publish their held locks to
+    the lock Redis each :data:`monitor.PUBLISH_INTERVAL`; read in one call.
+
+    Read in a thread and waited for at most ``wait`` seconds: a lock Redis
+    that does not answer gives ``held: None`` ("unknown") with the reason,
+    and while an earlier read is still waiting no second one starts.
+    """
+    global _reading
+    if engine_for(app).wire.down:
+        return {"held": None, "locks": [], "error": "lock Redis: not answering"}
+    with _reading_lock:
+        reading = _reading
+        if reading is None or reading.done():
+            reading = _reading = Future()
+            threading.Thread(target=_fill, args=(reading, app, hostname),
+                             name="singleton-stats-read", daemon=True).start()
+    try:
+        return reading.result(timeout=wait)
+    except FutureTimeout:
+        return {"held": None, "locks": [],
+                "error": f"lock Redis: no answer within {wait} s"}
+
+
+def _fill(future: Future[dict[str, Any]], app: Any, hostname: str) -> None:
+    try:
+        future.set_result(_read_held(app, hostname))
+    except BaseException as exc:
+        future.set_exception(exc)
 
 
 class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]

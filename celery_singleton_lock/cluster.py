@@ -22,8 +22,9 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError
 
+from .outage import Answered
 from .process import ForkSafeLock
-from .wire import BROKEN, Answered, Script, Wire
+from .wire import BROKEN, Script, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -112,6 +113,12 @@ class ClusterWire:
         return sum(w.connections for w in list(self._by_node.values()))
 
     @property
+    def down(self) -> bool:
+        """No node known answers (:attr:`Wire.down` of each)."""
+        wires = self.wires
+        return bool(wires) and all(w.down for w in wires)
+
+    @property
     def unsettled(self) -> int:
         return sum(w.unsettled for w in list(self._by_node.values()))
 
@@ -169,7 +176,7 @@ class ClusterWire:
             self._by_slot = []
 
     def call_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
-                   answered: Answered) -> None:
+                   answered: Answered, owe: bool = False) -> None:
         """:meth:`Wire.call_later` on the owning node; a redirection in the reply
         sends the command again, waiting, to the new owner."""
         def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
@@ -186,10 +193,20 @@ class ClusterWire:
             answered(reply, error, repeated)
 
         try:
-            self.wire_for(keys[0]).call_later(script, keys, args, done)
+            self.wire_for(keys[0]).call_later(script, keys, args, done, owe)
         except BROKEN:
             self.stale()
             raise
+
+    def owe(self, error: BaseException, script: Script, keys: Sequence[str],
+            args: Sequence[Any]) -> None:
+        """:meth:`Wire.owe` on the node owning the slot."""
+        try:
+            wire = self.wire_for(keys[0])
+        except redis.RedisError as exc:  # no map now: the key's TTL frees it
+            logger.warning("Could not keep an undo for %s: %r", keys[0], exc)
+            return
+        wire.owe(error, script, keys, args)
 
     def settle(self) -> None:
         for wire in list(self._by_node.values()):

@@ -22,8 +22,9 @@ from .cluster import ClusterWire, LazyCluster, slot_of
 from .config import SingletonConfig, get_config
 from .exceptions import TooFewReplicasError
 from .keys import LockKeys
+from .outage import RedisUnanswered
 from .process import HOST_KEY, PROCESS, ForkSafeLock, Holder, forget_seen, pid_alive
-from .replies import Acquire, Acquired, Enqueued, Release, Released, Renew
+from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
 from .servers import make_client, mode_of
 from .wire import BROKEN, Script, Wire
 
@@ -38,8 +39,10 @@ FENCE_TTL_MS = 24 * 3600 * 1000
 
 #: what redis-py is given unless ``singleton_redis_options`` says otherwise
 CLIENT_DEFAULTS: dict[str, Any] = {
-    "socket_timeout": 5.0,
-    "socket_connect_timeout": 5.0,
+    # the longest a lock call waits for a Redis that does not answer, once per
+    # outage: later calls fail at once until it answers again (:mod:`.outage`)
+    "socket_timeout": 2.0,
+    "socket_connect_timeout": 2.0,
     "health_check_interval": 30,
     # the pool serves only rare calls (owner records, start-up checks); the
     # lock calls use the wire's own connections
@@ -52,13 +55,21 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 #: main worker process makes engines in its reaper thread while the pool forks)
 SCRIPTS: dict[str, Script] = {
     name: Script.load(name)
-    for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue", "fence")
+    for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue", "fence",
+                 "reclaim")
 }
 
 
 def _field(value: str) -> str:
     """A record field of ours written by users (host name, task name): no newline."""
     return value.replace("\n", " ") if "\n" in value else value
+
+
+def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_name: str,
+                fin_ms: int) -> str:
+    """The owner record's fields from ``lease`` on, as one string (docs/redis-keys.md)."""
+    return (f"{lease_ms}\n{fin_ms}\n{retries}\n{PROCESS.pid}\n{HOST_KEY}\n{_field(hostname)}\n"
+            f"{_field(task_name)}\n{task_id}")
 
 
 def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
@@ -71,8 +82,7 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
     look at go as one string, in the record's own order, and the send-time
     marker's key only under the queue scopes.
     """
-    rest = (f"{lease_ms}\n{fin_ms}\n{retries}\n{PROCESS.pid}\n{HOST_KEY}\n{_field(hostname)}\n"
-            f"{_field(task_name)}\n{task_id}")
+    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     if scope == "run":
         return [keys.lock, keys.fence, keys.fin, keys.done], [task_id, exec_id, lease_ms, rest]
     return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued],
@@ -147,6 +157,7 @@ class LockEngine:
         self._enqueue = SCRIPTS["enqueue"]
         self._unqueue = SCRIPTS["unqueue"]
         self._fence = SCRIPTS["fence"]
+        self._reclaim = SCRIPTS["reclaim"]
         self._fin_ms = int(config.finished_ttl * 1000)
         self.renew_chunk = RENEW_CHUNK
         #: sent right after each grant and renewal, in the same write
@@ -175,7 +186,7 @@ class LockEngine:
     @property
     def scripts(self) -> tuple[Script, ...]:
         return (self._acquire, self._release, self._renew, self._handoff, self._enqueue,
-                self._unqueue, self._fence)
+                self._unqueue, self._fence, self._reclaim)
 
     def settle(self) -> None:
         """Read every reply still owed to this process (see :meth:`release_later`)."""
@@ -204,10 +215,18 @@ class LockEngine:
         """
         keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
                                    task_name, scope, self._fin_ms)
-        if not self._wait:
-            reply, _ = self.wire.call(self._acquire, keys_, args)
-            return replies.acquired(reply)
-        reply, _, acked = self.wire.call_with(self._acquire, keys_, args, after=self._wait)
+        try:
+            if not self._wait:
+                reply, _ = self.wire.call(self._acquire, keys_, args)
+                return replies.acquired(reply)
+            reply, _, acked = self.wire.call_with(self._acquire, keys_, args, after=self._wait)
+        except BROKEN as exc:
+            if not isinstance(exc, RedisUnanswered):
+                # Redis may still run it (a frozen server runs what it has
+                # read): undone, owner-checked, once it answers again
+                self.wire.owe(exc, self._release, *release_call(
+                    keys, exec_id, task_id, False, False, 0.0, self._fin_ms))
+            raise
         answer = replies.acquired(reply)
         if answer.status is Acquire.GRANTED:
             self._replicated(keys, acked, exec_id, task_id)
@@ -263,6 +282,7 @@ class LockEngine:
         always_record: bool = False,
         done_ttl: float = 0.0,
         task_name: str = "",
+        finished: bool = True,
     ) -> None:
         """:meth:`release` without waiting for the reply.
 
@@ -278,13 +298,20 @@ class LockEngine:
                 answered(replies.released(reply, repeated), None)
 
         self.wire.call_later(self._release, *self._release_call(
-            keys, exec_id, task_id, True, always_record, done_ttl, task_name), done)
+            keys, exec_id, task_id, finished, always_record, done_ttl, task_name), done, owe=True)
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
                 task_name: str = "") -> Enqueued:
         """Take the key for a task about to be sent."""
-        reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms,
-                                                               task_name))
+        try:
+            reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms,
+                                                                   task_name))
+        except BROKEN as exc:
+            if not isinstance(exc, RedisUnanswered):
+                # freed once Redis answers again: a send that went out without
+                # its key takes the key when it starts, as any other
+                self.wire.owe(exc, self._unqueue, *unqueue_call(keys, task_id))
+            raise
         return replies.enqueued(reply)
 
     def unqueue(self, keys: LockKeys, task_id: str) -> bool:
@@ -416,6 +443,16 @@ class LockEngine:
             logger.warning("Renewed singleton locks but fewer than %d replicas acknowledged "
                            "(%s)", self.config.wait_replicas, ", ".join(short))
         return _renew_answers(out, errors)
+
+    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
+                hostname: str, retries: int, task_name: str) -> Reclaimed:
+        """A renewal found the key of a lock this execution holds gone: write it
+        back if the server forgot it (the key's fencing counter is gone too),
+        not if someone released it or another execution holds it now."""
+        rest = record_rest(task_id, lease_ms, hostname, retries, task_name, self._fin_ms)
+        reply, _ = self.wire.call(self._reclaim, [keys.lock, keys.fence],
+                                  [exec_id, lease_ms, token, rest])
+        return replies.reclaimed(reply)
 
     def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
         """Raise the key's fencing counter (and the owner record's token) to at

@@ -12,13 +12,15 @@ with Redlock every master (a lock held on a majority is written back on a
 master that lost it).
 
 Each round, per lock: renewed; handed to a retry (left alone); held by another
-execution (lost, at once); or absent (lost: released by an operator, or
-expired). After the server restarted (its run_id changed), an absent key whose
-local lease is still valid was forgotten, not released: it is taken back, the
-owner record written again with a new, higher fencing token, so later grants
-stay above it; the task keeps the token it was granted, so a resource that saw a
-newer writer meanwhile still refuses it. A Redis error leaves the locks alone,
-and each lock's own monotonic deadline makes it lost if no renewal succeeds in
+execution (lost, at once); or absent. An absent key whose local lease is still
+valid is asked about at once, in the same order whichever round or watch found
+it: if its fencing counter is gone too, Redis forgot it (restarted empty,
+flushed) and it is written back, under a new, higher fencing token, so later
+grants stay above it; the task keeps the token it was granted, so a resource
+that saw a newer writer meanwhile still refuses it. If the counter is there,
+the key was released (an operator) or ran out, and the lock is lost; so it is
+when another execution holds it. A Redis error leaves the locks alone, and
+each lock's own monotonic deadline makes it lost if no renewal succeeds in
 time.
 """
 
@@ -34,12 +36,14 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import redis
 
 from . import monitor
-from .cluster import ClusterWire, slot_of
+from .cluster import ClusterWire
 from .engine import LockEngine
 from .lock import SingletonLock
+from .outage import Outage
 from .process import ForkSafeLock
 from .redlock import RedlockEngine
-from .replies import Acquire, Renew
+from .replies import Reclaim, Renew
+from .wire import Wire
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -49,30 +53,33 @@ RENEW_FRACTION = 3.0
 RECONNECT_FIRST, RECONNECT_MAX = 0.02, 0.5
 #: how soon a renewal round that got no answer is tried again
 RETRY_FAILED = 0.5
+#: how long the renewer waits, when its watch got an answer, for the wire's
+#: lock calls to go through again (its owed calls sent first: see outage.py)
+RESUME_WAIT = 0.5
 
 
 class Back(NamedTuple):
     """A watched server answers again after going away."""
 
-    restarted: bool  # it is a new server (its run_id changed): its data is gone
-    owns: Callable[[str], bool]  # which lock keys live on it
-
-
-def _everything(key: str) -> bool:
-    return True
-
-
-def _nothing(key: str) -> bool:
-    return False
+    #: it is a new server (its run_id changed; False also when INFO is not
+    #: allowed): said in the log only, the renewal tells forgotten keys itself
+    restarted: bool
+    #: the outage of the wire that talks to it, if calls fail at once meanwhile
+    outage: Optional[Outage] = None
 
 
 class RedisWatch:
-    """A connection that only waits: readable means the server closed it."""
+    """A connection that only waits: readable means the server closed it.
 
-    def __init__(self, connect: Callable[[], Any], owns: Callable[[str], bool] = _everything
-                 ) -> None:
+    On connect it asks ``INFO server`` for the server's run_id (to say in the
+    log whether the server restarted); a user not allowed INFO (the minimal
+    ACL rule) is asked ``PING`` instead, from then on, so the ACL log gets one
+    denial per watch, not one per reconnect."""
+
+    def __init__(self, connect: Callable[[], Any], outage: Optional[Outage] = None) -> None:
         self._connect = connect
-        self._owns = owns
+        self._outage = outage
+        self._info = True
         self._conn: Optional[Any] = None
         self.fd: Optional[int] = None
         self.run_id: Optional[str] = None
@@ -105,8 +112,7 @@ class RedisWatch:
             return None, False
         try:
             conn.connect()
-            conn.send_command("INFO", "server", check_health=False)
-            info = conn.read_response()
+            info = self._hello(conn)
         except redis.RedisError:
             conn.disconnect()
             self._retry_at = time.monotonic() + self._backoff
@@ -114,17 +120,29 @@ class RedisWatch:
             return None, False
         self._conn = conn
         self._backoff = RECONNECT_FIRST
-        previous, self.run_id = self.run_id, _run_id(info)
-        self.restarted = previous is not None and self.run_id != previous
+        previous, self.run_id = self.run_id, _run_id(info) if info is not None else None
+        self.restarted = None not in (previous, self.run_id) and self.run_id != previous
         came_back, self.down = self.down, False
         self.fd = conn._sock.fileno()
         return self.fd, came_back
+
+    def _hello(self, conn: Any) -> Any:
+        """The first command on a new connection: its run_id, or None."""
+        if self._info:
+            conn.send_command("INFO", "server", check_health=False)
+            try:
+                return conn.read_response()
+            except redis.exceptions.NoPermissionError:
+                self._info = False  # the minimal ACL rule: PING is granted
+        conn.send_command("PING", check_health=False)
+        conn.read_response()
+        return None
 
     def poll(self) -> tuple[list[int], list[Back]]:
         """The sockets to wait on, and the servers that came back since."""
         fd, came_back = self.fileno()
         return ([] if fd is None else [fd]), (
-            [Back(self.restarted, self._owns)] if came_back else [])
+            [Back(self.restarted, self._outage)] if came_back else [])
 
     def gone(self, fd: Optional[int] = None) -> bool:
         """The socket turned readable: true when the server closed it (or sent
@@ -190,18 +208,18 @@ class MastersWatch(MultiWatch):
     def __init__(self, engine: RedlockEngine) -> None:
         super().__init__()
         for master in engine.masters:
-            self.watches[master.name] = RedisWatch(master.engine.wire.new_connection)
+            wire = master.engine.wire
+            assert isinstance(wire, Wire)
+            self.watches[master.name] = RedisWatch(wire.new_connection, wire.outage)
 
 
 class ClusterWatch(MultiWatch):
     """One :class:`RedisWatch` per primary of a Cluster, following the slot
-    map: a primary that restarts (or is killed) is noticed at once, and only
-    the locks whose slots it serves are taken back."""
+    map: a primary that restarts (or is killed) is noticed at once."""
 
     def __init__(self, wire: ClusterWire) -> None:
         super().__init__()
         self.wire = wire
-        self._slots: dict[str, set[int]] = {}
         self._map_seen = -1
 
     def _follow_map(self) -> None:
@@ -215,25 +233,13 @@ class ClusterWatch(MultiWatch):
         for name in list(self.watches):
             if name not in served:  # failed over, or its slots moved away
                 self.watches.pop(name).close()
-                self._slots.pop(name, None)
-        for name, (wire, slots) in served.items():
-            # the slots are read when the map is, not when the node comes back:
-            # by then the map may be unreadable for a while
-            self._slots.setdefault(name, set()).clear()
-            self._slots[name].update(slots)
+        for name, (wire, _slots) in served.items():
             if name not in self.watches:
-                self.watches[name] = RedisWatch(wire.new_connection,
-                                                _in_slots(self._slots[name]))
+                self.watches[name] = RedisWatch(wire.new_connection, wire.outage)
 
     def poll(self) -> tuple[list[int], list[Back]]:
         self._follow_map()
         return super().poll()
-
-
-def _in_slots(slots: set[int]) -> Callable[[str], bool]:
-    def owns(key: str) -> bool:
-        return slot_of(key) in slots
-    return owns
 
 
 def _run_id(info: Any) -> Optional[str]:
@@ -265,12 +271,12 @@ class Heartbeat:
         elif isinstance(engine.wire, ClusterWire):
             self.watch = ClusterWatch(engine.wire)
         else:
-            self.watch = RedisWatch(engine.wire.new_connection)
+            self.watch = RedisWatch(engine.wire.new_connection, engine.wire.outage)
         self.rounds = 0
         self.reasserted = 0
         self.failed_rounds = 0  # in a row, since the last round that got through
-        #: which keys restarted servers forgot, until a round takes them back
-        self._owed: list[Callable[[str], bool]] = []
+        #: a server came back: a round is owed at once, until one gets through
+        self._owed = False
 
     def add(self, lock: SingletonLock) -> None:
         with self._mutex:
@@ -313,10 +319,13 @@ class Heartbeat:
         round's time."""
         fds, back = self.watch.poll()
         if back:
-            restarted = [b.owns for b in back if b.restarted]
+            restarted = any(b.restarted for b in back)
             logger.warning("Lock Redis is back (%s): re-asserting held locks at once",
-                           "restarted" if restarted else "same server")
-            self._owed.extend(restarted)
+                           "restarted" if restarted else "same server or not told")
+            self._owed = True
+            for b in back:  # the watch got an answer: so do lock calls, at once
+                if b.outage is not None:
+                    b.outage.answered_elsewhere(RESUME_WAIT)
             return self._reassert()
         timeout = max(next_round - time.monotonic(), 0.0)
         retry_in = self.watch.retry_in
@@ -348,12 +357,11 @@ class Heartbeat:
         return time.monotonic() + min(RETRY_FAILED, self._current_interval())
 
     def _reassert(self) -> float:
-        """Renew now, taking back what the restarted servers forgot; until one
-        such round gets through (a restarted Cluster node refuses calls until
-        it has rejoined), try again every :data:`RETRY_FAILED` seconds."""
-        owed = list(self._owed)
-        if self.renew_now(take_back=lambda key: any(owns(key) for owns in owed)):
-            del self._owed[:len(owed)]
+        """Renew now (a key the server forgot is written back); until such a
+        round gets through (a restarted Cluster node refuses calls until it
+        has rejoined), try again every :data:`RETRY_FAILED` seconds."""
+        if self.renew_now(take_back=True):
+            self._owed = False
             return time.monotonic() + self._current_interval()
         return time.monotonic() + RETRY_FAILED
 
@@ -369,20 +377,19 @@ class Heartbeat:
         except BlockingIOError:
             pass
 
-    def renew_now(self, take_back: Union[bool, Callable[[str], bool]] = False) -> bool:
+    def renew_now(self, take_back: bool = False) -> bool:
         """One round: renew every held lock in one call.
 
-        ``take_back`` (for every lock, or for the lock keys it says yes to):
-        the server restarted (its run_id changed), so an absent key was
-        forgotten, not released: write it back. Otherwise an absent key was
-        released by someone (``celery singleton release --force``) or expired,
-        and the lock is lost.
+        A key found absent while its local lease is valid is written back when
+        Redis forgot it (restarted empty: the key's fencing counter is gone
+        too), and lost when someone released it (``celery singleton release
+        --force``) or another execution has it (:meth:`_take_back`), whichever
+        thread or watch noticed first. ``take_back``: a server just came back;
+        with Redlock every master is heard, the one that came back included.
 
         True when every lock got an answer; False after a Redis error, or when
         the node of some lock did not answer (a Cluster node still rejoining).
         """
-        if not callable(take_back):
-            take_back = _everything if take_back else _nothing
         locks = [lock for lock in self.held() if not lock.handed_off]
         if not locks:
             return True
@@ -392,8 +399,7 @@ class Heartbeat:
         try:
             if isinstance(self.engine, RedlockEngine):
                 # after a master came back, hear it too: it answers last
-                results, gaps = self.engine.renew_detail(entries,
-                                                         every=take_back is not _nothing)
+                results, gaps = self.engine.renew_detail(entries, every=take_back)
             else:
                 results = self.engine.renew(entries)
         except redis.RedisError as exc:
@@ -416,10 +422,7 @@ class Heartbeat:
                 if gaps and gaps[i]:
                     self._refill(lock, gaps[i])
             elif result is Renew.ABSENT and lock.held and not lock.handed_off:
-                if take_back(lock.keys.lock):
-                    self._take_back(lock, sent_at)
-                else:
-                    lock.mark_lost("renewal found the lock gone (released, or expired)")
+                self._take_back(lock, sent_at)
             elif result is Renew.NOT_OURS and lock.held and not lock.handed_off:
                 lock.mark_lost("renewal found the lock held by another execution")
         return Renew.UNANSWERED not in results
@@ -440,28 +443,33 @@ class Heartbeat:
             task_name=lock.task_name, only=masters, still_held=still_held)
 
     def _take_back(self, lock: SingletonLock, sent_at: float) -> None:
-        """An absent key of a lock whose local lease is still valid: write the
-        owner record again, with a higher fencing token."""
+        """A renewal found the key of a lock whose local lease is still valid
+        gone: write the owner record again, with a higher fencing token, if
+        Redis forgot it; lost if it was released or another execution has it."""
         if lock.lost:
             return  # the lease ran out locally: too late to take anything back
         try:
-            answer = self.engine.acquire(
-                lock.keys, task_id=lock.task_id, exec_id=lock.exec_id,
+            answer = self.engine.reclaim(
+                lock.keys, task_id=lock.task_id, exec_id=lock.exec_id, token=lock.token,
                 lease_ms=int(lock.lease * 1000), hostname=lock.hostname,
-                retries=lock.retries, task_name=lock.task_name, scope="run")
+                retries=lock.retries, task_name=lock.task_name)
         except redis.RedisError as exc:
             logger.warning("Could not take back singleton lock %s: %r", lock.key, exc)
             return
-        if answer.status is Acquire.GRANTED:
+        if answer.status is Reclaim.WRITTEN_BACK:
             self.reasserted += 1
             lock.renewed(sent_at)
             logger.warning(
-                "Took back singleton lock %s of %s[%s]: its key was gone from Redis "
+                "Took back singleton lock %s of %s[%s]: Redis had forgotten its key "
                 "(new record token %s; the task keeps token %s)",
                 lock.key, lock.task_name, lock.task_id, answer.token, lock.token)
-        else:
+        elif answer.status is Reclaim.OURS:
+            lock.renewed(sent_at)
+        elif answer.status is Reclaim.HELD:
             holder = answer.holder.task_id if answer.holder is not None else "?"
             lock.mark_lost(f"its key was gone from Redis and {holder} has it now")
+        else:
+            lock.mark_lost("renewal found the lock gone (released, or expired)")
 
 
 def heartbeat_for(engine: LockEngine) -> Heartbeat:

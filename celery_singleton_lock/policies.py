@@ -114,7 +114,17 @@ def on_backend_error(policy: str, *, phase: str, key: str, error: Exception) -> 
     return Decision(Do.WAIT, reason=f"lock backend unavailable: {error!r}")
 
 
-def backoff(config: SingletonConfig, waits: int) -> float:
-    """The countdown of a task that has waited ``waits`` times already."""
+def backoff(config: SingletonConfig, waits: int, *, backend_error: bool = False) -> float:
+    """The countdown of a task that has waited ``waits`` times already.
+
+    Waiting for the lock Redis (``backend_error``) it never grows past twice
+    ``singleton_retry_delay``, spread over its lower half: once Redis answers
+    again, every waiting task runs within that (about a second by default),
+    not all at the same moment. Each try costs a publish and no Redis call,
+    since the lock calls fail at once during the outage.
+    """
+    if backend_error:
+        ceiling: float = config.retry_delay * (2.0 if waits else 1.0)
+        return ceiling * random.uniform(0.5, 1.0)
     delay: float = min(config.retry_delay * (2 ** min(waits, 30)), config.retry_max_delay)
     return delay * random.uniform(0.8, 1.2)

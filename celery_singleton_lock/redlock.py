@@ -53,7 +53,17 @@ from .engine import CLIENT_DEFAULTS, LockEngine
 from .exceptions import QuorumError
 from .keys import LockKeys
 from .process import ForkSafeLock
-from .replies import Acquire, Acquired, Enqueue, Enqueued, Release, Released, Renew
+from .replies import (
+    Acquire,
+    Acquired,
+    Enqueue,
+    Enqueued,
+    Reclaim,
+    Reclaimed,
+    Release,
+    Released,
+    Renew,
+)
 from .servers import make_clients
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -346,6 +356,7 @@ class RedlockEngine(LockEngine):
         always_record: bool = False,
         done_ttl: float = 0.0,
         task_name: str = "",
+        finished: bool = True,
     ) -> None:
         """:meth:`release` without waiting: each master's queue sends it before
         anything this process sends that master next; ``answered`` is called
@@ -391,7 +402,7 @@ class RedlockEngine(LockEngine):
                 try:
                     self.masters[i].engine.release_later(
                         keys, exec_id, task_id, one(i), always_record=always_record,
-                        done_ttl=done_ttl, task_name=task_name)
+                        done_ttl=done_ttl, task_name=task_name, finished=finished)
                 except Exception as exc:
                     one(i)(None, exc)
             return run
@@ -493,6 +504,34 @@ class RedlockEngine(LockEngine):
 
         for i in only:
             self.each(job(i), only=[i], timeout=0.0)
+
+    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
+                hostname: str, retries: int, task_name: str) -> Reclaimed:
+        """:meth:`LockEngine.reclaim` on every master: held again when a majority
+        wrote it back (or had it); otherwise what was written is given back
+        and the answer is the refusal most masters gave."""
+        def kept(r: Any) -> bool:
+            return isinstance(r, Reclaimed) and r.status in (Reclaim.WRITTEN_BACK, Reclaim.OURS)
+
+        results = self.each(
+            lambda e: e.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
+                                lease_ms=lease_ms, hostname=hostname, retries=retries,
+                                task_name=task_name),
+            decided=_settled_by(self.quorum, Reclaimed, kept))
+        held = [i for i, r in enumerate(results) if kept(r)]
+        if len(held) >= self.quorum:
+            written = any(results[i].status is Reclaim.WRITTEN_BACK for i in held)
+            return Reclaimed(Reclaim.WRITTEN_BACK if written else Reclaim.OURS,
+                             token=max(results[i].token for i in held))
+        if held:  # not waited for: each master's queue sends it after the write-back
+            self.each(lambda e: e.release(keys, exec_id, task_id, finished=False), only=held,
+                      timeout=0.0, skip_stale=False)
+        refusals = [r for r in results if isinstance(r, Reclaimed) and not kept(r)]
+        if not refusals:
+            raise QuorumError(f"write-back of {keys.base}", self._failed(
+                results, lambda r: isinstance(r, Reclaimed)), len(held), self.quorum)
+        counts = Counter(r.status for r in refusals)
+        return next(r for r in refusals if counts[r.status] == max(counts.values()))
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
         results = self.each(lambda e: e.hand_off(keys, exec_id, next_retries, lease_ms),

@@ -46,6 +46,15 @@ class Renew(IntEnum):
     UNANSWERED = -1
 
 
+class Reclaim(IntEnum):
+    """``reclaim.lua``: what writing back a lock whose key a renewal found gone found."""
+
+    HELD = 0  #: another execution holds the key: the lock is lost
+    WRITTEN_BACK = 1  #: the server had forgotten it; written back under a new token
+    OURS = 2  #: it is this execution's already (written back by another call)
+    RELEASED = -1  #: released or expired (its fencing counter is still there): lost
+
+
 class Enqueue(IntEnum):
     """``enqueue.lua``: what a send under the queue scopes found."""
 
@@ -63,6 +72,13 @@ class Acquired:
     holder: Optional[Holder] = None
     #: the refused execution owns the key it took at send time (it was accepted)
     queued_by_it: bool = False
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    status: Reclaim
+    token: int = 0  #: the owner record's token now (WRITTEN_BACK, OURS)
+    holder: Optional[Holder] = None  #: who holds the key (HELD)
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,21 @@ def acquired(reply: Any) -> Acquired:
                         queued_by_it=len(reply) > 2 and reply[2] == 1)
     except (IndexError, TypeError, ValueError, AttributeError):
         raise UnexpectedReplyError("acquire", reply) from None
+
+
+def reclaimed(reply: Any) -> Reclaimed:
+    try:
+        if isinstance(reply, str):
+            return Reclaimed(Reclaim.WRITTEN_BACK, token=int(reply))
+        if reply == -1:
+            return Reclaimed(Reclaim.RELEASED)
+        if isinstance(reply, list) and reply[0] == 1:
+            return Reclaimed(Reclaim.OURS, token=int(reply[1]))
+        if isinstance(reply, list) and reply[0] == 0:
+            return Reclaimed(Reclaim.HELD, holder=_holder(reply[1]))
+    except (IndexError, TypeError, ValueError, AttributeError):
+        pass
+    raise UnexpectedReplyError("reclaim", reply)
 
 
 def enqueued(reply: Any) -> Enqueued:

@@ -255,7 +255,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         heartbeat.add(lock)
         # counted in memory; a thread of this process publishes it and the held lock
         monitor.count(engine, "acquired", self.name)
-        succeeded = False
+        succeeded = interrupted = False
         try:
             result = self.run(*args, **kwargs)
             succeeded = True
@@ -264,10 +264,17 @@ class SingletonTask(Task):  # type: ignore[misc]
             if not lock.handed_off:
                 self._hand_off(engine, lock, _delay_of(self, exc.when))
             raise
+        except BaseException as exc:
+            # SystemExit (a cold shutdown, a terminate), KeyboardInterrupt: the
+            # body neither returned nor raised; Celery records no outcome and an
+            # acks_late message goes back to the queue. Not finished: it must run.
+            interrupted = not isinstance(exc, Exception)
+            raise
         finally:
             heartbeat.discard(lock)
             if not lock.handed_off:
-                self._release(engine, lock, config.done_ttl if succeeded else 0.0)
+                self._release(engine, lock, config.done_ttl if succeeded else 0.0,
+                              finished=not interrupted)
             monitor.observe_hold(engine, self.name, time.monotonic() - started)
 
     def _carry_out(self, decision: Decision, config: SingletonConfig, keys: LockKeys,
@@ -300,7 +307,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 logger.info("Duplicate %s[%s] waits: %s is held by %s (%s)", name, task_id,
                             keys.base, decision.holder, decision.reason)
             try:
-                sig, countdown = self._send_again(config, args, kwargs)
+                sig, countdown = self._send_again(config, args, kwargs,
+                                                  backend_error=backend_error is not None)
             except Exception as publish_exc:
                 if backend_error is None:
                     raise
@@ -357,11 +365,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         return _IGNORE  # raised as Ignore by __call__
 
     def _send_again(self, config: SingletonConfig, args: Sequence[Any],
-                    kwargs: Mapping[str, Any]) -> tuple[Any, float]:
+                    kwargs: Mapping[str, Any], backend_error: bool = False
+                    ) -> tuple[Any, float]:
         """Send this very request again (same task id, same retries) after a backoff."""
         req = self.request
         waits = int(getattr(req, WAITS_HEADER, None) or 0)
-        countdown = policies.backoff(config, waits)
+        countdown = policies.backoff(config, waits, backend_error=backend_error)
         headers = dict(req.headers or {}) if isinstance(req.headers, dict) else {}
         headers[WAITS_HEADER] = waits + 1
         sig = self.signature_from_request(
@@ -386,7 +395,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             answer = attempt()
         return answer
 
-    def _release(self, engine: LockEngine, lock: SingletonLock, done_ttl: float = 0.0) -> None:
+    def _release(self, engine: LockEngine, lock: SingletonLock, done_ttl: float = 0.0,
+                 finished: bool = True) -> None:
+        """Free ``lock``; ``finished``: the body returned or raised (Celery records
+        it), so a redelivered copy of this task id is dropped, not run again."""
         lock.held = False
         name = self.name
 
@@ -415,7 +427,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         # process sends next; its reply is read on the next call.
         engine.release_later(lock.keys, lock.exec_id, lock.task_id, answered,
                              always_record=bool(self.acks_late), done_ttl=done_ttl,
-                             task_name=lock.task_name)
+                             task_name=lock.task_name, finished=finished)
 
     def _hand_off(self, engine: LockEngine, lock: SingletonLock, delay: float) -> None:
         lease_ms = int((max(delay, 0.0) + lock.lease) * 1000)

@@ -11,6 +11,11 @@ used), so a process holds at most one per thread inside a lock call plus one
 per release whose reply is still owed (each lock call reads those first).
 However long Redis is down, however many calls fail meanwhile, nothing is
 left behind: the next call after Redis is back connects and works.
+
+A call that gets no reply in time is not repeated: the server may be frozen
+with the command in its buffers. The wire's :class:`~.outage.Outage` makes
+every later call fail at once until the server answers again, then sends what
+is owed first (see :mod:`.outage`).
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import redis
 from redis.exceptions import NoScriptError
 
+from .outage import Answered, Outage, Owed
 from .process import ForkSafeLock
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -61,21 +67,18 @@ def evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
     return pack(["EVALSHA", script.sha, len(keys), *keys, *args])
 
 
-#: told the reply of a command sent without waiting: (reply, error, repeated)
-Answered = Callable[[Any, Optional[Exception], bool], None]
-
-
 class _Pending:
     """A command sent without waiting: what to repeat, whom to tell."""
 
-    __slots__ = ("answered", "args", "keys", "script")
+    __slots__ = ("answered", "args", "keys", "owe", "script")
 
     def __init__(self, script: Script, keys: Sequence[str], args: Sequence[Any],
-                 answered: Answered) -> None:
+                 answered: Answered, owe: bool = False) -> None:
         self.script = script
         self.keys = keys
         self.args = args
         self.answered = answered
+        self.owe = owe
 
     def answer(self, reply: Any, error: Optional[Exception], repeated: bool = False) -> None:
         try:
@@ -103,6 +106,7 @@ class Wire:
         self._unsettled: list[tuple[Any, _Pending]] = []
         self._made = 0
         self._making = ForkSafeLock()
+        self.outage = Outage(lambda: self.name, self._probe_connection, self._call_owed)
 
     @property
     def name(self) -> str:
@@ -118,13 +122,22 @@ class Wire:
         return self._made
 
     @property
+    def down(self) -> bool:
+        """The server has not answered since a call got no reply (:mod:`.outage`)."""
+        return self.outage.down
+
+    @property
     def unsettled(self) -> int:
         """Commands sent whose reply has not been read yet."""
         return len(self._unsettled)
 
-    def _take(self) -> Any:
-        """A connection in step: every reply owed on this wire read first."""
+    def _take(self, force: bool = False) -> Any:
+        """A connection in step: every reply owed on this wire read first.
+        Raises :class:`~.outage.RedisUnanswered` while the server does not
+        answer (``force``: the outage's own owed calls)."""
         self.settle()
+        if not force:
+            self.outage.check()
         try:
             return self._idle.pop()
         except IndexError:
@@ -141,6 +154,21 @@ class Wire:
         if self._resolving and conn._sock is None:
             conn.connect()
         conn.send_packed_command([packed], check_health=False)
+
+    def _probe_connection(self) -> Any:
+        return self._connection_class(**self._connection_kwargs)
+
+    def _call_owed(self, script: Script, keys: Sequence[str], args: Sequence[Any]
+                   ) -> tuple[Any, bool]:
+        reply, repeated, _ = self.call_with(script, keys, args, force=True)
+        return reply, repeated
+
+    def owe(self, error: BaseException, script: Script, keys: Sequence[str],
+            args: Sequence[Any]) -> None:
+        """Send this call (an undo) once the server answers again, twice (see
+        :mod:`.outage`): for a call that failed with ``error``, not knowing
+        whether Redis ran it or will."""
+        self.outage.begin(error, Owed(script, keys, args, twice=True))
 
     def new_connection(self) -> Any:
         """A connection for other uses (not in the idle list, no scripts loaded)."""
@@ -194,9 +222,10 @@ class Wire:
                     except redis.ResponseError as exc:
                         answers.append(exc)
                 late = _read_late(conn) if after else None
-            except BROKEN:
+            except BROKEN as exc:
                 self._give(conn, broken=True)
-                if attempt == 2:
+                if attempt == 2 or isinstance(exc, redis.TimeoutError):
+                    self.outage.begin(exc)
                     raise
                 continue
             except BaseException:
@@ -219,7 +248,7 @@ class Wire:
         raise redis.ConnectionError("the script calls could not be sent")
 
     def call_with(self, script: Script, keys: Sequence[str], args: Sequence[Any], *,
-                  before: Sequence[Any] = (), after: Sequence[Any] = ()
+                  before: Sequence[Any] = (), after: Sequence[Any] = (), force: bool = False
                   ) -> tuple[Any, bool, Any]:
         """:meth:`call` with one command sent just before the script (``ASKING``)
         and/or one just after it (``WAIT``), in the same write on the same
@@ -227,12 +256,14 @@ class Wire:
 
         Still one round trip. An error reply of ``after`` is returned as its
         reply, not raised: the script's own reply is what the caller acts on.
+        A broken connection is tried once more; no reply in time is not (the
+        server may run the command yet): the outage begins.
         """
         head = pack(before) if before else b""
         tail = pack(after) if after else b""
         packed = head + evalsha(script, keys, args) + tail
         for attempt in (1, 2):
-            conn = self._take()
+            conn = self._take(force)
             try:
                 self._send(conn, packed)
                 if before:
@@ -253,9 +284,11 @@ class Wire:
                         conn.read_response()  # keep the connection in step
                     raise
                 late = _read_late(conn) if after else None
-            except BROKEN:
+            except BROKEN as exc:
                 self._give(conn, broken=True)
-                if attempt == 2:
+                if attempt == 2 or isinstance(exc, redis.TimeoutError):
+                    if not force:
+                        self.outage.begin(exc)
                     raise
                 continue
             except redis.RedisError:
@@ -275,16 +308,20 @@ class Wire:
         return reply, repeated
 
     def call_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
-                   answered: Answered) -> None:
+                   answered: Answered, owe: bool = False) -> None:
         """Send ``script`` now and read its reply later; ``answered(reply, error, repeated)``.
 
         The command leaves at once, so Redis runs it in order before anything
         this process sends afterwards; only the wait for the reply is saved.
         The reply is read by the next call on this wire or by :meth:`settle`.
         Nothing is lost when it fails: a server that lost its scripts or a
-        broken connection gets the command again, waiting this time.
+        broken connection gets the command again, waiting this time. ``owe``
+        (a release): while the server is silent (:mod:`.outage`) the command
+        is kept and sent when it answers again, then ``answered`` is told.
         """
-        pending = _Pending(script, keys, args, answered)
+        pending = _Pending(script, keys, args, answered, owe)
+        if owe and self.outage.owe(Owed(script, keys, args, pending.answer)):
+            return  # sent when the server answers again
         packed = evalsha(script, keys, args)
         try:
             conn = self._take()
@@ -305,6 +342,15 @@ class Wire:
             self._give(conn)
             self._redo(pending, repeated=False)  # it never ran; loads the script again
             return
+        except redis.TimeoutError as exc:
+            self._give(conn, broken=True)
+            if pending.owe:  # no reply: it may run yet; sent again once the server answers
+                self.outage.begin(exc, Owed(pending.script, pending.keys, pending.args,
+                                            pending.answer))
+            else:
+                self.outage.begin(exc)
+                pending.answer(None, exc, True)
+            return
         except BROKEN:
             self._give(conn, broken=True)
             self._redo(pending, repeated=True)  # it may have run
@@ -323,14 +369,19 @@ class Wire:
         try:
             reply, again = self.call(pending.script, pending.keys, pending.args)
         except redis.RedisError as exc:
+            if pending.owe and self.outage.owe(
+                    Owed(pending.script, pending.keys, pending.args, pending.answer)):
+                return  # sent again once the server answers
             pending.answer(None, exc, repeated)
         else:
             pending.answer(reply, None, repeated or again)
 
     def settle(self) -> None:
-        """Read every reply still owed on this wire."""
+        """Read every reply still owed on this wire (none while the server is
+        not answering: they are read once it is)."""
         unsettled = self._unsettled
-        while unsettled:  # every call starts here: nothing raised when none is owed
+        # every call starts here: nothing raised when none is owed
+        while unsettled and not self.outage.down:
             try:
                 conn, pending = unsettled.pop()
             except IndexError:  # another thread read the last one

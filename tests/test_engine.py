@@ -18,7 +18,7 @@ from celery_singleton_lock.heartbeat import Heartbeat
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.process import PROCESS
-from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released
+from celery_singleton_lock.replies import Acquire, Enqueue, Reclaim, Release, Released
 from tests.support import ROOT, marker, owner_field, owner_record, wait_for, write_owner
 
 
@@ -617,6 +617,44 @@ def test_a_redis_restarted_empty_gets_the_held_lock_back_at_once(own_redis):
         assert 25_000 < client.pttl(keys.lock) <= 30_000
     finally:
         hb.discard(lock)
+
+
+def test_a_renewal_that_reaches_a_restarted_redis_first_writes_the_lock_back(own_redis):
+    """Whichever comes first after an empty restart, the renewer's watch or a
+    renewal round (a retried one, the regular one), finds the same thing: the
+    key is gone with its fencing counter, so Redis forgot it; the round writes
+    it back instead of declaring the lock lost."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    keys = new_keys()
+    lock = held_lock(engine, keys, lease=30.0)
+    hb = Heartbeat(engine)  # not started: no watch, the round is driven by hand
+    hb._held[id(lock)] = lock
+    own_redis.stop()
+    own_redis.start()  # same port, empty
+    assert hb.renew_now() is True
+    record = owner_record(own_redis.client(), keys.lock)
+    assert not lock.lost and hb.reasserted == 1
+    assert record["exec"] == "exec-a" and int(record["token"]) > lock.token
+    # the counter is written back too: the next grant of the key comes above
+    other = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine.release(keys, "exec-a", "task-a", finished=False)
+    assert take(other, keys, "task-b", "exec-b").token > int(record["token"])
+
+
+def test_a_write_back_and_a_renewal_of_the_same_lock_agree(own_redis):
+    """Two calls find the key gone (a renewal round and a second one racing it):
+    the first writes it back, the second finds it this execution's and renews."""
+    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    keys = new_keys()
+    lock = held_lock(engine, keys, lease=30.0)
+    own_redis.stop()
+    own_redis.start()
+    args = {"task_id": "task-a", "exec_id": "exec-a", "token": lock.token, "lease_ms": 30_000,
+            "hostname": "w1@host", "retries": 0, "task_name": "t.x"}
+    first = engine.reclaim(keys, **args)
+    second = engine.reclaim(keys, **args)
+    assert first.status is Reclaim.WRITTEN_BACK and first.token > lock.token
+    assert second.status is Reclaim.OURS and second.token == first.token
 
 
 def test_a_lock_whose_lease_ran_out_during_the_outage_is_not_taken_back(own_redis):

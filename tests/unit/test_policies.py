@@ -95,3 +95,14 @@ def test_backoff_doubles_up_to_its_ceiling_with_jitter():
     assert 0.8 <= backoff(config, 0) <= 1.2
     assert 3.2 <= backoff(config, 2) <= 4.8
     assert all(6.4 <= backoff(config, n) <= 9.6 for n in (3, 10, 100))
+
+
+def test_waiting_for_the_lock_redis_never_backs_off_past_twice_the_delay():
+    """A task waiting out an outage is tried again within 2 x retry_delay, each
+    try on its own moment: once Redis answers, every one runs within that."""
+    config = SingletonConfig.defaults("redis://h/0", retry_delay=1.0, retry_max_delay=30.0)
+    first = [backoff(config, 0, backend_error=True) for _ in range(200)]
+    later = [backoff(config, n, backend_error=True) for n in (1, 5, 50) for _ in range(100)]
+    assert all(0.5 <= d <= 1.0 for d in first)
+    assert all(1.0 <= d <= 2.0 for d in later)
+    assert len({round(d, 3) for d in later}) > 50  # spread, not all at one moment

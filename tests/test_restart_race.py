@@ -1,0 +1,92 @@
+"""A lock Redis killed and restarted empty at any point of the renewal cycle:
+the holder writes its lock back, whichever of its renewer's paths reaches the
+new server first, and no duplicate runs beside it.
+
+The lease is 3 s, so the renewer renews every second. The restart is placed
+at five points of that second, measured from a renewal seen on the key's TTL.
+Both as the default user and as the documented minimal ACL user (which may
+not run ``INFO``): the write-back does not depend on it, and the Redis ACL
+log does not grow while the worker holds its lock.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from celery_singleton_lock import is_skipped
+from celery_singleton_lock.checks import acl_rule
+from tests.support import RedisServer, Worker, wait_for
+from tests.workerapp import make_app
+
+pytestmark = pytest.mark.worker
+
+CONF = {"singleton_ttl": 3.0}
+#: where in the 1 s renewal cycle the server is killed, seconds after a renewal
+OFFSETS = (0.0, 0.2, 0.4, 0.6, 0.8)
+
+
+def denials(admin: Any) -> int:
+    return sum(int(entry.get("count", 1)) for entry in admin.acl_log(128))
+
+
+def wait_for_renewal(admin: Any, lock_key: str) -> None:
+    """Until the key's TTL jumps back up: a renewal just landed."""
+    last = admin.pttl(lock_key)
+
+    def renewed() -> bool:
+        nonlocal last
+        now = admin.pttl(lock_key)
+        jumped = now > last + 200
+        last = now
+        return jumped
+    wait_for(renewed, 10, interval=0.005, what="a renewal of the held lock")
+
+
+@pytest.mark.parametrize("user", ["default", "acl"])
+def test_a_restart_anywhere_in_the_renewal_cycle_never_lets_a_duplicate_run(
+        redis_server: RedisServer, events: Any, user: str) -> None:
+    extra: list[str] = []
+    if user == "acl":
+        extra = ["--user", "locks", "on", ">s3cret", *acl_rule("singleton:", 2).split()]
+    lock_server = RedisServer(extra).start()
+    auth = "locks:s3cret@" if user == "acl" else ""
+    lock_url = f"redis://{auth}127.0.0.1:{lock_server.port}/2"
+    queue = f"race-{uuid.uuid4().hex[:8]}"
+    worker = Worker(redis_server.url(), queue, concurrency=2, conf=CONF,
+                    lock_url=lock_url).start()
+    try:
+        app = make_app(redis_server.url(), queue, lock_url=lock_url, conf=CONF)
+        task = app.tasks["t.hold"]
+        key = uuid.uuid4().hex[:8]
+        lock_key = task.singleton_keys(key).lock
+        holder = task.delay(key, 25.0, "holder")
+        wait_for(lambda: events.starts("holder"), 15, what="the holder to start")
+        admin = lock_server.client(2)
+        for i, offset in enumerate(OFFSETS):
+            wait_for_renewal(admin, lock_key)
+            time.sleep(offset)  # placing the kill in the cycle, not racing a lease
+            lock_server.stop()  # kill -9
+            lock_server.start()  # same port, empty
+            admin = lock_server.client(2)
+            wait_for(lambda: admin.exists(lock_key), 10,  # noqa: B023
+                     what=f"the lock written back after restart {i + 1}")
+            dup = task.delay(key, 0.0, f"dup{i}").get(timeout=20)
+            assert is_skipped(dup) and dup["holder"] == holder.id, dup
+        if user == "acl":
+            before = denials(admin)
+            wait_for_renewal(admin, lock_key)
+            wait_for_renewal(admin, lock_key)
+            assert denials(admin) == before, admin.acl_log(16)
+        assert holder.get(timeout=40)["lost"] is False
+        logs = worker.logs()
+        assert "Lost singleton lock" not in logs
+        assert logs.count("Took back singleton lock") == len(OFFSETS)
+        assert not events.starts("dup")
+        assert max(e["concurrent"] for e in events.starts()) == 1
+    finally:
+        worker.stop()
+        lock_server.cleanup()
