@@ -410,7 +410,7 @@ def test_a_tick_buffered_by_a_beat_killed_meanwhile_is_sent_by_another(
         return [e for e in tick_events(events, "waits", "start")
                 if e["singleton_beat_tick"] == tick_name(tick)]
 
-    wait_for(ran, 10, what="the buffered tick to run after its beat died")
+    wait_for(ran, 30, what="the buffered tick to run after its beat died")
     assert ran()[0]["singleton_beat_id"] != buffering
     survivor = next(b for b in beats if b is not victim)
     assert "sent from the buffer" in survivor.logs()

@@ -11,11 +11,13 @@ log does not grow while the worker holds its lock.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
 
 import pytest
+import redis
 
 from celery_singleton_lock import is_skipped
 from celery_singleton_lock.checks import acl_rule
@@ -31,6 +33,39 @@ OFFSETS = (0.0, 0.2, 0.4, 0.6, 0.8)
 
 def denials(admin: Any) -> int:
     return sum(int(entry.get("count", 1)) for entry in admin.acl_log(128))
+
+
+class RestartWatch(threading.Thread):
+    """Polls the restarting server every 2 ms: when it first answers, when
+    the lock is first back on it."""
+
+    def __init__(self, port: int, key: str) -> None:
+        super().__init__(daemon=True)
+        self.client = redis.Redis(port=port, db=2, socket_timeout=1, socket_connect_timeout=1)
+        self.key = key
+        self.answered = self.written = 0.0
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                there = self.client.exists(self.key)
+            except redis.RedisError:
+                time.sleep(0.002)
+                continue
+            now = time.monotonic()
+            self.answered = self.answered or now
+            if there:
+                self.written = now
+                return
+            time.sleep(0.002)
+
+    def result(self) -> float:
+        """Seconds from the first answer to the lock being back."""
+        self.join(25)
+        assert self.answered and self.written
+        return self.written - self.answered
 
 
 def wait_for_renewal(admin: Any, lock_key: str) -> None:
@@ -66,14 +101,17 @@ def test_a_restart_anywhere_in_the_renewal_cycle_never_lets_a_duplicate_run(
         holder = task.delay(key, 25.0, "holder")
         wait_for(lambda: events.starts("holder"), 15, what="the holder to start")
         admin = lock_server.client(2)
+        written: list[float] = []
         for i, offset in enumerate(OFFSETS):
             wait_for_renewal(admin, lock_key)
             time.sleep(offset)  # placing the kill in the cycle, not racing a lease
             lock_server.stop()  # kill -9
+            watch = RestartWatch(lock_server.port, lock_key)
             lock_server.start()  # same port, empty
             admin = lock_server.client(2)
             wait_for(lambda: admin.exists(lock_key), 10,  # noqa: B023
                      what=f"the lock written back after restart {i + 1}")
+            written.append(watch.result())
             dup = task.delay(key, 0.0, f"dup{i}").get(timeout=20)
             assert is_skipped(dup) and dup["holder"] == holder.id, dup
         if user == "acl":
@@ -87,6 +125,9 @@ def test_a_restart_anywhere_in_the_renewal_cycle_never_lets_a_duplicate_run(
         assert logs.count("Took back singleton lock") == len(OFFSETS)
         assert not events.starts("dup")
         assert max(e["concurrent"] for e in events.starts()) == 1
+        ms = sorted(w * 1000 for w in written)
+        print(f"\n{user}: written back {ms[0]:.0f} / {ms[len(ms) // 2]:.0f} / {ms[-1]:.0f} ms "
+              "(min / median / max) after the restarted server first answered")
     finally:
         worker.stop()
         lock_server.cleanup()
