@@ -38,10 +38,10 @@ def _pair(kind: str, url: str, tag: str) -> Callable[[int], None]:
     """One acquire + release of a key only call ``i`` of this client uses."""
     if kind == OURS:
         from celery_singleton_lock import SingletonConfig
-        from celery_singleton_lock.engine import LockEngine
+        from celery_singleton_lock.engines import connect
         from celery_singleton_lock.keys import LockKeys
 
-        engine = LockEngine.from_config(SingletonConfig.defaults(url))
+        engine = connect(SingletonConfig.defaults(url))
 
         def ours(i: int) -> None:
             keys = LockKeys("cap:", f"{tag}{i:x}")

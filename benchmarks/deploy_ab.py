@@ -48,7 +48,7 @@ else:  # versions that read settings from an app only
     app = Celery(set_as_current=False)
     app.conf.singleton_redis_url = url
     config = SingletonConfig.from_app(app)
-engine = LockEngine.from_config(config)
+engine = connect(config)
 keys = [LockKeys("singleton:", uuid.uuid4().hex) for _ in range(64)]
 
 def pair(k, exec_id):

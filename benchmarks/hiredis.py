@@ -24,6 +24,7 @@ import redis.connection
 
 from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.testing import RedisServer
 
@@ -35,7 +36,7 @@ PARSERS: dict[str, Any] = {
 
 def engine(url: str, parser: Any) -> LockEngine:
     config = SingletonConfig.defaults(url, redis_options={"parser_class": parser})
-    return LockEngine.from_config(config)
+    return connect(config)
 
 
 def pairs(eng: LockEngine, calls: int) -> float:

@@ -56,6 +56,7 @@ import redis
 
 from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.testing import free_port, redis_server_binary, wait_for
 from celery_singleton_lock.wire import pack
@@ -217,7 +218,7 @@ def bare_scripts_workload(server: Server, tasks: int, fenced: bool = False
 
 def _engine(server: Server) -> LockEngine:
     config = SingletonConfig.defaults(f"redis://127.0.0.1:{server.port}/0")
-    return LockEngine.from_config(config)
+    return connect(config)
 
 
 def ours_workload(server: Server, tasks: int) -> Callable[[], None]:
@@ -297,7 +298,7 @@ def measure(server: Server, name: str, tasks: int, callgrind: bool) -> dict[str,
 def per_script(server: Server, tasks: int) -> dict[str, tuple[float, float]]:
     """Microseconds each script call takes inside Redis (its inner commands
     included), from the slow log with every command logged: (median, p90)."""
-    from celery_singleton_lock.engine import SCRIPTS
+    from celery_singleton_lock.calls import SCRIPTS
 
     names = {script.sha: name for name, script in SCRIPTS.items()}
     client = server.client

@@ -402,12 +402,13 @@ class Bench:
 
     def heartbeat(self) -> None:
         from celery_singleton_lock import SingletonConfig
-        from celery_singleton_lock.engine import RENEW_CHUNK, LockEngine
+        from celery_singleton_lock.engine import RENEW_CHUNK
+        from celery_singleton_lock.engines import connect
         from celery_singleton_lock.heartbeat import Heartbeat
         from celery_singleton_lock.keys import LockKeys
         from celery_singleton_lock.lock import SingletonLock
 
-        engine = LockEngine.from_config(SingletonConfig.defaults(self.locks.url(5)))
+        engine = connect(SingletonConfig.defaults(self.locks.url(5)))
         client = self.locks.client(5)
         rows = []
         for n in self.sizes.heartbeat:
@@ -484,7 +485,7 @@ class Bench:
     # -- 4: duplicate storm --------------------------------------------------------------
 
     def storm(self) -> None:
-        from celery_singleton_lock.engine import engine_for
+        from celery_singleton_lock.engines import engine_for
 
         storm = self.app.tasks["bench.storm"]
         plain = self.app.tasks["bench.plain"]
@@ -538,10 +539,10 @@ class Bench:
 
     def latency(self) -> None:
         from celery_singleton_lock import SingletonConfig
-        from celery_singleton_lock.engine import LockEngine
+        from celery_singleton_lock.engines import connect
         from celery_singleton_lock.keys import LockKeys
 
-        engine = LockEngine.from_config(SingletonConfig.defaults(self.locks.url(6)))
+        engine = connect(SingletonConfig.defaults(self.locks.url(6)))
         client = self.locks.client(6)
         ours_keys = LockKeys("bench:", "f" * 32)
         samples: dict[str, dict[str, list[float]]] = {

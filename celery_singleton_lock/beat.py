@@ -10,9 +10,8 @@ with no lease to wait out (docs/beat.md).
 stock Celery's file persistence; :class:`SingletonSchedulerMixin` goes in front
 of any other scheduler class (django-celery-beat's ``DatabaseScheduler``, ...).
 
-The worker side, :func:`claim_tick_run`, makes a ``SingletonTask`` sent by beat
-run at most once per (entry, tick) even when two beats both sent it because a
-claim was lost (a Redis failover that dropped the key).
+Tick names, their keys and the worker's check that each tick runs once are in
+:mod:`.ticks`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 import redis
 from celery.beat import PersistentScheduler, event_t
@@ -34,28 +33,30 @@ from celery.schedules import crontab, schedstate
 from celery.schedules import schedule as interval_schedule
 
 from .config import check_ttl, choice, get_config
-from .engine import LockEngine, engine_for
-from .keys import digest
+from .engines import engine_for
+from .ticks import (
+    BEAT_HEADER,
+    ENTRY_HEADER,
+    PERIODIC_TASK_HEADER,
+    RUN_MARKER_TTL_MS,
+    TICK_HEADER,
+    buffer_key,
+    claim_key,
+    from_ms,
+    tick_name,
+    ticks_around,
+    to_ms,
+)
 
 logger = logging.getLogger("celery_singleton_lock")
 
 UTC = dt.timezone.utc
-
-#: headers on every message a singleton beat sends
-ENTRY_HEADER = "singleton_beat_entry"
-TICK_HEADER = "singleton_beat_tick"
-BEAT_HEADER = "singleton_beat_id"
-#: django-celery-beat's header naming the periodic task; kept, or set to the entry name
-PERIODIC_TASK_HEADER = "periodic_task_name"
 
 OVERLAP_MODES = ("skip", "buffer_one", "allow")
 BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
 #: the entry option (``options={"singleton_overlap": ...}``) choosing an entry's mode
 OVERLAP_OPTION = "singleton_overlap"
 
-#: how long the worker remembers that a tick ran (a second copy of it arriving
-#: later than this is no longer recognised)
-RUN_MARKER_TTL_MS = 3600 * 1000
 #: wake this much after a nominal fire time: Celery wakes 10 ms early (its drift)
 _WAKE_SLACK = 0.015
 #: how often a beat holding a buffered tick looks whether the running one ended
@@ -109,156 +110,6 @@ def beat_config(app: Any) -> BeatConfig:
         value = app.conf.get(name)
         values[name[len("singleton_beat_"):]] = default if value is None else check(name, value)
     return BeatConfig(**values)
-
-
-# -- tick naming (pure: no Redis, no clock of its own) ---------------------------------
-
-
-def to_ms(when: dt.datetime) -> int:
-    """Milliseconds since the epoch of an aware datetime."""
-    return (when - _EPOCH) // dt.timedelta(milliseconds=1)
-
-
-def from_ms(ms: int) -> dt.datetime:
-    return _EPOCH + dt.timedelta(milliseconds=ms)
-
-
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def tick_name(tick: dt.datetime) -> str:
-    """The tick as it travels in the header: ISO 8601, UTC, milliseconds."""
-    return tick.astimezone(UTC).isoformat(timespec="milliseconds")
-
-
-def _aware(when: dt.datetime) -> dt.datetime:
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-
-
-def interval_ticks(period: dt.timedelta, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
-    """(latest tick not after ``now``, next tick) of an interval aligned to the epoch.
-
-    ``floor(now / period) * period``: every beat computes the same ticks from
-    its clock alone, whenever it started. Stock Celery counts from each
-    process's own last run, so two processes would name different ticks.
-    """
-    period_ms = max(period // dt.timedelta(milliseconds=1), 1)
-    latest = to_ms(now) // period_ms * period_ms
-    return from_ms(latest), from_ms(latest + period_ms)
-
-
-def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
-    """The first nominal fire time strictly after ``ref``, in UTC (None: never again)."""
-    ref = _aware(ref)
-    if isinstance(sched, crontab):
-        # remaining_delta works in the crontab's own timezone; start + delta is the
-        # next fire time there (what Celery's remaining() computes too).
-        start, delta, _ = sched.remaining_delta(ref)
-        nxt = _aware(start + delta).astimezone(UTC)
-        if nxt <= ref:  # the minute of ref itself: step past it
-            return next_fire_after(sched, ref + dt.timedelta(minutes=1) - dt.timedelta(
-                seconds=ref.second, microseconds=ref.microsecond))
-        return nxt
-    clocked = getattr(sched, "clocked_time", None)
-    if isinstance(clocked, dt.datetime):  # django-celery-beat's one-off schedule
-        fire = _aware(clocked).astimezone(UTC)
-        return fire if fire > ref else None
-    # solar and other schedules: their estimate is relative to their own now()
-    remaining: dt.timedelta = sched.remaining_estimate(ref)
-    nxt = _aware(sched.now()).astimezone(UTC) + remaining
-    return nxt if nxt > ref else None
-
-
-def ticks_around(sched: Any, now: dt.datetime, window: float
-                 ) -> tuple[Optional[dt.datetime], Optional[dt.datetime]]:
-    """(latest fire time in ``(now - window, now]`` or None, first fire time after ``now``).
-
-    Only the latest fire time counts: after a downtime the ticks before it are
-    never sent (no replay storm), and one older than the window is not either.
-    """
-    now = _aware(now).astimezone(UTC)
-    if isinstance(sched, interval_schedule) and not isinstance(sched, crontab):
-        latest, following = interval_ticks(sched.run_every, now)
-        if (now - latest).total_seconds() > window:
-            return None, following
-        return latest, following
-    candidate: Optional[dt.datetime] = None
-    nxt = next_fire_after(sched, now - dt.timedelta(seconds=window))
-    # a crontab fires at most once a minute: a bounded walk through the window
-    while nxt is not None and nxt <= now:
-        candidate = nxt
-        nxt = next_fire_after(sched, nxt)
-    return candidate, nxt
-
-
-# -- Redis keys -----------------------------------------------------------------------
-
-
-def entry_base(prefix: str, entry_name: str) -> str:
-    """``<prefix>beat:{<digest of the entry name>}``: one hash tag for all of an entry's keys."""
-    return f"{prefix}beat:{{{digest(['beat', entry_name])}}}"
-
-
-def claim_key(prefix: str, entry_name: str, tick: dt.datetime) -> str:
-    """String key: which beat sends this tick (value: the beat id)."""
-    return f"{entry_base(prefix, entry_name)}:{to_ms(tick)}"
-
-
-def buffer_key(prefix: str, entry_name: str) -> str:
-    """String key: the tick waiting for the running one (overlap "buffer_one")."""
-    return f"{entry_base(prefix, entry_name)}:buffer"
-
-
-def run_key(prefix: str, entry_name: str, tick: dt.datetime) -> str:
-    """String key: which task id ran this tick on a worker (value: the task id)."""
-    return f"{entry_base(prefix, entry_name)}:run:{to_ms(tick)}"
-
-
-# -- worker side ----------------------------------------------------------------------
-
-
-def _header(request: Any, name: str) -> Any:
-    if isinstance(request, Mapping):
-        return request.get(name)
-    value = getattr(request, name, None)
-    if value is None:
-        headers = getattr(request, "headers", None)
-        if isinstance(headers, Mapping):
-            value = headers.get(name)
-    return value
-
-
-def claim_tick_run(engine: LockEngine, prefix: str, request: Any) -> bool:
-    """True when this execution is the first of its (entry, tick): let it run.
-
-    ``request`` is the task's request (or a mapping of its headers). A message
-    not sent by a singleton beat is always True, without a round trip. The
-    same task id is True again (its own retry, a redelivery after a crash);
-    another id for a tick that already ran is False: drop it. If Redis cannot
-    answer, True: the task's own lock and its backend-error policy decide.
-    ``engine``: the app's lock engine (with Redlock, the marker goes on a
-    majority of the masters).
-    """
-    entry = _header(request, ENTRY_HEADER)
-    tick = _header(request, TICK_HEADER)
-    if not entry or not tick:
-        return True
-    task_id = str(_header(request, "id") or "")
-    try:
-        key = run_key(prefix, str(entry), _aware(dt.datetime.fromisoformat(str(tick))))
-        first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
-    except ValueError:
-        logger.warning("Beat tick header %r of entry %r is not a time: not checked", tick, entry)
-        return True
-    except redis.RedisError as exc:
-        logger.warning("Could not check whether beat tick %s of %r already ran (%r)",
-                       tick, entry, exc)
-        return True
-    if first or holder == task_id:
-        return True
-    logger.info("Dropped %s of beat entry %r tick %s: that tick already ran as %s",
-                task_id, entry, tick, holder)
-    return False
 
 
 # -- the scheduler --------------------------------------------------------------------

@@ -18,7 +18,7 @@ from celery.worker.control import inspect_command
 
 from . import checks, masking, monitor, signals
 from .config import get_config
-from .engine import engine_for
+from .engines import engine_for
 from .exceptions import ConfigurationError
 from .revoke import watch_revoke_command
 

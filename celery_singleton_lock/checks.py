@@ -32,10 +32,8 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from .config import SingletonConfig
-from .engine import (
+from .calls import (
     SCRIPTS,
-    LockEngine,
     acquire_call,
     enqueue_call,
     handoff_call,
@@ -43,6 +41,8 @@ from .engine import (
     renew_call,
     unqueue_call,
 )
+from .config import SingletonConfig
+from .engine import LockEngine
 from .exceptions import ConfigurationError
 from .keys import LockKeys
 from .masking import mask_url

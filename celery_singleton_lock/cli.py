@@ -144,7 +144,7 @@ def _scan_digests(client: redis.Redis, prefix: str) -> list[str]:
 
 
 def _rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]:
-    from .engine import marker_task
+    from .calls import marker_task
     from .keys import LockKeys
 
     seconds, micros = client.execute_command("TIME")  # type: ignore[no-untyped-call]
@@ -228,7 +228,7 @@ class _Context:
 
     def __init__(self, ctx: click.Context) -> None:
         from .config import get_config
-        from .engine import engine_for
+        from .engines import engine_for
 
         self.app = ctx.obj.app
         self.app.loader.import_default_modules()  # tasks listed in `include`

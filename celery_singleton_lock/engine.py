@@ -4,28 +4,39 @@ Every lock operation of the library is one call of a script in ``lua/``; each
 does compare-then-act on the execution id, so nobody frees or extends a lock
 that is no longer theirs. :mod:`.wire` carries the calls, :mod:`.replies`
 names their answers, :mod:`.process` says who holds a key and whether it lives.
-One engine per app and process (:func:`engine_for`), made anew after fork.
+:mod:`.calls` builds each script's arguments; :mod:`.engines` makes one
+engine per app and process, anew after fork.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import time
-import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 import redis
 
 from . import replies
+from .calls import (
+    FENCE_TTL_MS,
+    SCRIPTS,
+    acquire_call,
+    enqueue_call,
+    handoff_call,
+    marker_task,
+    record_rest,
+    release_call,
+    renew_call,
+    unqueue_call,
+)
 from .cluster import ClusterWire, LazyCluster, slot_of
-from .config import SingletonConfig, get_config
+from .config import SingletonConfig
 from .exceptions import TooFewReplicasError
 from .keys import LockKeys
 from .outage import RedisUnanswered
-from .process import HOST_KEY, PROCESS, ForkSafeLock, Holder, forget_seen, pid_alive
+from .process import HOST_KEY, Holder, forget_seen, pid_alive
 from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
-from .servers import make_client, mode_of
+from .servers import CLIENT_DEFAULTS, make_client, mode_of
 from .wire import BROKEN, Script, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -33,109 +44,6 @@ logger = logging.getLogger("celery_singleton_lock")
 #: locks renewed by one script call: each costs Redis a few microseconds, so a
 #: call stays well under 5 ms however many locks a process holds
 RENEW_CHUNK = 250
-
-#: how long a key's fencing counter outlives its last grant (written in acquire.lua)
-FENCE_TTL_MS = 24 * 3600 * 1000
-
-#: what redis-py is given unless ``singleton_redis_options`` says otherwise
-CLIENT_DEFAULTS: dict[str, Any] = {
-    # the longest a lock call waits for a Redis that does not answer, once per
-    # outage: later calls fail at once until it answers again (:mod:`.outage`)
-    "socket_timeout": 2.0,
-    "socket_connect_timeout": 2.0,
-    "health_check_interval": 30,
-    # the pool serves only rare calls (owner records, start-up checks); the
-    # lock calls use the wire's own connections
-    "max_connections": 8,
-}
-
-
-#: every script, read once at import: making an engine later touches no import
-#: machinery, whose per-module locks a forked child could inherit held (the
-#: main worker process makes engines in its reaper thread while the pool forks)
-SCRIPTS: dict[str, Script] = {
-    name: Script.load(name)
-    for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue", "fence",
-                 "reclaim")
-}
-
-
-def _field(value: str) -> str:
-    """A record field of ours written by users (host name, task name): no newline."""
-    return value.replace("\n", " ") if "\n" in value else value
-
-
-def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_name: str,
-                fin_ms: int) -> str:
-    """The owner record's fields from ``lease`` on, as one string (docs/redis-keys.md)."""
-    return (f"{lease_ms}\n{fin_ms}\n{retries}\n{PROCESS.pid}\n{HOST_KEY}\n{_field(hostname)}\n"
-            f"{_field(task_name)}\n{task_id}")
-
-
-def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
-                 retries: int, task_name: str, scope: str, fin_ms: int
-                 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``acquire.lua``.
-
-    Redis pays for every string passed (about as much as for a command run
-    inside the script), so the owner record's fields that the script does not
-    look at go as one string, in the record's own order, and the send-time
-    marker's key only under the queue scopes.
-    """
-    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    if scope == "run":
-        return [keys.lock, keys.fence, keys.fin, keys.done], [task_id, exec_id, lease_ms, rest]
-    return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued],
-            [task_id, exec_id, lease_ms, rest, scope])
-
-
-def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
-                 always_record: bool, done_ttl: float, fin_ms: int, task_name: str = ""
-                 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``release.lua``: the usual release passes two keys and
-    two strings; the finish marker's task id and TTL come from the owner record."""
-    done_ms = int(done_ttl * 1000)
-    mode = 0 if not finished else 2 if always_record else 1
-    if done_ms > 0:
-        return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms,
-                                                 _field(task_name)]
-    if mode == 2:
-        return [keys.lock, keys.fin], [exec_id, mode, task_id, fin_ms]
-    return [keys.lock, keys.fin], [exec_id, mode]
-
-
-def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = ""
-                 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``enqueue.lua``."""
-    return [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1),
-                                                _field(task_name)]
-
-
-def marker_task(value: Any) -> tuple[str, str]:
-    """(task name, task id) of a send-time or done marker's value."""
-    text = str(value or "")
-    name, newline, task_id = text.partition("\n")
-    return (name, task_id) if newline else ("", text)
-
-
-def unqueue_call(keys: LockKeys, task_id: str) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``unqueue.lua``."""
-    return [keys.queued], [task_id]
-
-
-def renew_call(entries: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``renew.lua`` for ``(lock key, exec id, lease ms)`` entries."""
-    args: list[Any] = []
-    for _, exec_id, lease_ms in entries:
-        args.append(exec_id)
-        args.append(lease_ms)
-    return [e[0] for e in entries], args
-
-
-def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
-                 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``handoff.lua``."""
-    return [keys.lock], [exec_id, next_retries, lease_ms]
 
 
 class LockEngine:
@@ -166,14 +74,13 @@ class LockEngine:
 
     @classmethod
     def from_config(cls, config: SingletonConfig) -> LockEngine:
-        options = dict(CLIENT_DEFAULTS)
-        options.update(config.redis_options)
-        options["decode_responses"] = True
+        """The engine of one server, a Sentinel-managed primary or a Cluster
+        (:func:`.engines.connect` picks the kind, Redlock included)."""
         url = config.redis_url
         if mode_of(url) == "redlock":
-            from .redlock import RedlockEngine
-
-            return RedlockEngine.from_config(config)
+            raise ValueError("a redlock:// URL names several masters: "
+                             "celery_singleton_lock.engines.connect() makes its engine")
+        options = {**CLIENT_DEFAULTS, **config.redis_options, "decode_responses": True}
         if mode_of(url) == "cluster":
             return cls(LazyCluster(lambda: make_client(url, options)), config)  # type: ignore[arg-type]
         return cls(make_client(url, options), config)
@@ -516,12 +423,6 @@ class LockEngine:
         return self.clear_dead_holder(keys, holder)
 
 
-# -- one engine per app and process ------------------------------------------------
-
-_engines: weakref.WeakKeyDictionary[Any, tuple[int, LockEngine]] = weakref.WeakKeyDictionary()
-_engines_lock = ForkSafeLock()
-
-
 def _renew_answers(out: list[Optional[Renew]], errors: list[Exception]) -> list[Renew]:
     """A round's answers; the first error when no lock was answered at all. A
     slot whose node failed this round leaves its locks alone, as on any Redis
@@ -529,43 +430,3 @@ def _renew_answers(out: list[Optional[Renew]], errors: list[Exception]) -> list[
     if errors and all(result is None for result in out):
         raise errors[0]
     return [Renew.UNANSWERED if result is None else result for result in out]
-
-
-def engine_for(app: Any) -> LockEngine:
-    """The engine of ``app`` in this process (a new one after fork)."""
-    generation = PROCESS.generation
-    entry = _engines.get(app)
-    if entry is None or entry[0] != generation:
-        with _engines_lock:
-            entry = _engines.get(app)
-            if entry is None or entry[0] != generation:
-                entry = (generation, LockEngine.from_config(get_config(app)))
-                _engines[app] = entry
-                _register_exit_settle()
-    return entry[1]
-
-
-def settle_all() -> None:
-    """Read the replies every engine of this process still owes (at process exit)."""
-    generation = PROCESS.generation
-    for entry in list(_engines.values()):
-        if entry[0] == generation:
-            try:
-                entry[1].settle()
-            except Exception as exc:  # exiting: say so, never raise
-                logger.warning("Could not read a lock reply at exit: %r", exc)
-
-
-_exit_settle_registered = False
-
-
-def _register_exit_settle() -> None:
-    global _exit_settle_registered
-    if not _exit_settle_registered:
-        _exit_settle_registered = True
-        atexit.register(settle_all)
-
-
-def forget_engine(app: Any) -> None:
-    with _engines_lock:
-        _engines.pop(app, None)

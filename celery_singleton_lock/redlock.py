@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import redis
 
 from .config import SingletonConfig
-from .engine import CLIENT_DEFAULTS, LockEngine
+from .engine import LockEngine
 from .exceptions import QuorumError
 from .keys import LockKeys
 from .process import ForkSafeLock
@@ -64,7 +64,7 @@ from .replies import (
     Released,
     Renew,
 )
-from .servers import make_clients
+from .servers import CLIENT_DEFAULTS, make_clients
 
 logger = logging.getLogger("celery_singleton_lock")
 

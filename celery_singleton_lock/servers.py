@@ -45,6 +45,18 @@ SCHEMES = {
 #: the fewest masters a ``redlock://`` URL may name
 MIN_MASTERS = 3
 
+#: what redis-py is given unless ``singleton_redis_options`` says otherwise
+CLIENT_DEFAULTS: dict[str, Any] = {
+    # the longest a lock call waits for a Redis that does not answer, once per
+    # outage: later calls fail at once until it answers again (:mod:`.outage`)
+    "socket_timeout": 2.0,
+    "socket_connect_timeout": 2.0,
+    "health_check_interval": 30,
+    # the pool serves only rare calls (owner records, start-up checks); the
+    # lock calls use the wire's own connections
+    "max_connections": 8,
+}
+
 
 @dataclass(frozen=True)
 class Endpoint:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
 
-from .engine import engine_for, settle_all
+from .engines import engine_for, settle_all
 
 logger = logging.getLogger("celery_singleton_lock")
 

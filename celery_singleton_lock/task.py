@@ -21,7 +21,8 @@ from kombu.utils.uuid import uuid
 from . import monitor, policies
 from .bootsteps import SingletonStep
 from .config import SingletonConfig, get_config
-from .engine import LockEngine, engine_for
+from .engine import LockEngine
+from .engines import engine_for
 from .exceptions import LockBackendError, WaitingForKey
 from .heartbeat import heartbeat_for
 from .keys import KeyBuilder, KeySpec, LockKeys
@@ -30,6 +31,7 @@ from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
 from .replies import Acquire, Acquired, Release, Released
 from .results import DeduplicatedResult, skip_result
+from .ticks import claim_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -212,13 +214,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         config = self.singleton_settings().config
         keys = self.singleton_settings().builder.keys(args, kwargs)
         engine = engine_for(self.app)
-        if getattr(req, "singleton_beat_tick", None):
-            # Sent by a singleton beat: one run per (entry, tick) even if two beats
-            # sent it (a claim lost in a failover). Checked before the lock, so the
-            # extra copy neither takes the key nor waits for it (docs/beat.md).
-            from .beat import claim_tick_run
-            if not claim_tick_run(engine, config.key_prefix, req):
-                raise Ignore()
+        # Sent by a singleton beat: one run per (entry, tick) even if two beats
+        # sent it (a claim lost in a failover). Checked before the lock, so the
+        # extra copy neither takes the key nor waits for it (docs/beat.md).
+        if getattr(req, "singleton_beat_tick", None) and not claim_tick_run(
+                engine, config.key_prefix, req):
+            raise Ignore()
         exec_id = PROCESS.new_exec_id()
         started = time.monotonic()
         try:

@@ -349,7 +349,7 @@ def hold_key(task: Any, *args: Any, holder: str = "", ttl: float = 60.0,
     the ``queue_and_run`` scope is refused. Yields the holder's task id; the key
     is freed at the end (if the fake holder still has it).
     """
-    from .engine import engine_for
+    from .engines import engine_for
     from .process import PROCESS
 
     keys = task.singleton_keys(*args, **kwargs)

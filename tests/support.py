@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from celery_singleton_lock.engine import marker_task
+from celery_singleton_lock.calls import marker_task
 from celery_singleton_lock.replies import RECORD_FIELDS, record
 from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
 

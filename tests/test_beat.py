@@ -25,9 +25,10 @@ import pytest
 from celery.schedules import crontab, schedule
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.beat import (
-    BeatConfig,
-    beat_config,
+from celery_singleton_lock.beat import BeatConfig, beat_config
+from celery_singleton_lock.engines import connect, engine_for
+from celery_singleton_lock.exceptions import ConfigurationError
+from celery_singleton_lock.ticks import (
     buffer_key,
     claim_key,
     claim_tick_run,
@@ -37,8 +38,6 @@ from celery_singleton_lock.beat import (
     tick_name,
     ticks_around,
 )
-from celery_singleton_lock.engine import LockEngine, engine_for
-from celery_singleton_lock.exceptions import ConfigurationError
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, wait_for
 
@@ -126,7 +125,7 @@ def test_two_beats_with_clocks_five_seconds_apart_send_each_tick_once(redis_serv
 def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(redis_server, r):
     """A tick sent twice (a claim lost in a failover) runs once; its own retry still runs.
     (``r`` empties the lock db first.)"""
-    engine = LockEngine.from_config(SingletonConfig.defaults(redis_server.url(2)))
+    engine = connect(SingletonConfig.defaults(redis_server.url(2)))
     headers = {"singleton_beat_entry": "report",
                "singleton_beat_tick": "2030-01-01T00:00:00.000+00:00"}
     assert claim_tick_run(engine, "singleton:", {**headers, "id": "first"})

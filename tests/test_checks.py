@@ -13,6 +13,7 @@ import pytest
 
 from celery_singleton_lock import ConfigurationError, SingletonConfig, checks
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from tests.support import ROOT, RedisServer, Worker, wait_for
 from tests.workerapp import make_app
 
@@ -28,7 +29,7 @@ def docs_rule() -> str:
 
 
 def engine_for_url(url: str, **overrides: Any) -> LockEngine:
-    return LockEngine.from_config(SingletonConfig.defaults(url, **overrides))
+    return connect(SingletonConfig.defaults(url, **overrides))
 
 
 def by_code(findings: list[checks.Finding]) -> dict[str, checks.Finding]:
@@ -199,7 +200,7 @@ def test_the_checks_leave_no_key_behind(own_redis):
     """The probe runs every script on a fresh key: its fencing counter (a day),
     finish and done markers (a second) are deleted with it, so a worker's
     start adds nothing to the lock Redis."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     client = own_redis.client(0)
     client.flushdb()  # the test's own server
     findings = checks.run_checks(engine.client, engine.config)

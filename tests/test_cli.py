@@ -28,7 +28,7 @@ from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.keys import LockKeys
 url, digest, name, task_id = sys.argv[1:5]
-engine = LockEngine.from_config(SingletonConfig.defaults(url))
+engine = connect(SingletonConfig.defaults(url))
 reply = engine.acquire(LockKeys("singleton:", digest), task_id=task_id, exec_id=task_id + "x",
                        lease_ms=120000, hostname="gone@host", retries=0, task_name=name)
 print(os.getpid(), flush=True)

@@ -19,6 +19,7 @@ import redis
 from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.cluster import ClusterWire, slot_of
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire, Renew
 from tests.deployments import Cluster
@@ -34,7 +35,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 def engine_on(cluster: Cluster, **conf: Any) -> LockEngine:
-    return LockEngine.from_config(dataclasses.replace(SingletonConfig.defaults(cluster.url()),
+    return connect(dataclasses.replace(SingletonConfig.defaults(cluster.url()),
                                                       **conf))
 
 

@@ -14,6 +14,7 @@ import redis
 
 from celery_singleton_lock import LockLostError, SingletonConfig
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.heartbeat import Heartbeat
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
@@ -25,7 +26,7 @@ from tests.support import ROOT, marker, owner_field, owner_record, wait_for, wri
 @pytest.fixture
 def engine(redis_server, r) -> LockEngine:
     config = SingletonConfig.defaults(redis_server.url(2), finished_ttl=60)
-    return LockEngine.from_config(config)
+    return connect(config)
 
 
 def new_keys() -> LockKeys:
@@ -209,8 +210,8 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
     code = (
         "import sys; from celery_singleton_lock import SingletonConfig;"
         "from celery_singleton_lock.keys import LockKeys;"
-        "from celery_singleton_lock.engine import LockEngine;"
-        f"e = LockEngine.from_config(SingletonConfig.defaults({redis_server.url(2)!r}));"
+        "from celery_singleton_lock.engines import connect;"
+        f"e = connect(SingletonConfig.defaults({redis_server.url(2)!r}));"
         f"k = LockKeys('singleton:', {keys.base.split('{')[1][:-1]!r});"
         "o = e.acquire(k, task_id='dead', exec_id='x', lease_ms=60000, hostname='h',"
         " retries=0, task_name='t');"
@@ -320,7 +321,7 @@ def test_scripts_flushed_from_the_server_are_loaded_again(engine, r):
 
 def test_a_restarted_redis_costs_no_failed_call(own_redis):
     """The pooled connection broke when Redis restarted: one fresh try, no error."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     assert take(engine, keys, "a", "ea").status is Acquire.GRANTED
     own_redis.stop()
@@ -338,7 +339,7 @@ def test_a_lost_reply_is_repeated_safely(redis_server, r):
 
     proxy = ReplyDroppingProxy(redis_server.port)
     try:
-        engine = LockEngine.from_config(SingletonConfig.defaults(proxy.url(2)))
+        engine = connect(SingletonConfig.defaults(proxy.url(2)))
         keys = new_keys()
         # connected, and every script loaded (a lost NOSCRIPT answer proves nothing)
         engine.enqueue(new_keys(), "warm", "queue", 1000)
@@ -367,7 +368,7 @@ def test_a_forked_child_gets_its_own_pid_engine_and_execution_ids(redis_server):
     """Identity is refreshed at fork: no exec id or engine is shared with the parent."""
     from celery import Celery
 
-    from celery_singleton_lock.engine import engine_for
+    from celery_singleton_lock.engines import engine_for
 
     app = Celery("fork", broker=redis_server.url(0), set_as_current=False)
     parent_engine = engine_for(app)
@@ -451,7 +452,7 @@ def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
 
     proxy = ReplyDroppingProxy(redis_server.port)
     try:
-        engine = LockEngine.from_config(SingletonConfig.defaults(proxy.url(2)))
+        engine = connect(SingletonConfig.defaults(proxy.url(2)))
         take(engine, new_keys())  # connected, scripts loaded
         keys = new_keys()
         take(engine, keys, "a", "ea")
@@ -469,7 +470,7 @@ def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
 
 
 def test_a_release_to_a_stopped_redis_reports_the_error(own_redis):
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     take(engine, keys, "a", "ea")
     own_redis.stop()
@@ -482,7 +483,7 @@ def test_a_release_to_a_stopped_redis_reports_the_error(own_redis):
 
 
 def test_the_heartbeat_reads_owed_replies_when_nothing_else_does(redis_server, r):
-    engine = LockEngine.from_config(SingletonConfig.defaults(redis_server.url(2), ttl=0.6))
+    engine = connect(SingletonConfig.defaults(redis_server.url(2), ttl=0.6))
     hb = Heartbeat(engine)
     held_keys, keys = new_keys(), new_keys()
     got = take(engine, held_keys, "h", "eh", lease_ms=600)
@@ -506,7 +507,7 @@ def lock_task(redis_server, r):
     from celery import Celery
 
     from celery_singleton_lock import SingletonTask
-    from celery_singleton_lock.engine import engine_for, forget_engine
+    from celery_singleton_lock.engines import engine_for, forget_engine
     from tests.support import ReplyDroppingProxy
 
     proxy = ReplyDroppingProxy(redis_server.port)
@@ -575,7 +576,7 @@ def test_the_first_release_on_a_fresh_redis_frees_the_key_at_once(own_redis):
     """Every script is loaded when a connection is made: a release sent without
     waiting never meets NOSCRIPT, whose reply would be read (and the command
     sent again) only on the next call, seconds later."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     got = take(engine, keys, "a", "ea")
     assert got.status is Acquire.GRANTED
@@ -598,7 +599,7 @@ def test_a_redis_restarted_empty_gets_the_held_lock_back_at_once(own_redis):
     again, every held lock is written back with a higher token (the next
     regular round is 10 s away: without the watch the key would stay absent,
     free for a duplicate, until then)."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     lock = held_lock(engine, keys, lease=30.0)
     hb = Heartbeat(engine)
@@ -624,7 +625,7 @@ def test_a_renewal_that_reaches_a_restarted_redis_first_writes_the_lock_back(own
     renewal round (a retried one, the regular one), finds the same thing: the
     key is gone with its fencing counter, so Redis forgot it; the round writes
     it back instead of declaring the lock lost."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     lock = held_lock(engine, keys, lease=30.0)
     hb = Heartbeat(engine)  # not started: no watch, the round is driven by hand
@@ -636,7 +637,7 @@ def test_a_renewal_that_reaches_a_restarted_redis_first_writes_the_lock_back(own
     assert not lock.lost and hb.reasserted == 1
     assert record["exec"] == "exec-a" and int(record["token"]) > lock.token
     # the counter is written back too: the next grant of the key comes above
-    other = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    other = connect(SingletonConfig.defaults(own_redis.url(0)))
     engine.release(keys, "exec-a", "task-a", finished=False)
     assert take(other, keys, "task-b", "exec-b").token > int(record["token"])
 
@@ -644,7 +645,7 @@ def test_a_renewal_that_reaches_a_restarted_redis_first_writes_the_lock_back(own
 def test_a_write_back_and_a_renewal_of_the_same_lock_agree(own_redis):
     """Two calls find the key gone (a renewal round and a second one racing it):
     the first writes it back, the second finds it this execution's and renews."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     lock = held_lock(engine, keys, lease=30.0)
     own_redis.stop()
@@ -658,7 +659,7 @@ def test_a_write_back_and_a_renewal_of_the_same_lock_agree(own_redis):
 
 
 def test_a_lock_whose_lease_ran_out_during_the_outage_is_not_taken_back(own_redis):
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     lock = held_lock(engine, keys, lease=1.0)
     hb = Heartbeat(engine)
@@ -677,13 +678,13 @@ def test_a_lock_whose_lease_ran_out_during_the_outage_is_not_taken_back(own_redi
 
 
 def test_a_key_taken_by_another_while_absent_means_lost(own_redis):
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
     lock = held_lock(engine, keys, lease=30.0)
     hb = Heartbeat(engine)  # not started: the round is driven by hand
     own_redis.stop()
     own_redis.start()
-    other = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    other = connect(SingletonConfig.defaults(own_redis.url(0)))
     assert take(other, keys, "task-b", "exec-b").status is Acquire.GRANTED
     hb._held[id(lock)] = lock
     hb.renew_now(take_back=True)
@@ -706,7 +707,7 @@ def test_a_key_released_by_someone_else_is_lost_not_taken_back(engine, r):
 def test_renewing_ten_thousand_locks_never_keeps_redis_busy_5_ms(own_redis):
     """Chunked: Redis's slow log (threshold 5 ms) records no renewal call, where
     one call for 10,000 locks took 45-90 ms. Lost scripts are loaded again."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     client = own_redis.client()
     held = []
     for i in range(10_000):
@@ -746,7 +747,7 @@ def test_a_grant_that_arrives_after_its_lease_is_no_grant(redis_server):
     from celery.result import AsyncResult
 
     from celery_singleton_lock import LockBackendError, SingletonTask
-    from celery_singleton_lock.engine import engine_for
+    from celery_singleton_lock.engines import engine_for
     from tests.support import PausableProxy
 
     proxy = PausableProxy(redis_server.port)

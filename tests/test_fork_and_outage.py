@@ -17,7 +17,8 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfig, SingletonTask
-from celery_singleton_lock.engine import LockEngine, engine_for
+from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect, engine_for
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.process import ForkSafeLock
 from celery_singleton_lock.replies import Acquire
@@ -82,7 +83,7 @@ def test_every_mutex_of_the_library_is_free_in_a_forked_child():
 def test_a_long_outage_leaves_no_connection_behind(own_redis: RedisServer):
     """Hundreds of calls fail while Redis is down; the first call after it is
     back succeeds, and the engine never made more than a couple of connections."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(own_redis.url(0)))
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = LockKeys("singleton:", uuid.uuid4().hex)
     assert take(engine, keys, "a").status is Acquire.GRANTED
     own_redis.stop()
@@ -100,7 +101,7 @@ def test_a_wrong_password_stays_named_and_bounded(tmp_path):
     server = RedisServer(extra_args=["--requirepass", "right"]).start()
     try:
         url = f"redis://:wrong@127.0.0.1:{server.port}/0"
-        engine = LockEngine.from_config(SingletonConfig.defaults(url))
+        engine = connect(SingletonConfig.defaults(url))
         keys = LockKeys("singleton:", uuid.uuid4().hex)
         for i in range(300):
             with pytest.raises(redis.AuthenticationError):
@@ -114,7 +115,7 @@ def test_children_forked_while_a_thread_makes_engines_make_their_own_at_once():
     """Forks race a thread that keeps making engines (what the main process's
     reaper does after a child is killed): every child makes its own engine."""
     from celery_singleton_lock.config import get_config
-    from celery_singleton_lock.engine import forget_engine
+    from celery_singleton_lock.engines import forget_engine
 
     app = Celery("race", broker="redis://127.0.0.1:1/0", set_as_current=False)
     other = Celery("race2", broker="redis://127.0.0.1:1/0", set_as_current=False)

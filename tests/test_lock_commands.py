@@ -15,6 +15,7 @@ import redis
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import RECORD_FIELDS, Acquire
 from tests.support import ROOT, RedisServer, owner_record
@@ -34,7 +35,7 @@ def server():
 
 
 def engine_on(server: RedisServer) -> LockEngine:
-    return LockEngine.from_config(SingletonConfig.defaults(server.url(0)))
+    return connect(SingletonConfig.defaults(server.url(0)))
 
 
 def counted(client: redis.Redis, run) -> Counter[str]:

@@ -24,14 +24,15 @@ import pytest
 import redis
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.beat import entry_base
 from celery_singleton_lock.checks import engine_checks, startup_check
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.heartbeat import Heartbeat, MastersWatch
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.redlock import QuorumError, RedlockEngine
 from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released, Renew
+from celery_singleton_lock.ticks import entry_base
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, owner_field, wait_for
 from tests.test_beat import Beat, tick_events
@@ -67,7 +68,7 @@ def masters() -> Iterator[list[RedisServer]]:
 
 @pytest.fixture
 def engine(masters: list[RedisServer]) -> Iterator[RedlockEngine]:
-    e = LockEngine.from_config(SingletonConfig.defaults(redlock_url(masters)))
+    e = connect(SingletonConfig.defaults(redlock_url(masters)))
     assert isinstance(e, RedlockEngine)
     yield e
     e.close()
@@ -241,7 +242,7 @@ def test_claims_racing_on_the_masters_give_each_key_to_exactly_one(masters, engi
     """Two processes' engines claim the same keys at the same moment (as beats
     at one tick): each key goes to exactly one, on a majority, and the other
     is told who has it; the same with the first master killed."""
-    rival = LockEngine.from_config(SingletonConfig.defaults(redlock_url(masters)))
+    rival = connect(SingletonConfig.defaults(redlock_url(masters)))
     assert isinstance(rival, RedlockEngine)
     try:
         for round_ in range(2):
@@ -360,7 +361,7 @@ def test_a_master_refusing_the_password_stops_the_start(masters):
     from celery_singleton_lock.exceptions import ConfigurationError
 
     masters[1].client().config_set("requirepass", "other")
-    engine = LockEngine.from_config(SingletonConfig.defaults(redlock_url(masters)))
+    engine = connect(SingletonConfig.defaults(redlock_url(masters)))
     try:
         with pytest.raises(ConfigurationError) as info:
             startup_check(engine)
@@ -573,7 +574,7 @@ def test_redlocks_speaks_tls_to_every_master(tmp_path):
             s.start()
         url = ("redlocks://" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
                + f"/2?ssl_cert_reqs=required&ssl_ca_certs={certs['ca.crt']}")
-        engine = LockEngine.from_config(SingletonConfig.defaults(url))
+        engine = connect(SingletonConfig.defaults(url))
         assert isinstance(engine, RedlockEngine)
         keys = new_keys()
         assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED

@@ -15,6 +15,7 @@ import redis
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire
 from celery_singleton_lock.testing import assert_skipped
@@ -43,7 +44,7 @@ def test_engine_follows_the_primary_through_a_failover_and_tokens_go_up(group):
     primary, its next calls reach the promoted replica (no new engine), a lock
     written before the failover is still held there, and the next grant's
     token is above every token granted before."""
-    engine = LockEngine.from_config(SingletonConfig.defaults(group.url(2)))
+    engine = connect(SingletonConfig.defaults(group.url(2)))
     held, fresh = LockKeys("singleton:", "held"), LockKeys("singleton:", "fresh")
     first = take(engine, held, "before")
     assert first.status is Acquire.GRANTED

@@ -16,6 +16,7 @@ import pytest
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.checks import OK, run_checks
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire, Release, Renew
 from tests import promises
@@ -38,7 +39,7 @@ def valkey() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def engine(valkey: RedisServer) -> Iterator[LockEngine]:
-    e = LockEngine.from_config(SingletonConfig.defaults(valkey.url(2)))
+    e = connect(SingletonConfig.defaults(valkey.url(2)))
     yield e
     e.wire.close()
 

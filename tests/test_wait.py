@@ -11,6 +11,7 @@ import pytest
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.exceptions import TooFewReplicasError
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire, Renew
@@ -32,7 +33,7 @@ def pair() -> Iterator[tuple[RedisServer, RedisServer]]:
 
 
 def engine_for(primary: RedisServer, **conf: Any) -> LockEngine:
-    return LockEngine.from_config(SingletonConfig.defaults(primary.url(2), **conf))
+    return connect(SingletonConfig.defaults(primary.url(2), **conf))
 
 
 def take(engine: LockEngine, keys: LockKeys) -> Any:
