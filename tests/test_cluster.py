@@ -18,11 +18,12 @@ from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.cluster import ClusterWire, slot_of
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
-from celery_singleton_lock.heartbeat import ClusterWatch, Heartbeat
+from celery_singleton_lock.heartbeat import Heartbeat
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.replies import Acquire, Release, Renew
 from celery_singleton_lock.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_run
+from celery_singleton_lock.watch import ClusterWatch
 from tests import promises
 from tests.deployments import Cluster
 from tests.support import RedisServer, Worker, owner_field, owner_record, wait_for, write_owner
