@@ -12,6 +12,9 @@ of any other scheduler class (django-celery-beat's ``DatabaseScheduler``, ...).
 
 Tick names, their keys and the worker's check that each tick runs once are in
 :mod:`.ticks`.
+
+Over 400 lines: one scheduler mixin, the life of a tick from due to sent
+(claim, overlap, buffer) in order; tick names and keys are in :mod:`.ticks`.
 """
 
 from __future__ import annotations

@@ -12,15 +12,25 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, cast
+from dataclasses import asdict
+from typing import Any, Callable, Optional, Sequence, TypeVar, cast
 
 import click
 import redis
 from celery.bin.base import CeleryCommand, CeleryOption
 
 from . import masking
-from .replies import record as owner_record
+from .listing import (
+    Row,
+    echo_json,
+    filtered,
+    headers_of,
+    liveness,
+    merge_views,
+    read_rows,
+    scan_digests,
+    table,
+)
 
 # Celery loads this module for every `celery` command (it is an entry point),
 # so `celery report` and a worker's `inspect conf` replies mask our secrets
@@ -32,18 +42,12 @@ EXIT_FINDINGS = 1
 EXIT_ERROR = 2
 
 STATES = ("run", "queued", "done")
-_URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^@\s]*@")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _scrub(text: str) -> str:
-    """Any URL password in an error message masked (a setting may quote one)."""
-    return _URL_PASSWORD.sub(rf"\1{masking.MASK}@", text)
-
-
 def _fail(message: str, code: int = EXIT_ERROR) -> None:
-    click.echo(_scrub(message), err=True)
+    click.echo(masking.scrub(message), err=True)
     raise click.exceptions.Exit(code)
 
 
@@ -74,153 +78,6 @@ def _json_option(func: F) -> F:
     return click.option("--json", "as_json", is_flag=True, cls=CeleryOption,
                         help_group="Output Options",
                         help="Print JSON for scripts instead of a table.")(func)
-
-
-# -- reading locks -----------------------------------------------------------------
-
-@dataclass
-class Row:
-    """One thing held under a key: a running lock, a send-time marker, or a done window."""
-
-    key: str
-    state: str
-    task: str
-    holder: str
-    host: str = ""
-    pid: int = 0
-    token: str = ""
-    ttl: Optional[float] = None
-    age: Optional[float] = None
-    live: str = ""
-    exec: str = ""
-    #: Redlock: on how many masters, of how many (``3/5``); empty on one server
-    masters: str = ""
-
-    def cells(self) -> list[str]:
-        cells = [self.key, self.state, self.task or "?", self.holder, self.host,
-                 str(self.pid or ""), self.token, _seconds(self.ttl), _seconds(self.age),
-                 self.live]
-        return [*cells, self.masters] if self.masters else cells
-
-
-HEADERS = ["KEY", "STATE", "TASK", "HOLDER", "HOST", "PID", "TOKEN", "TTL", "AGE", "LIVE"]
-
-
-def _headers(rows: Sequence[Row]) -> list[str]:
-    return [*HEADERS, "MASTERS"] if rows and rows[0].masters else HEADERS
-
-
-def _seconds(value: Optional[float]) -> str:
-    return "" if value is None else f"{value:.1f}s"
-
-
-def _liveness(record: dict[str, str]) -> str:
-    """dead: its process is gone from this host; alive: it runs here; unknown:
-    another host (treated as alive: nothing here can tell)."""
-    from .process import HOST_KEY, Holder
-
-    holder = Holder(task_id=record.get("task", ""), exec_id=record.get("exec", ""),
-                    host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
-                    hostname=record.get("host", ""))
-    if holder.provably_dead():
-        return "dead"
-    return "alive" if holder.host_key == HOST_KEY else "unknown"
-
-
-def _key_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(lock|queued|done)$")
-
-
-def _scan_digests(client: redis.Redis, prefix: str) -> list[str]:
-    """Every key hash with a lock, marker or done window: SCAN, never KEYS."""
-    glob = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}:*"
-    pattern = _key_pattern(prefix)
-    found: dict[str, None] = {}
-    for name in client.scan_iter(match=glob, count=1000):
-        match = pattern.match(str(name))
-        if match:
-            found.setdefault(match.group(1), None)
-    return list(found)
-
-
-def _rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]:
-    from .calls import marker_task
-    from .keys import LockKeys
-
-    seconds, micros = client.execute_command("TIME")  # type: ignore[no-untyped-call]
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    rows: list[Row] = []
-    for start in range(0, len(digests), 500):
-        chunk = [LockKeys(prefix, d) for d in digests[start:start + 500]]
-        pipe = client.pipeline(transaction=False)
-        for keys in chunk:
-            pipe.get(keys.lock)
-            pipe.pttl(keys.lock)
-            pipe.get(keys.queued)
-            pipe.pttl(keys.queued)
-            pipe.get(keys.done)
-            pipe.pttl(keys.done)
-        replies = pipe.execute()
-        for i, keys in enumerate(chunk):
-            raw, lock_ttl, queued, queued_ttl, done, done_ttl = replies[6 * i:6 * i + 6]
-            record = owner_record(raw)
-            name = record.get("name", "") if record else ""
-            if record:
-                at = int(record.get("at") or 0)
-                rows.append(Row(
-                    key=keys.base, state="run", task=name, holder=record.get("task", ""),
-                    host=record.get("host", ""), pid=int(record.get("pid") or 0),
-                    token=record.get("token", ""), ttl=_ttl(lock_ttl),
-                    age=(now_ms - at) / 1000 if at else None, live=_liveness(record),
-                    exec=record.get("exec", "")))
-            if queued:
-                marked, by = marker_task(queued)
-                rows.append(Row(key=keys.base, state="queued", task=marked or name, holder=by,
-                                ttl=_ttl(queued_ttl)))
-            if done:
-                marked, by = marker_task(done)
-                rows.append(Row(key=keys.base, state="done", task=marked or name, holder=by,
-                                ttl=_ttl(done_ttl)))
-    return rows
-
-
-def _merged(views: Sequence[list[Row]], total: int) -> list[Row]:
-    """Redlock: one row per thing held, with on how many masters it is. A row
-    on fewer than a majority is not the lock's view (a grant being given back,
-    a master that missed a release): it shows, with its count, to be purged."""
-    groups: dict[tuple[str, str, str, str], list[Row]] = {}
-    for rows in views:
-        for row in rows:
-            groups.setdefault((row.key, row.state, row.holder, row.exec), []).append(row)
-    merged = []
-    for same in groups.values():
-        ttls = [r.ttl for r in same if r.ttl is not None]
-        tokens = [r.token for r in same if r.token.isdigit()]
-        merged.append(replace(
-            same[0], ttl=min(ttls) if ttls else None,
-            token=max(tokens, key=int) if tokens else same[0].token,
-            masters=f"{len(same)}/{total}"))
-    return merged
-
-
-def _ttl(pttl: Any) -> Optional[float]:
-    return int(pttl) / 1000 if isinstance(pttl, int) and pttl >= 0 else None
-
-
-def _filtered(rows: Iterable[Row], task: Optional[str], state: Optional[str]) -> list[Row]:
-    return [r for r in rows if (task is None or r.task == task)
-            and (state is None or r.state == state)]
-
-
-def _table(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-    return "\n".join(out)
-
-
-def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
 class _Context:
@@ -255,22 +112,22 @@ class _Context:
 
         prefix = self.config.key_prefix
         if not isinstance(self.engine, RedlockEngine):
-            return _rows(self.client, prefix,
-                         _scan_digests(self.client, prefix) if digests is None else digests)
+            return read_rows(self.client, prefix,
+                         scan_digests(self.client, prefix) if digests is None else digests)
         answering: list[tuple[str, redis.Redis]] = []
         found: dict[str, None] = dict.fromkeys(digests or ())
         down: list[str] = []
         for name, client in self.servers:
             try:
                 if digests is None:  # a key on any master is looked up on all
-                    found.update(dict.fromkeys(_scan_digests(client, prefix)))
+                    found.update(dict.fromkeys(scan_digests(client, prefix)))
                 answering.append((name, client))
             except redis.RedisError as exc:
                 down.append(f"{name} ({type(exc).__name__}: {exc})")
         views: list[list[Row]] = []
         for name, client in answering:
             try:
-                views.append(_rows(client, prefix, list(found)))
+                views.append(read_rows(client, prefix, list(found)))
             except redis.RedisError as exc:
                 down.append(f"{name} ({type(exc).__name__}: {exc})")
         if down:
@@ -278,7 +135,7 @@ class _Context:
         if len(views) < self.engine.quorum:
             _fail(f"only {len(views)} of {len(self.servers)} masters answered; a majority "
                   f"({self.engine.quorum}) is needed to say what is held")
-        return _merged(views, len(self.servers))
+        return merge_views(views, len(self.servers))
 
     def delete_everywhere(self, key: str) -> None:
         """DEL on every server; with Redlock a master that does not answer keeps
@@ -313,11 +170,11 @@ def list_(ctx: click.Context, task_name: Optional[str], state: Optional[str],
           as_json: bool) -> None:
     """Every held lock, send-time marker and done window, found with SCAN."""
     c = _Context(ctx)
-    rows = _filtered(c.rows(), task_name, state)
+    rows = filtered(c.rows(), task_name, state)
     if as_json:
-        _echo_json({"redis": c.url, "locks": [asdict(r) for r in rows]})
+        echo_json({"redis": c.url, "locks": [asdict(r) for r in rows]})
     elif rows:
-        click.echo(_table(_headers(rows), [r.cells() for r in rows]))
+        click.echo(table(headers_of(rows), [r.cells() for r in rows]))
     else:
         click.echo(f"no singleton keys in {c.url}")
 
@@ -345,13 +202,13 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     digest = keys.base[len(c.config.key_prefix) + 1:-1]
     rows = c.rows([digest])
     if as_json:
-        _echo_json({"task": task_name, "key": keys.base, "lock": keys.lock,
+        echo_json({"task": task_name, "key": keys.base, "lock": keys.lock,
                     "held": any(r.state == "run" and _on_a_majority(r) for r in rows),
                     "locks": [asdict(r) for r in rows]})
         return
     click.echo(f"task  {task_name}\nkey   {keys.base}\nlock  {keys.lock}")
     if rows:
-        click.echo(_table(_headers(rows), [r.cells() for r in rows]))
+        click.echo(table(headers_of(rows), [r.cells() for r in rows]))
     else:
         click.echo("free: nothing holds this key")
 
@@ -392,7 +249,7 @@ def release(ctx: click.Context, key_text: str, force: bool, as_json: bool) -> No
     record: dict[str, str] = c.engine.owner(keys)
     result: dict[str, Any] = {"key": keys.base}
     if record:
-        live = _liveness(record)
+        live = liveness(record)
         result.update(holder=record.get("task", ""), host=record.get("host", ""),
                       pid=int(record.get("pid") or 0), token=record.get("token", ""),
                       live=live, state="run")
@@ -427,7 +284,7 @@ def release(ctx: click.Context, key_text: str, force: bool, as_json: bool) -> No
 def _report(result: dict[str, Any], as_json: bool, action: str, text: str) -> None:
     result["action"] = action
     if as_json:
-        _echo_json(result)
+        echo_json(result)
     else:
         click.echo(text)
     if action != "released":
@@ -446,7 +303,7 @@ def purge(ctx: click.Context, task_name: str, yes: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
     done windows. A dry run unless --yes. Fencing counters stay: tokens only go up."""
     c = _Context(ctx)
-    rows = _filtered(c.rows(), task_name, None)
+    rows = filtered(c.rows(), task_name, None)
     outcome: list[dict[str, Any]] = []
     for row in rows:
         entry = {**asdict(row), "action": "would delete"}
@@ -455,9 +312,9 @@ def purge(ctx: click.Context, task_name: str, yes: bool, as_json: bool) -> None:
         outcome.append(entry)
     kept = any(e["action"].startswith("changed") for e in outcome)
     if as_json:
-        _echo_json({"task": task_name, "dry_run": not yes, "keys": outcome})
+        echo_json({"task": task_name, "dry_run": not yes, "keys": outcome})
     elif outcome:
-        click.echo(_table(["ACTION", "KEY", "STATE", "HOLDER", "LIVE"],
+        click.echo(table(["ACTION", "KEY", "STATE", "HOLDER", "LIVE"],
                           [[e["action"], e["key"], e["state"], e["holder"], e["live"]]
                            for e in outcome]))
         if not yes:
@@ -501,7 +358,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     c = _Context(ctx)
     findings = engine_checks(c.engine)
     if as_json:
-        _echo_json({"redis": c.url, "findings": [f.as_dict() for f in findings]})
+        echo_json({"redis": c.url, "findings": [f.as_dict() for f in findings]})
     else:
         for f in findings:
             click.echo(f"{f.level.upper():8} {f.code:20} {f.message}")

@@ -6,6 +6,9 @@ that is no longer theirs. :mod:`.wire` carries the calls, :mod:`.replies`
 names their answers, :mod:`.process` says who holds a key and whether it lives.
 :mod:`.calls` builds each script's arguments; :mod:`.engines` makes one
 engine per app and process, anew after fork.
+
+Over 400 lines: one class, every lock operation on one server or Cluster beside
+the others; the scripts' arguments are in :mod:`.calls`.
 """
 
 from __future__ import annotations

@@ -112,3 +112,11 @@ def installed() -> bool:
     from celery.app import utils
 
     return bool(getattr(utils.filter_hidden_settings, _MARK, False))
+
+
+_URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^@\s]*@")
+
+
+def scrub(text: str) -> str:
+    """Any URL password in a message masked (an error may quote a setting)."""
+    return _URL_PASSWORD.sub(rf"\1{MASK}@", text)

@@ -33,6 +33,9 @@ logger = logging.getLogger("celery_singleton_lock")
 
 #: how soon the probe tries again to connect to a server that refused (doubling)
 PROBE_FIRST, PROBE_MAX = 0.02, 0.25
+#: how long the probe's PING waits for a reply before it asks again: a frozen
+#: server's reply arrives the moment it runs again
+PROBE_READ = 5.0
 #: a probe with nothing owed stops after this long, and the next call tries
 #: for real (a Cluster node failed over for good is not probed for ever); with
 #: calls owed, after five times as long (each lock's TTL frees what they would)

@@ -30,6 +30,9 @@ where lock logic lives.
 Calls to the masters go out concurrently (:mod:`.quorum`): a call waits until
 the answer is decided or every master answered, never longer than
 :attr:`RedlockEngine.call_timeout`.
+
+Over 400 lines: one class, each lock operation's quorum rule beside the
+others'; the per-master threads are in :mod:`.quorum`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 Orchestration only: the engine does the Redis work, :mod:`.policies` decides
 what a conflict gets, and this module carries the decision out with Celery.
+
+Over 400 lines: one class, a task's whole path in order (send, run, skip,
+release, retry); decisions are in :mod:`.policies`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from kombu.utils.uuid import uuid
 
 from . import monitor, policies
 from .bootsteps import SingletonStep
+from .canvas import delay_of, send_delay, send_on
 from .config import SingletonConfig, get_config
 from .engine import LockEngine
 from .engines import engine_for
@@ -146,7 +149,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         task_id = task_id or uuid()
         keys = self.singleton_settings().builder.keys(args or (), kwargs or {})
         engine = engine_for(self.app)
-        marker_ms = int((_send_delay(self, options) + config.queue_ttl) * 1000)
+        marker_ms = int((send_delay(self, options) + config.queue_ttl) * 1000)
         try:
             answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name)
         except redis.RedisError as exc:
@@ -263,7 +266,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             return result
         except Retry as exc:
             if not lock.handed_off:
-                self._hand_off(engine, lock, _delay_of(self, exc.when))
+                self._hand_off(engine, lock, delay_of(self, exc.when))
             raise
         except BaseException as exc:
             # SystemExit (a cold shutdown, a terminate), KeyboardInterrupt: the
@@ -356,7 +359,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if ignored is None:
             ignored = self.ignore_result
         if req.callbacks or req.chain:
-            _send_on(self, result, req)
+            send_on(self, result, req)
         self.backend.mark_as_done(req.id, result, request=req, store_result=not ignored)
         # "result" is the field Flower shows on the task row and page
         verb = "done by" if result["reason"] == "done" else "duplicate of"
@@ -448,7 +451,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if handing_off:
             assert lock is not None
             if eta is not None:
-                delay = _delay_of(self, eta)
+                delay = delay_of(self, eta)
             elif countdown is not None:
                 delay = float(countdown)
             else:
@@ -464,54 +467,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             if handing_off and lock is not None:
                 lock.handed_off = False  # no retry was sent: release as usual
             raise
-
-
-def _send_on(task: Task, result: Any, req: Any) -> None:
-    """Send a skipped member's links and the rest of its chain, as Celery does
-    after a success (``celery.app.trace``), with the skip result as input."""
-    from celery import group
-    from celery.canvas import maybe_signature
-
-    app = task.app
-    options = {"parent_id": req.id, "root_id": req.root_id or req.id}
-    callbacks = [maybe_signature(sig, app=app) for sig in req.callbacks or ()]
-    if len(callbacks) == 1:
-        callbacks[0].apply_async((result,), **options)
-    elif callbacks:
-        groups = [sig for sig in callbacks if isinstance(sig, group)]
-        for grp in groups:
-            grp.apply_async((result,), **options)
-        rest = [sig for sig in callbacks if not isinstance(sig, group)]
-        if rest:
-            group(rest, app=app).apply_async((result,), **options)
-    if req.chain:
-        chain = list(req.chain)
-        maybe_signature(chain[-1], app=app).apply_async((result,), chain=chain[:-1], **options)
-
-
-def _send_delay(task: Task, options: dict[str, Any]) -> float:
-    """Seconds until a message sent with these options may start."""
-    eta = options.get("eta")
-    if isinstance(eta, str):
-        try:
-            eta = dt.datetime.fromisoformat(eta)
-        except ValueError:
-            eta = None
-    if isinstance(eta, dt.datetime):
-        return _delay_of(task, eta)
-    countdown = options.get("countdown")
-    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
-        return max(float(countdown), 0.0)
-    return 0.0
-
-
-def _delay_of(task: Task, when: Any) -> float:
-    if isinstance(when, dt.datetime):
-        now = task.app.now() if when.tzinfo is not None else dt.datetime.now()
-        return max((when - now).total_seconds(), 0.0)
-    if isinstance(when, (int, float)):
-        return float(when)
-    return float(task.default_retry_delay or 0)
 
 
 def send_task(app: Any, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:

@@ -16,6 +16,9 @@ A call that gets no reply in time is not repeated: the server may be frozen
 with the command in its buffers. The wire's :class:`~.outage.Outage` makes
 every later call fail at once until the server answers again, then sends what
 is owed first (see :mod:`.outage`).
+
+Over 400 lines: one transport, its sends, late reads and repeats, which share
+one connection discipline.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Iterable, Optional, Sequence
 import redis
 from redis.exceptions import NoScriptError
 
-from .outage import Answered, Outage, Owed
+from .outage import PROBE_READ, Answered, Outage, Owed
 from .process import ForkSafeLock
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -156,7 +159,10 @@ class Wire:
         conn.send_packed_command([packed], check_health=False)
 
     def _probe_connection(self) -> Any:
-        return self._connection_class(**self._connection_kwargs)
+        """The outage probe's connection: its PING waits longer than a lock
+        call would, so a frozen server's reply is read the moment it runs again."""
+        return self._connection_class(**{**self._connection_kwargs,
+                                         "socket_timeout": PROBE_READ})
 
     def _call_owed(self, script: Script, keys: Sequence[str], args: Sequence[Any]
                    ) -> tuple[Any, bool]:

@@ -25,7 +25,7 @@ SECRET = f"4111-1111-1111-{uuid.uuid4().hex[:8]}"
 STALE_HOLDER = """
 import os, sys
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.engine import LockEngine
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 url, digest, name, task_id = sys.argv[1:5]
 engine = connect(SingletonConfig.defaults(url))

@@ -1,0 +1,164 @@
+"""What the ``celery singleton`` commands show: the things held under each
+key, read from Redis as rows (a running lock, a send-time marker, a done
+window), merged across Redlock masters, and laid out as a table.
+
+Only key hashes are ever shown, never argument values.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Optional, Sequence
+
+import click
+import redis
+
+from .replies import record as owner_record
+
+
+@dataclass
+class Row:
+    """One thing held under a key: a running lock, a send-time marker, or a done window."""
+
+    key: str
+    state: str
+    task: str
+    holder: str
+    host: str = ""
+    pid: int = 0
+    token: str = ""
+    ttl: Optional[float] = None
+    age: Optional[float] = None
+    live: str = ""
+    exec: str = ""
+    #: Redlock: on how many masters, of how many (``3/5``); empty on one server
+    masters: str = ""
+
+    def cells(self) -> list[str]:
+        cells = [self.key, self.state, self.task or "?", self.holder, self.host,
+                 str(self.pid or ""), self.token, seconds(self.ttl), seconds(self.age),
+                 self.live]
+        return [*cells, self.masters] if self.masters else cells
+
+
+HEADERS = ["KEY", "STATE", "TASK", "HOLDER", "HOST", "PID", "TOKEN", "TTL", "AGE", "LIVE"]
+
+
+def headers_of(rows: Sequence[Row]) -> list[str]:
+    return [*HEADERS, "MASTERS"] if rows and rows[0].masters else HEADERS
+
+
+def seconds(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.1f}s"
+
+
+def liveness(record: dict[str, str]) -> str:
+    """dead: its process is gone from this host; alive: it runs here; unknown:
+    another host (treated as alive: nothing here can tell)."""
+    from .process import HOST_KEY, Holder
+
+    holder = Holder(task_id=record.get("task", ""), exec_id=record.get("exec", ""),
+                    host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
+                    hostname=record.get("host", ""))
+    if holder.provably_dead():
+        return "dead"
+    return "alive" if holder.host_key == HOST_KEY else "unknown"
+
+
+def key_pattern(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(lock|queued|done)$")
+
+
+def scan_digests(client: redis.Redis, prefix: str) -> list[str]:
+    """Every key hash with a lock, marker or done window: SCAN, never KEYS."""
+    glob = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}:*"
+    pattern = key_pattern(prefix)
+    found: dict[str, None] = {}
+    for name in client.scan_iter(match=glob, count=1000):
+        match = pattern.match(str(name))
+        if match:
+            found.setdefault(match.group(1), None)
+    return list(found)
+
+
+def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[Row]:
+    from .calls import marker_task
+    from .keys import LockKeys
+
+    seconds, micros = client.execute_command("TIME")  # type: ignore[no-untyped-call]
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    rows: list[Row] = []
+    for start in range(0, len(digests), 500):
+        chunk = [LockKeys(prefix, d) for d in digests[start:start + 500]]
+        pipe = client.pipeline(transaction=False)
+        for keys in chunk:
+            pipe.get(keys.lock)
+            pipe.pttl(keys.lock)
+            pipe.get(keys.queued)
+            pipe.pttl(keys.queued)
+            pipe.get(keys.done)
+            pipe.pttl(keys.done)
+        replies = pipe.execute()
+        for i, keys in enumerate(chunk):
+            raw, lock_ttl, queued, queued_ttl, done, done_ttl = replies[6 * i:6 * i + 6]
+            record = owner_record(raw)
+            name = record.get("name", "") if record else ""
+            if record:
+                at = int(record.get("at") or 0)
+                rows.append(Row(
+                    key=keys.base, state="run", task=name, holder=record.get("task", ""),
+                    host=record.get("host", ""), pid=int(record.get("pid") or 0),
+                    token=record.get("token", ""), ttl=ttl_of(lock_ttl),
+                    age=(now_ms - at) / 1000 if at else None, live=liveness(record),
+                    exec=record.get("exec", "")))
+            if queued:
+                marked, by = marker_task(queued)
+                rows.append(Row(key=keys.base, state="queued", task=marked or name, holder=by,
+                                ttl=ttl_of(queued_ttl)))
+            if done:
+                marked, by = marker_task(done)
+                rows.append(Row(key=keys.base, state="done", task=marked or name, holder=by,
+                                ttl=ttl_of(done_ttl)))
+    return rows
+
+
+def merge_views(views: Sequence[list[Row]], total: int) -> list[Row]:
+    """Redlock: one row per thing held, with on how many masters it is. A row
+    on fewer than a majority is not the lock's view (a grant being given back,
+    a master that missed a release): it shows, with its count, to be purged."""
+    groups: dict[tuple[str, str, str, str], list[Row]] = {}
+    for rows in views:
+        for row in rows:
+            groups.setdefault((row.key, row.state, row.holder, row.exec), []).append(row)
+    merged = []
+    for same in groups.values():
+        ttls = [r.ttl for r in same if r.ttl is not None]
+        tokens = [r.token for r in same if r.token.isdigit()]
+        merged.append(replace(
+            same[0], ttl=min(ttls) if ttls else None,
+            token=max(tokens, key=int) if tokens else same[0].token,
+            masters=f"{len(same)}/{total}"))
+    return merged
+
+
+def ttl_of(pttl: Any) -> Optional[float]:
+    return int(pttl) / 1000 if isinstance(pttl, int) and pttl >= 0 else None
+
+
+def filtered(rows: Iterable[Row], task: Optional[str], state: Optional[str]) -> list[Row]:
+    return [r for r in rows if (task is None or r.task == task)
+            and (state is None or r.state == state)]
+
+
+def table(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def echo_json(data: Any) -> None:
+    """``--json``: one document, keys sorted, for scripts."""
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
