@@ -113,11 +113,11 @@ def test_task_options_override_only_per_task_settings_and_name_the_task():
         app_level.for_task("t.x", {"singleton_ttl": -1})
 
 
-def test_every_setting_is_in_the_readme_table():
+def test_every_setting_is_in_the_settings_page():
     from pathlib import Path
 
     from celery_singleton_lock.config import SETTINGS
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    missing = [s.name for s in SETTINGS if f"`{s.name}`" not in readme]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "settings.md").read_text()
+    missing = [s.name for s in SETTINGS if f"`{s.name}`" not in page]
     assert not missing, missing
