@@ -1,7 +1,7 @@
 """What a task costs the lock Redis, counted by Redis itself (``INFO commandstats``).
 
 Every string passed to a script and every command run inside one costs Redis
-CPU (docs/benchmarks.md, "Where the lock Redis spends its time"): a change
+CPU (docs/benchmarks-details.md, "Where the lock Redis spends its time"): a change
 that adds one to the usual paths fails here, and says which.
 """
 
