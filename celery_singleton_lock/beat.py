@@ -17,6 +17,7 @@ claim was lost (a Redis failover that dropped the key).
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import heapq
 import logging
@@ -47,6 +48,8 @@ TICK_HEADER = "singleton_beat_tick"
 BEAT_HEADER = "singleton_beat_id"
 #: django-celery-beat's header naming the periodic task; kept, or set to the entry name
 PERIODIC_TASK_HEADER = "periodic_task_name"
+#: Celery's own mark of a beat message (set by Celery 5.4 and later; set here on 5.3 too)
+BEAT_TASK_HEADER = "celery_beat_task"
 
 OVERLAP_MODES = ("skip", "buffer_one", "allow")
 BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
@@ -152,8 +155,13 @@ def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
     ref = _aware(ref)
     if isinstance(sched, crontab):
         # remaining_delta works in the crontab's own timezone; start + delta is the
-        # next fire time there (what Celery's remaining() computes too).
-        start, delta, _ = sched.remaining_delta(ref)
+        # next fire time there (what Celery's remaining() computes too). Celery
+        # 5.3 matches the fields in the zone ``ref`` is given in, and skips the
+        # rest of an hour unless its own now() falls on ref's day: both given.
+        local = ref.astimezone(sched.tz)
+        probe = copy.copy(sched)
+        probe.nowfun = lambda: local
+        start, delta, _ = probe.remaining_delta(local)
         nxt = _aware(start + delta).astimezone(UTC)
         if nxt <= ref:  # the minute of ref itself: step past it
             return next_fire_after(sched, ref + dt.timedelta(minutes=1) - dt.timedelta(
@@ -410,6 +418,7 @@ class SingletonSchedulerMixin:
         original = entry.options
         headers = dict(original.get("headers") or {})
         headers.setdefault(PERIODIC_TASK_HEADER, entry.name)
+        headers.setdefault(BEAT_TASK_HEADER, True)
         headers.update({ENTRY_HEADER: entry.name, TICK_HEADER: tick_name(tick),
                         BEAT_HEADER: self.beat_id})
         # Swapped only for the send: a changed entry would look like a new schedule.
