@@ -39,6 +39,7 @@ from .config import check_ttl, choice, get_config
 from .engines import engine_for
 from .ticks import (
     BEAT_HEADER,
+    BEAT_TASK_HEADER,
     ENTRY_HEADER,
     PERIODIC_TASK_HEADER,
     RUN_MARKER_TTL_MS,
@@ -264,6 +265,7 @@ class SingletonSchedulerMixin:
         original = entry.options
         headers = dict(original.get("headers") or {})
         headers.setdefault(PERIODIC_TASK_HEADER, entry.name)
+        headers.setdefault(BEAT_TASK_HEADER, True)
         headers.update({ENTRY_HEADER: entry.name, TICK_HEADER: tick_name(tick),
                         BEAT_HEADER: self.beat_id})
         # Swapped only for the send: a changed entry would look like a new schedule.

@@ -32,6 +32,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
+from . import shapes
 from .calls import (
     SCRIPTS,
     acquire_call,
@@ -139,6 +140,11 @@ def _cmd(client: redis.Redis, *args: Any) -> Any:
     return client.execute_command(*args)  # type: ignore[no-untyped-call]
 
 
+def _config(client: redis.Redis, name: str) -> Optional[str]:
+    """One server setting (CONFIG GET), whatever shape redis-py gives it."""
+    return shapes.config_value(_cmd(client, "CONFIG", "GET", name), name)
+
+
 def _server_text(exc: BaseException) -> str:
     """The server's error text; a password is never in it."""
     return str(exc).strip() or type(exc).__name__
@@ -244,12 +250,12 @@ def _acl_log(client: redis.Redis) -> Optional[list[str]]:
         return None
     user = _user(client)
     out: list[str] = []
-    for entry in entries or []:
-        if not isinstance(entry, dict) or entry.get("username") != user:
+    for entry in shapes.entries(entries):
+        if shapes.text(entry.get("username")) != user:
             continue
-        if float(entry.get("age-seconds") or 0) > 60:
+        if float(shapes.text(entry.get("age-seconds") or 0)) > 60:
             continue
-        what = f"{entry.get('reason')} {entry.get('object')!s}"
+        what = f"{shapes.text(entry.get('reason'))} {shapes.text(entry.get('object'))}"
         if what not in out:
             out.append(what)
     return out
@@ -361,7 +367,7 @@ def _denied(what: str, command: str, exc: ResponseError) -> Finding:
 
 
 def _info(client: redis.Redis, section: str) -> dict[str, Any]:
-    return dict(_cmd(client, "INFO", section))
+    return shapes.info_dict(_cmd(client, "INFO", section))
 
 
 def _version(client: redis.Redis) -> list[Finding]:
@@ -383,9 +389,8 @@ def _version(client: redis.Redis) -> list[Finding]:
 
 def _eviction(client: redis.Redis) -> list[Finding]:
     try:
-        policy = str(_cmd(client, "CONFIG", "GET", "maxmemory-policy")
-                     .get("maxmemory-policy", ""))
-        maxmemory = int(_cmd(client, "CONFIG", "GET", "maxmemory").get("maxmemory") or 0)
+        policy = _config(client, "maxmemory-policy") or ""
+        maxmemory = int(_config(client, "maxmemory") or 0)
     except ResponseError as exc:
         return [_denied("eviction", "CONFIG GET (maxmemory-policy)", exc)]
     if policy in SAFE_EVICTION:
@@ -430,7 +435,7 @@ def _persistence(client: redis.Redis) -> list[Finding]:
         return [Finding(OK, "persistence", "append-only file on: a restart keeps held locks "
                         "(up to the last fsync)")]
     try:
-        save = str(_cmd(client, "CONFIG", "GET", "save").get("save", ""))
+        save = _config(client, "save") or ""
     except ResponseError:
         save = "?"
     forgets = ("no snapshots either: a restart forgets every held lock" if save == "" else

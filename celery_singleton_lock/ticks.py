@@ -10,6 +10,7 @@ claim was lost (a Redis failover that dropped the key).
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import logging
 from typing import Any, Mapping, Optional
@@ -31,6 +32,8 @@ TICK_HEADER = "singleton_beat_tick"
 BEAT_HEADER = "singleton_beat_id"
 #: django-celery-beat's header naming the periodic task; kept, or set to the entry name
 PERIODIC_TASK_HEADER = "periodic_task_name"
+#: Celery's own mark of a beat message (set by Celery 5.4 and later; set here on 5.3 too)
+BEAT_TASK_HEADER = "celery_beat_task"
 
 #: how long the worker remembers that a tick ran (a second copy of it arriving
 #: later than this is no longer recognised)
@@ -78,8 +81,13 @@ def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
     ref = _aware(ref)
     if isinstance(sched, crontab):
         # remaining_delta works in the crontab's own timezone; start + delta is the
-        # next fire time there (what Celery's remaining() computes too).
-        start, delta, _ = sched.remaining_delta(ref)
+        # next fire time there (what Celery's remaining() computes too). Celery
+        # 5.3 matches the fields in the zone ``ref`` is given in, and skips the
+        # rest of an hour unless its own now() falls on ref's day: both given.
+        local = ref.astimezone(sched.tz)
+        probe = copy.copy(sched)
+        probe.nowfun = lambda: local
+        start, delta, _ = probe.remaining_delta(local)
         nxt = _aware(start + delta).astimezone(UTC)
         if nxt <= ref:  # the minute of ref itself: step past it
             return next_fire_after(sched, ref + dt.timedelta(minutes=1) - dt.timedelta(
