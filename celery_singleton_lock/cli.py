@@ -353,7 +353,8 @@ def _on_a_majority(row: Row) -> bool:
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check the lock Redis for what can make a lock lie or fail: credentials,
     ACL permissions, scripts, eviction, clock, version, persistence, replicas."""
-    from .checks import ERROR, OK, engine_checks
+    from .checks import engine_checks
+    from .findings import ERROR, OK
 
     c = _Context(ctx)
     findings = engine_checks(c.engine)

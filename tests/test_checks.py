@@ -11,9 +11,17 @@ from typing import Any, Iterator
 
 import pytest
 
-from celery_singleton_lock import ConfigurationError, SingletonConfig, checks
+from celery_singleton_lock import (
+    ConfigurationError,
+    SingletonConfig,
+    calls,
+    checks,
+    permissions,
+    serverchecks,
+)
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
+from celery_singleton_lock.findings import ERROR, OK, WARNING, Finding
 from tests.support import ROOT, RedisServer, Worker, wait_for
 from tests.workerapp import make_app
 
@@ -32,7 +40,7 @@ def engine_for_url(url: str, **overrides: Any) -> LockEngine:
     return connect(SingletonConfig.defaults(url, **overrides))
 
 
-def by_code(findings: list[checks.Finding]) -> dict[str, checks.Finding]:
+def by_code(findings: list[Finding]) -> dict[str, Finding]:
     return {f.code: f for f in findings}
 
 
@@ -54,8 +62,8 @@ def test_docs_acl_rule_is_the_one_the_scripts_need():
     """The documented rule lists every command the Lua scripts and the library call:
     a script calling a new command without the docs saying so fails here."""
     assert docs_rule() == checks.acl_rule("singleton:", 2)
-    for script in checks.SCRIPTS.values():
-        for command in checks.script_commands(script):
+    for script in calls.SCRIPTS.values():
+        for command in permissions.script_commands(script):
             assert f"+{command}" in docs_rule().split()
 
 
@@ -64,8 +72,8 @@ def test_documented_acl_rule_runs_a_real_worker_and_every_check_passes(acl_serve
     takes and frees a singleton lock; nothing is reported as an error."""
     engine = engine_for_url(locks_url(acl_server))
     findings = checks.run_checks(engine.client, engine.config)
-    assert [f for f in findings if f.level == checks.ERROR] == []
-    assert by_code(findings)["scripts"].level == checks.OK
+    assert [f for f in findings if f.level == ERROR] == []
+    assert by_code(findings)["scripts"].level == OK
     checks.startup_check(engine)  # raises nothing
 
     queue = f"q-{uuid.uuid4().hex[:8]}"
@@ -85,24 +93,24 @@ def test_documented_acl_rule_runs_a_real_worker_and_every_check_passes(acl_serve
         worker.stop()
 
 
-@pytest.mark.parametrize("command", sorted(set(checks.PUBLISH_COMMANDS)
-                                            - set(checks.required_commands(2))))
+@pytest.mark.parametrize("command", sorted(set(permissions.PUBLISH_COMMANDS)
+                                            - set(permissions.required_commands(2))))
 def test_a_publishing_command_taken_away_is_a_warning_naming_it(acl_server, command):
     """Without a command only the statistics need, the locks still work: the
     checks warn, naming it, and the worker start-up check lets it start."""
     acl_server.client().execute_command("ACL", "SETUSER", "locks", f"-{command}")
     engine = engine_for_url(locks_url(acl_server))
     findings = checks.run_checks(engine.client, engine.config)
-    assert [f for f in findings if f.level == checks.ERROR] == []
+    assert [f for f in findings if f.level == ERROR] == []
     publish = by_code(findings)["publish"]
-    assert publish.level == checks.WARNING
+    assert publish.level == WARNING
     assert re.search(rf"\b{re.escape(command)}\b", publish.message)
     assert f"+{command}" in publish.action
     checks.startup_check(engine)  # raises nothing
     assert not [k for k in acl_server.client(2).keys("singleton:*") if k.endswith(":probe")]
 
 
-@pytest.mark.parametrize("command", checks.required_commands(2))
+@pytest.mark.parametrize("command", permissions.required_commands(2))
 def test_each_command_taken_from_the_rule_is_named(acl_server, command):
     """Removing any one command of the minimal rule gives an error naming that
     command (inside scripts Redis does not name it: the checks find it), and the
@@ -110,7 +118,7 @@ def test_each_command_taken_from_the_rule_is_named(acl_server, command):
     acl_server.client().execute_command("ACL", "SETUSER", "locks", f"-{command}")
     engine = engine_for_url(locks_url(acl_server))
     findings = checks.run_checks(engine.client, engine.config)
-    errors = [f for f in findings if f.level == checks.ERROR]
+    errors = [f for f in findings if f.level == ERROR]
     assert errors, findings
     assert errors[0].code == "noperm"
     assert re.search(rf"\b{re.escape(command)}\b", errors[0].message), errors[0]
@@ -125,7 +133,7 @@ def test_a_key_pattern_missing_the_prefix_is_named(acl_server):
     acl_server.client().execute_command("ACL", "SETUSER", "locks", "resetkeys", "~other:*")
     engine = engine_for_url(locks_url(acl_server))
     errors = [f for f in checks.run_checks(engine.client, engine.config)
-              if f.level == checks.ERROR]
+              if f.level == ERROR]
     assert errors[0].code == "noperm"
     assert "keys under the prefix 'singleton:'" in errors[0].message
     assert "~singleton:*" in errors[0].action
@@ -186,7 +194,7 @@ def test_a_policy_that_may_evict_lock_keys_is_a_warning(policy, caplog):
     try:
         engine = engine_for_url(server.url(2))
         finding = by_code(checks.run_checks(engine.client, engine.config))["eviction"]
-        assert finding.level == checks.WARNING
+        assert finding.level == WARNING
         assert policy in finding.message
         assert "noeviction" in finding.action
         with caplog.at_level(logging.WARNING, logger="celery_singleton_lock"):
@@ -217,7 +225,7 @@ def test_eviction_policy_unreadable_is_said_so(acl_server):
     """A user that may not CONFIG GET: the check says it could not tell, not ok."""
     engine = engine_for_url(locks_url(acl_server))
     finding = by_code(checks.run_checks(engine.client, engine.config))["eviction-unknown"]
-    assert finding.level == checks.WARNING
+    assert finding.level == WARNING
     assert "config|get" in finding.message
 
 
@@ -226,10 +234,10 @@ def test_a_host_clock_off_by_more_than_a_tenth_of_the_lease_warns(own_redis, mon
     offset; the real clock is within it."""
     engine = engine_for_url(own_redis.url(2))
     assert by_code(checks.run_checks(engine.client, engine.config))["clock"].level == "ok"
-    real = checks.wall_clock
-    monkeypatch.setattr(checks, "wall_clock", lambda: real() + 5.0)
+    real = serverchecks.wall_clock
+    monkeypatch.setattr(serverchecks, "wall_clock", lambda: real() + 5.0)
     finding = by_code(checks.run_checks(engine.client, engine.config))["clock"]
-    assert finding.level == checks.WARNING
+    assert finding.level == WARNING
     # the offset it gives: -5 s, give or take the TIME round trip on a busy machine
     offset = float(re.search(r"clock is ([-+][0-9.]+) s off", finding.message).group(1))  # type: ignore[union-attr]
     assert abs(offset + 5.0) < 0.5
@@ -239,7 +247,7 @@ def test_no_persistence_warns_and_an_append_only_file_is_ok(own_redis):
     """Without AOF or snapshots a restart forgets every lock: a warning; with AOF: ok."""
     engine = engine_for_url(own_redis.url(2))
     finding = by_code(checks.run_checks(engine.client, engine.config))["persistence"]
-    assert finding.level == checks.WARNING
+    assert finding.level == WARNING
     assert "forgets every held lock" in finding.message
     server = RedisServer(["--appendonly", "yes"]).start()
     try:
@@ -259,10 +267,10 @@ def test_replicas_warn_and_a_replica_as_lock_redis_is_an_error(own_redis):
                  10, what="replica connected")
         engine = engine_for_url(own_redis.url(2))
         assert by_code(checks.run_checks(engine.client, engine.config))["replication"].level \
-            == checks.WARNING
+            == WARNING
         engine = engine_for_url(replica.url(2))
         errors = [f for f in checks.run_checks(engine.client, engine.config)
-                  if f.level == checks.ERROR]
+                  if f.level == ERROR]
         assert {f.code for f in errors} == {"readonly", "replica"}
         with pytest.raises(ConfigurationError, match="primary"):
             checks.startup_check(engine)

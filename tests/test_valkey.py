@@ -14,9 +14,10 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.checks import OK, run_checks
+from celery_singleton_lock.checks import run_checks
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
+from celery_singleton_lock.findings import OK
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire, Release, Renew
 from tests import promises
