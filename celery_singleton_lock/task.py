@@ -45,6 +45,17 @@ WAITS_HEADER = "singleton_waits"
 _CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
 
 
+def _is_chord_body(task_id: Optional[str]) -> bool:
+    """This send is the body of the chord of the task running here: Celery 5.3
+    sends it with no canvas option at all (later ones add its group id)."""
+    from celery import current_task
+
+    body = getattr(getattr(current_task, "request", None), "chord", None)
+    options = body.get("options") if isinstance(body, Mapping) else None
+    return task_id is not None and isinstance(options, Mapping) and (
+        options.get("task_id") == task_id)
+
+
 class _Ended:
     """Returned up to ``__call__`` by a skip that ends with ``Ignore``."""
 
@@ -167,7 +178,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             # broken connection found its own first attempt's work.
             decision = Decision(Do.SEND, keyed=True)
         else:
-            in_canvas = "chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
+            in_canvas = ("chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
+                         or _is_chord_body(task_id))
             decision = policies.at_send(answer, on_duplicate=config.on_duplicate,
                                         task_name=self.name, key=keys.base, in_canvas=in_canvas)
         if decision.do is Do.FAIL:
