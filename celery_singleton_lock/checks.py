@@ -227,6 +227,13 @@ _COMMAND_PROBES: dict[str, str] = {
 }
 
 
+def _denied_inside(exc: ResponseError) -> bool:
+    """A script stopped by the ACL at a command it calls: Redis 7 says it
+    "can't run this command", Valkey says "ACL failure in script"."""
+    text = str(exc)
+    return "can't run this command" in text or "ACL failure in script" in text
+
+
 def _denied_in_scripts(client: redis.Redis, prefix: str, commands: Sequence[str]) -> list[str]:
     """Which of ``commands`` the user may not call from a script."""
     key = f"{prefix}{{{uuid.uuid4().hex}}}:probe"
@@ -236,7 +243,7 @@ def _denied_in_scripts(client: redis.Redis, prefix: str, commands: Sequence[str]
             sha = _cmd(client, "SCRIPT", "LOAD", _COMMAND_PROBES[name])
             _cmd(client, "EVALSHA", sha, 1, key)
         except ResponseError as exc:
-            if "can't run this command" in str(exc) or isinstance(exc, NoPermissionError):
+            if _denied_inside(exc) or isinstance(exc, NoPermissionError):
                 denied.append(name)
     return denied
 
@@ -281,7 +288,7 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
             _cmd(client, "EVALSHA", script.sha, len(keys_), *keys_, *args)
         except NoPermissionError as exc:
             text = _server_text(exc)
-            if "keys" in text:
+            if "key" in text:  # Redis: "...one of the keys...", Valkey: "...access a key"
                 return [*findings, Finding(
                     ERROR, "noperm",
                     f"ACL user {user!r} may not access keys under the prefix "
@@ -289,15 +296,15 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
                     f"allow the key pattern: {rule}")]
             return [*findings, _noperm_command(client, config, exc)]
         except ReadOnlyError:
-            return [*findings, Finding(
-                ERROR, "readonly", "the lock Redis is a read-only replica: no lock can be taken",
-                "point singleton_redis_url at the primary")]
+            return [*findings, _readonly()]
         except OutOfMemoryError as exc:
             return [*findings, Finding(
                 ERROR, "oom", f"the lock Redis refuses writes: {_server_text(exc)}",
                 "give it memory (maxmemory) or move the locks to a Redis of their own")]
         except ResponseError as exc:
-            if "can't run this command" in str(exc):
+            if "READONLY" in str(exc):  # Redis 6.2: a script error wrapping it
+                return [*findings, _readonly()]
+            if _denied_inside(exc):
                 command_denied.append(name)
                 continue
             findings.append(Finding(ERROR, "script", f"script {name} failed: {_server_text(exc)}",
@@ -328,6 +335,11 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
         findings.append(Finding(OK, "scripts", f"all {len(SCRIPTS)} scripts load and run as "
                                                f"user {user!r}"))
     return findings
+
+
+def _readonly() -> Finding:
+    return Finding(ERROR, "readonly", "the lock Redis is a read-only replica: no lock can be "
+                   "taken", "point singleton_redis_url at the primary")
 
 
 def _publishing(client: redis.Redis, config: SingletonConfig) -> list[Finding]:

@@ -31,6 +31,11 @@ def engine_for_url(url: str, **overrides: Any) -> LockEngine:
     return LockEngine.from_config(SingletonConfig.defaults(url, **overrides))
 
 
+def server_version(server: RedisServer) -> tuple[int, ...]:
+    text = str(server.client().info("server")["redis_version"])
+    return tuple(int(p) for p in text.split(".")[:2])
+
+
 def by_code(findings: list[checks.Finding]) -> dict[str, checks.Finding]:
     return {f.code: f for f in findings}
 
@@ -106,6 +111,8 @@ def test_each_command_taken_from_the_rule_is_named(acl_server, command):
     """Removing any one command of the minimal rule gives an error naming that
     command (inside scripts Redis does not name it: the checks find it), and the
     worker start-up check refuses to start."""
+    if "|" in command and server_version(acl_server) < (7, 0):
+        pytest.skip("Redis before 7.0 cannot take one subcommand away (-script|load)")
     acl_server.client().execute_command("ACL", "SETUSER", "locks", f"-{command}")
     engine = engine_for_url(locks_url(acl_server))
     findings = checks.run_checks(engine.client, engine.config)
@@ -217,7 +224,8 @@ def test_eviction_policy_unreadable_is_said_so(acl_server):
     engine = engine_for_url(locks_url(acl_server))
     finding = by_code(checks.run_checks(engine.client, engine.config))["eviction-unknown"]
     assert finding.level == checks.WARNING
-    assert "config|get" in finding.message
+    # Redis 7 names the subcommand, 6.2 the command
+    assert "config|get" in finding.message or "'config' command" in finding.message
 
 
 def test_a_host_clock_off_by_more_than_a_tenth_of_the_lease_warns(own_redis, monkeypatch):
