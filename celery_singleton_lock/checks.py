@@ -27,7 +27,6 @@ import redis
 from redis.exceptions import (
     AuthenticationError,
     NoPermissionError,
-    OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
 )
@@ -297,11 +296,12 @@ def _scripts(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
             return [*findings, _noperm_command(client, config, exc)]
         except ReadOnlyError:
             return [*findings, _readonly()]
-        except OutOfMemoryError as exc:
-            return [*findings, Finding(
-                ERROR, "oom", f"the lock Redis refuses writes: {_server_text(exc)}",
-                "give it memory (maxmemory) or move the locks to a Redis of their own")]
         except ResponseError as exc:
+            # redis-py 4.6 and later raise OutOfMemoryError, 4.5 a ResponseError
+            if type(exc).__name__ == "OutOfMemoryError" or "maxmemory" in str(exc):
+                return [*findings, Finding(
+                    ERROR, "oom", f"the lock Redis refuses writes: {_server_text(exc)}",
+                    "give it memory (maxmemory) or move the locks to a Redis of their own")]
             if "READONLY" in str(exc):  # Redis 6.2: a script error wrapping it
                 return [*findings, _readonly()]
             if _denied_inside(exc):
