@@ -10,6 +10,7 @@ import uuid
 from typing import Any, Iterator
 
 import pytest
+import redis
 
 from celery_singleton_lock import ConfigurationError, SingletonConfig, checks
 from celery_singleton_lock.engine import LockEngine
@@ -212,6 +213,19 @@ def test_the_checks_leave_no_key_behind(own_redis):
     findings = checks.run_checks(engine.client, engine.config)
     assert by_code(findings)["scripts"].level == "ok"
     assert client.dbsize() == 0, list(client.scan_iter())
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_both_protocols_give_the_same_findings(own_redis, protocol):
+    """RESP2 and RESP3 (redis-py 5 and later) answer CONFIG GET, INFO and the
+    scripts in other shapes: the findings are the same."""
+    if protocol == 3 and int(redis.__version__.split(".")[0]) < 5:
+        pytest.skip("redis-py before 5.0 speaks RESP2 only")
+    engine = engine_for_url(own_redis.url(2) + ("?protocol=3" if protocol == 3 else ""))
+    findings = by_code(checks.run_checks(engine.client, engine.config))
+    assert {code: f.level for code, f in findings.items()} == {
+        "reachable": "ok", "version": "ok", "scripts": "ok", "eviction": "ok", "clock": "ok",
+        "persistence": "warning", "replication": "ok"}
 
 
 def test_noeviction_is_ok(own_redis):
