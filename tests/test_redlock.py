@@ -524,9 +524,7 @@ def test_beats_on_redlock_send_every_tick_once_through_the_first_masters_death(
     master of the URL is killed halfway: every tick still runs exactly once,
     none missing (a claim on the first master alone would stop the ticks)."""
     url = redlock_url(worker_masters)
-    # One child: every tick shares the task's key, and a run still releasing
-    # on a loaded machine would make the next tick a skipped duplicate.
-    worker = Worker(redis_server.url(), f"rlb-{uuid.uuid4().hex[:8]}", concurrency=1,
+    worker = Worker(redis_server.url(), f"rlb-{uuid.uuid4().hex[:8]}", concurrency=2,
                     lock_url=url, conf=CONF)
     worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.beatapp:app"
     worker.start()
@@ -552,9 +550,11 @@ def test_beats_on_redlock_send_every_tick_once_through_the_first_masters_death(
             beat.stop()
         runs = Counter(e["singleton_beat_tick"] for e in tick_events(events, entry, "start"))
         assert set(runs.values()) == {1}, [t for t, n in runs.items() if n > 1]
-        stamps = sorted(dt.datetime.fromisoformat(t) for t in runs)
+        # none missing from the last tick before the death on (a tick missed
+        # while the three beats were still starting is not what this tests)
+        stamps = sorted(dt.datetime.fromisoformat(t) for t in runs if t >= killed_at)
         gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
-        assert gaps == [1.0] * len(gaps), gaps
+        assert len(gaps) >= 6 and gaps == [1.0] * len(gaps), gaps
     finally:
         for beat in beats:
             beat.stop()
