@@ -386,16 +386,23 @@ def test_a_tick_buffered_by_a_beat_killed_meanwhile_is_sent_by_another(
     from tests.beatapp import make_beat_app
 
     key = uuid.uuid4().hex[:8]
-    sched = {"waits": {"task": "t.tick_hold", "every": 4,
+    # Hourly, with a catch-up window longer than the hour: each beat decides
+    # the latest tick at start, and the next one is far away. With a short
+    # interval the next tick could come before the survivor looks for the
+    # buffer; it would then stand for the buffered one (which is dropped).
+    sched = {"waits": {"task": "t.tick_hold", "every": 3600,
                        "kwargs": {"key": key, "seconds": 0.0},
                        "options": {"singleton_overlap": "buffer_one"}}}
+    conf = {"singleton_beat_catchup": 7200}
+    wait_for(lambda: time.time() % 3600 < 3540, 61, what="a minute before the hour is over")
     app = make_beat_app(redis_server.url(), beat_worker.queue)
     keys = app.tasks["t.tick_hold"].singleton_keys(key)
     engine = engine_for(app)
     engine.acquire(keys, task_id="earlier-run", exec_id="earlier-exec", lease_ms=60_000,
                    hostname="test@host", retries=0, task_name="t.tick_hold")
     for name in ("a", "b"):
-        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name).start())
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name,
+                          conf=conf).start())
     waiting = wait_for(lambda: r.get(buffer_key("singleton:", "waits")), 30,
                        what="a tick buffered while the key is held")
     tick = from_ms(int(waiting))
