@@ -41,7 +41,7 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
 
-STATES = ("run", "queued", "done")
+STATES = ("run", "queued", "done", "throttled")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -162,7 +162,7 @@ def singleton() -> None:
 @click.option("--state", type=click.Choice(STATES), cls=CeleryOption,
               help_group="Filter Options",
               help="run: a lock held by an execution; queued: taken when sent; "
-                   "done: a success's window.")
+                   "done: a success's window; throttled: a start's window.")
 @_json_option
 @click.pass_context
 @_guarded
@@ -334,7 +334,7 @@ def _purge_row(c: _Context, row: Row) -> bool:
         return c.engine.release(keys, row.exec, row.holder, finished=False)
     if row.state == "queued":
         return c.engine.unqueue(keys, row.holder)
-    c.delete_everywhere(keys.done)
+    c.delete_everywhere(keys.throttle if row.state == "throttled" else keys.done)
     return True
 
 

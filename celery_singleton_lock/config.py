@@ -113,6 +113,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("on_duplicate", "skip", choice(DUPLICATE_POLICIES), per_task=True),
     Setting("scope", "run", choice(SCOPES, "scope"), per_task=True),
     Setting("done_ttl", 0.0, check_optional_ttl, per_task=True),
+    Setting("throttle", 0.0, check_optional_ttl, per_task=True),
     Setting("on_backend_error", "retry", choice(BACKEND_ERROR_POLICIES)),
     Setting("retry_delay", 1.0, check_ttl),
     Setting("retry_max_delay", 30.0, check_ttl),
@@ -141,6 +142,7 @@ class SingletonConfig:
     on_duplicate: str
     scope: str
     done_ttl: float
+    throttle: float
     on_backend_error: str
     retry_delay: float
     retry_max_delay: float

@@ -117,14 +117,17 @@ class LockEngine:
         retries: int,
         task_name: str,
         scope: str = "run",
+        throttle_ms: int = 0,
     ) -> Acquired:
         """Take the lock for an execution that starts now.
 
         A refused execution that owns the key it took at send time keeps it
         (``queued_by_it`` in the answer): it was accepted, so it will wait and run.
+        ``throttle_ms`` > 0: a grant opens a window that long in which no other
+        task id of this key starts (``singleton_throttle``).
         """
         keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                   task_name, scope, self._fin_ms)
+                                   task_name, scope, self._fin_ms, throttle_ms)
         try:
             if not self._wait:
                 reply, _ = self.wire.call(self._acquire, keys_, args)

@@ -142,9 +142,10 @@ class LockKeys:
     ``fin``   string: task id whose execution finished while a copy waited
     ``queued`` string: task id that took the key when it was sent
     ``done``  string: task id whose success keeps the key done (``singleton_done_ttl``)
+    ``throttle`` string: task that opened the throttle window (``singleton_throttle``)
     """
 
-    __slots__ = ("base", "done", "fence", "fin", "lock", "queued")
+    __slots__ = ("base", "done", "fence", "fin", "lock", "queued", "throttle")
 
     def __init__(self, prefix: str, hexdigest: str) -> None:
         self.base = f"{prefix}{{{hexdigest}}}"
@@ -153,6 +154,7 @@ class LockKeys:
         self.fin = f"{self.base}:fin"
         self.queued = f"{self.base}:queued"
         self.done = f"{self.base}:done"
+        self.throttle = f"{self.base}:throttle"
 
     def __repr__(self) -> str:
         return f"LockKeys({self.base!r})"

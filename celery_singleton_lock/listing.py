@@ -68,11 +68,11 @@ def liveness(record: dict[str, str]) -> str:
 
 
 def key_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(lock|queued|done)$")
+    return re.compile(rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(lock|queued|done|throttle)$")
 
 
 def scan_digests(client: redis.Redis, prefix: str) -> list[str]:
-    """Every key hash with a lock, marker or done window: SCAN, never KEYS."""
+    """Every key hash with a lock, marker, done or throttle window: SCAN, never KEYS."""
     glob = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}:*"
     pattern = key_pattern(prefix)
     found: dict[str, None] = {}
@@ -100,9 +100,12 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
             pipe.pttl(keys.queued)
             pipe.get(keys.done)
             pipe.pttl(keys.done)
+            pipe.get(keys.throttle)
+            pipe.pttl(keys.throttle)
         replies = pipe.execute()
         for i, keys in enumerate(chunk):
-            raw, lock_ttl, queued, queued_ttl, done, done_ttl = replies[6 * i:6 * i + 6]
+            (raw, lock_ttl, queued, queued_ttl, done, done_ttl, throttle,
+             throttle_ttl) = replies[8 * i:8 * i + 8]
             record = owner_record(raw)
             name = record.get("name", "") if record else ""
             if record:
@@ -121,6 +124,10 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
                 marked, by = marker_task(done)
                 rows.append(Row(key=keys.base, state="done", task=marked or name, holder=by,
                                 ttl=ttl_of(done_ttl)))
+            if throttle:
+                marked, by = marker_task(throttle)
+                rows.append(Row(key=keys.base, state="throttled", task=marked or name,
+                                holder=by, ttl=ttl_of(throttle_ttl)))
     return rows
 
 

@@ -43,11 +43,13 @@ class Decision:
     do: Do
     #: the task id the decision is about (the one holding the key)
     holder: Optional[str] = None
-    #: "duplicate" or "done" for SKIP and REFUSE; why, for the others
+    #: "duplicate", "done" or "throttled" for SKIP and REFUSE; why, for the others
     reason: str = ""
     error: Optional[Exception] = None
     #: SEND: the send-time key is this send's (False: sent without one)
     keyed: bool = False
+    #: THROTTLED: seconds until the window reopens (WAIT: the countdown)
+    reopens_in: Optional[float] = None
 
 
 def at_send(answer: Enqueued, *, on_duplicate: str, task_name: str, key: str,
@@ -83,6 +85,16 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
     if status is Acquire.DONE:
         # within singleton_done_ttl of a success every duplicate is skipped
         return Decision(Do.SKIP, holder=holder, reason="done")
+    if status is Acquire.THROTTLED:
+        # another task started within singleton_throttle: skip, or come back
+        # when the window reopens (raise: the error says so)
+        reopens = answer.reopens_ms / 1000.0
+        if on_duplicate == "skip":
+            return Decision(Do.SKIP, holder=holder, reason="throttled", reopens_in=reopens)
+        if on_duplicate == "retry":
+            return Decision(Do.WAIT, holder=holder, reason="throttled", reopens_in=reopens)
+        return Decision(Do.FAIL, holder=holder, reason="throttled", reopens_in=reopens,
+                        error=DuplicateTaskError(task_name, key, holder))
     if status is Acquire.SAME_TASK:
         # a redelivered copy of a running task: it comes back later and is
         # dropped if the original finished, run if the original died
@@ -112,6 +124,10 @@ def on_backend_error(policy: str, *, phase: str, key: str, error: Exception) -> 
     if policy == "run":
         return Decision(Do.RUN_UNLOCKED, reason="lock backend unavailable")
     return Decision(Do.WAIT, reason=f"lock backend unavailable: {error!r}")
+
+
+#: a throttled call sent again comes this long after its window reopens
+THROTTLE_SLACK = 0.05
 
 
 def backoff(config: SingletonConfig, waits: int, *, backend_error: bool = False) -> float:

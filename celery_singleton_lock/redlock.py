@@ -133,6 +133,7 @@ class RedlockEngine(Masters, LockEngine):
         retries: int,
         task_name: str,
         scope: str = "run",
+        throttle_ms: int = 0,
     ) -> Acquired:
         """Take the lock on a majority of the masters within the validity time."""
         started = time.monotonic()
@@ -146,7 +147,7 @@ class RedlockEngine(Masters, LockEngine):
         results = self.each(
             lambda e: e.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
                                 hostname=hostname, retries=retries, task_name=task_name,
-                                scope=scope),
+                                scope=scope, throttle_ms=throttle_ms),
             decided=decided, timeout=min(self.call_timeout, max(validity, 0.0)))
         grants = [i for i, r in enumerate(results) if granted(r)]
         if len(grants) >= quorum:

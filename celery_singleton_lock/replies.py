@@ -24,6 +24,7 @@ class Acquire(IntEnum):
     SAME_TASK = 2  #: another execution of this very task id holds it (a redelivery)
     FINISHED = 3  #: this task id already finished: a late redelivery
     DONE = 4  #: another task succeeded within ``singleton_done_ttl``
+    THROTTLED = 5  #: another task started within the ``singleton_throttle`` window
 
 
 class Release(IntEnum):
@@ -72,6 +73,8 @@ class Acquired:
     holder: Optional[Holder] = None
     #: the refused execution owns the key it took at send time (it was accepted)
     queued_by_it: bool = False
+    #: THROTTLED: milliseconds until the window reopens
+    reopens_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ def acquired(reply: Any) -> Acquired:
             return Acquired(status, token=int(reply[1]))
         if status in (Acquire.FINISHED, Acquire.DONE):
             return Acquired(status, holder=Holder(reply[1]))
+        if status is Acquire.THROTTLED:
+            return Acquired(status, holder=Holder(reply[1]),
+                            reopens_ms=max(int(reply[2]), 0))
         return Acquired(status, holder=_holder(reply[1]),
                         queued_by_it=len(reply) > 2 and reply[2] == 1)
     except (IndexError, TypeError, ValueError, AttributeError):

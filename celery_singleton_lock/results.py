@@ -8,9 +8,14 @@ from typing import Any, Optional
 from celery.result import AsyncResult
 
 
-def skip_result(key: str, holder: Optional[str], reason: str = "duplicate") -> dict[str, Any]:
-    """The result a skipped duplicate returns (plain JSON)."""
-    return {"skipped": True, "holder": holder, "key": key, "reason": reason}
+def skip_result(key: str, holder: Optional[str], reason: str = "duplicate",
+                reopens_in: Optional[float] = None) -> dict[str, Any]:
+    """The result a skipped duplicate returns (plain JSON); a throttled one
+    also says in how many seconds its window reopens."""
+    result: dict[str, Any] = {"skipped": True, "holder": holder, "key": key, "reason": reason}
+    if reopens_in is not None:
+        result["reopens_in"] = round(reopens_in, 3)
+    return result
 
 
 def is_skipped(result: Any) -> bool:

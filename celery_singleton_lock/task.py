@@ -23,7 +23,7 @@ from kombu.utils.uuid import uuid
 from . import monitor, policies
 from .bootsteps import SingletonStep
 from .canvas import delay_of, send_delay, send_on
-from .config import SingletonConfig, get_config
+from .config import TASK_OPTIONS, SingletonConfig, get_config
 from .engine import LockEngine
 from .engines import engine_for
 from .exceptions import LockBackendError, WaitingForKey
@@ -43,6 +43,9 @@ _ENTERED_ATTR = "_singleton_entered"
 #: header counting how often a request was sent again to wait for its key
 WAITS_HEADER = "singleton_waits"
 _CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
+#: how a skip's log line and Flower's result name the holder, by the skip's reason
+_SKIP_VERBS = {"done": "was done by", "throttled": "is throttled by"}
+_RESULT_VERBS = {"done": "done by", "throttled": "throttled by"}
 
 
 def _is_chord_body(task_id: Optional[str]) -> bool:
@@ -84,6 +87,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     ``singleton_ttl``          lease in seconds, renewed while the task runs
     ``singleton_scope``        ``"run"``, ``"queue"`` or ``"queue_and_run"``
     ``singleton_done_ttl``     seconds a success keeps its key done (0 or None: off)
+    ``singleton_throttle``     seconds: at most one start per key in that window,
+                               whatever its outcome (0 or None: off)
     """
 
     singleton_key: KeySpec = None
@@ -91,6 +96,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_ttl: Optional[float] = None
     singleton_scope: Optional[str] = None
     singleton_done_ttl: Optional[float] = None
+    singleton_throttle: Optional[float] = None
 
     _singleton_settings_cache: Optional[TaskSettings] = None
     _singleton_settings_mutex = ForkSafeLock()
@@ -114,9 +120,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 settings = None if reload else self._singleton_settings_cache
                 if settings is None:
                     config = get_config(self.app, reload=reload).for_task(self.name, {
-                        s: getattr(self, s, None)
-                        for s in ("singleton_ttl", "singleton_on_duplicate", "singleton_scope",
-                                  "singleton_done_ttl")})
+                        s.name: getattr(self, s.name, None) for s in TASK_OPTIONS})
                     builder = KeyBuilder(self.name, self.run, self.singleton_key,
                                          config.key_prefix)
                     settings = TaskSettings(config, builder)
@@ -300,13 +304,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         req = self.request
         name, task_id, do = self.name, req.id, decision.do
         if do is Do.SKIP:
+            result = skip_result(keys.base, decision.holder, reason=decision.reason,
+                                 reopens_in=decision.reopens_in)
             if logger.isEnabledFor(logging.INFO):
-                logger.info("Skipped duplicate %s[%s]: %s %s %s", name, task_id, keys.base,
-                            "was done by" if decision.reason == "done" else "is held by",
-                            decision.holder)
+                logger.info("Skipped duplicate %s[%s]: %s %s %s%s", name, task_id, keys.base,
+                            _SKIP_VERBS.get(decision.reason, "is held by"), decision.holder,
+                            "" if decision.reopens_in is None else
+                            f"; the window reopens in {decision.reopens_in:.1f} s")
             monitor.count(engine_for(self.app), "skipped", name, decision.reason)
-            return self._end_skipped(req, skip_result(keys.base, decision.holder,
-                                                      reason=decision.reason))
+            return self._end_skipped(req, result)
         if do is Do.DROP:
             logger.info("Dropped redelivered %s[%s]: %s", name, task_id, decision.reason)
             raise Ignore()
@@ -324,7 +330,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                             keys.base, decision.holder, decision.reason)
             try:
                 sig, countdown = self._send_again(config, args, kwargs,
-                                                  backend_error=backend_error is not None)
+                                                  backend_error=backend_error is not None,
+                                                  at=decision.reopens_in)
             except Exception as publish_exc:
                 if backend_error is None:
                     raise
@@ -374,19 +381,21 @@ class SingletonTask(Task):  # type: ignore[misc]
             send_on(self, result, req)
         self.backend.mark_as_done(req.id, result, request=req, store_result=not ignored)
         # "result" is the field Flower shows on the task row and page
-        verb = "done by" if result["reason"] == "done" else "duplicate of"
+        verb = _RESULT_VERBS.get(result["reason"], "duplicate of")
         monitor.send_task_event(self, "task-skipped", holder=result["holder"],
                                 reason=result["reason"], key=result["key"],
                                 result=f"{verb} {result['holder']} ({result['key']})")
         return _IGNORE  # raised as Ignore by __call__
 
     def _send_again(self, config: SingletonConfig, args: Sequence[Any],
-                    kwargs: Mapping[str, Any], backend_error: bool = False
-                    ) -> tuple[Any, float]:
-        """Send this very request again (same task id, same retries) after a backoff."""
+                    kwargs: Mapping[str, Any], backend_error: bool = False,
+                    at: Optional[float] = None) -> tuple[Any, float]:
+        """Send this very request again (same task id, same retries) after a
+        backoff, or ``at`` seconds from now (a throttle window reopens then)."""
         req = self.request
         waits = int(getattr(req, WAITS_HEADER, None) or 0)
-        countdown = policies.backoff(config, waits, backend_error=backend_error)
+        countdown = policies.backoff(config, waits, backend_error=backend_error) if (
+            at is None) else at + policies.THROTTLE_SLACK
         headers = dict(req.headers or {}) if isinstance(req.headers, dict) else {}
         headers[WAITS_HEADER] = waits + 1
         sig = self.signature_from_request(
@@ -401,12 +410,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             return engine.acquire(
                 keys, task_id=req.id, exec_id=exec_id, lease_ms=int(config.ttl * 1000),
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
-                scope=config.scope,
+                scope=config.scope, throttle_ms=int(config.throttle * 1000),
             )
 
         answer = attempt()
         holder = answer.holder
-        if holder is not None and answer.status is not Acquire.DONE and (
+        if holder is not None and answer.status not in (Acquire.DONE, Acquire.THROTTLED) and (
                 engine.clear_dead_holder(keys, holder)):
             answer = attempt()
         return answer

@@ -161,6 +161,26 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
     def run_done_long(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return body(self, key, seconds, tag)
 
+    # -- the throttle window -----------------------------------------------------
+    @task(base=SingletonTask, bind=True, name="t.throttle", singleton_key=("key",),
+          singleton_throttle=3)
+    def throttle(self: Any, key: str, seconds: float = 0.0, tag: str = "",
+                 fail: bool = False) -> Any:
+        return body(self, key, seconds, tag, fail)
+
+    @task(base=SingletonTask, bind=True, name="t.throttle_retry", singleton_key=("key",),
+          singleton_throttle=2, singleton_on_duplicate="retry")
+    def throttle_retry(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.throttle_retrier", singleton_key=("key",),
+          singleton_throttle=30, max_retries=3)
+    def throttle_retrier(self: Any, key: str, tag: str = "") -> Any:
+        result = body(self, key, 0.0, f"{tag}#{self.request.retries}")
+        if self.request.retries < 1:
+            raise self.retry(countdown=0.2)
+        return result
+
     @task(base=SingletonTask, bind=True, name="t.collect", singleton_scope="queue_and_run")
     def collect(self: Any, results: list[Any]) -> Any:
         return results

@@ -9,7 +9,10 @@
 -- (both markers: the task's name, a newline, its id; enqueue.lua, release.lua)
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
--- ARGV[5] scope, with KEYS[5]: 'queue' or 'queue_and_run'
+-- ARGV[5] scope, with KEYS[5]: 'run', 'queue' or 'queue_and_run'
+-- KEYS[6] throttle string: the task that opened the throttle window (name, newline, id)
+--                 (singleton_throttle only; KEYS[5] and ARGV[5] are then passed too)
+-- ARGV[6] the throttle window in ms   ARGV[7] the task's name (with KEYS[6])
 --
 -- The owner record is one string, fields joined by newlines (docs/redis-keys.md):
 --   exec, handoff, copies, token, at, lease, fin, retries, pid, hostkey, host, name, task
@@ -21,9 +24,12 @@
 --   {2, record}                 held by another execution of this task id
 --   {3, task}                   this task id already finished
 --   {4, task}                   done: another task succeeded within done_ttl
+--   {5, task, ms}               throttled: another task started within the window,
+--                               which reopens in ms
 -- accepted = 1: the refused execution took the key when it was sent; it keeps
 -- that marker, because a send that was accepted must run (it waits its turn).
 local lock, fence, fin, done, queued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local throttle = KEYS[6]
 local task_id, exec_id = ARGV[1], ARGV[2]
 -- exec, handoff, copies, then nine fields, then the task id
 local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
@@ -47,6 +53,10 @@ local function grant()
   redis.call('SET', fence, token, 'PX', '86400000')
   redis.call('SET', lock, exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4],
     'PX', ARGV[3])
+  if throttle then
+    -- a start opens the window; a retry of the task that opened it keeps it
+    redis.call('SET', throttle, ARGV[7] .. '\n' .. task_id, 'PX', ARGV[6], 'NX')
+  end
   return token
 end
 
@@ -86,6 +96,17 @@ if done_by then
   if own_queued then redis.call('DEL', queued) end
   if done_by == task_id then return {3, task_id} end
   return {4, done_by}
+end
+
+if throttle then
+  local by = redis.call('GET', throttle)
+  by = by and (string.match(by, '\n(.*)$') or by)  -- the id after the name
+  if by and by ~= task_id then
+    -- another task started within the window: whatever its outcome, this
+    -- one does not start before the window reopens
+    if own_queued then redis.call('DEL', queued) end
+    return {5, by, redis.call('PTTL', throttle)}
+  end
 end
 
 if record then
