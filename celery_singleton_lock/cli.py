@@ -27,6 +27,7 @@ from .listing import (
     headers_of,
     liveness,
     merge_views,
+    on_a_majority,
     read_rows,
     scan_digests,
     table,
@@ -203,7 +204,7 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     rows = c.rows([digest])
     if as_json:
         echo_json({"task": task_name, "key": keys.base, "lock": keys.lock,
-                    "held": any(r.state == "run" and _on_a_majority(r) for r in rows),
+                    "held": any(r.state == "run" and on_a_majority(r) for r in rows),
                     "locks": [asdict(r) for r in rows]})
         return
     click.echo(f"task  {task_name}\nkey   {keys.base}\nlock  {keys.lock}")
@@ -296,33 +297,21 @@ def _report(result: dict[str, Any], as_json: bool, action: str, text: str) -> No
               help_group="Filter Options", help="The task whose keys go.")
 @click.option("--yes", is_flag=True, cls=CeleryOption, help_group="Purge Options",
               help="Delete; without it, only say what would be deleted.")
+@click.option("--force", is_flag=True, cls=CeleryOption, help_group="Purge Options",
+              help="Free locks whose holder may still run too (they will see .lost).")
 @_json_option
 @click.pass_context
 @_guarded
-def purge(ctx: click.Context, task_name: str, yes: bool, as_json: bool) -> None:
+def purge(ctx: click.Context, task_name: str, yes: bool, force: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
-    done windows. A dry run unless --yes. Fencing counters stay: tokens only go up."""
+    done windows. A dry run unless --yes. A lock whose holder may still run is
+    kept unless --force, as with release. Fencing counters stay: tokens only go up."""
+    from .purging import purge_rows, report
+
     c = _Context(ctx)
     rows = filtered(c.rows(), task_name, None)
-    outcome: list[dict[str, Any]] = []
-    for row in rows:
-        entry = {**asdict(row), "action": "would delete"}
-        if yes:
-            entry["action"] = "deleted" if _purge_row(c, row) else "changed hands: kept"
-        outcome.append(entry)
-    kept = any(e["action"].startswith("changed") for e in outcome)
-    if as_json:
-        echo_json({"task": task_name, "dry_run": not yes, "keys": outcome})
-    elif outcome:
-        click.echo(table(["ACTION", "KEY", "STATE", "HOLDER", "LIVE"],
-                          [[e["action"], e["key"], e["state"], e["holder"], e["live"]]
-                           for e in outcome]))
-        if not yes:
-            click.echo(f"dry run: nothing deleted; pass --yes to delete these "
-                       f"{len(outcome)} key(s)")
-    else:
-        click.echo(f"no keys of task {task_name!r}")
-    if kept:
+    outcome = purge_rows(rows, yes, force, lambda row: _purge_row(c, row))
+    if report(task_name, outcome, yes, force, as_json):
         raise click.exceptions.Exit(EXIT_FINDINGS)
 
 
@@ -336,14 +325,6 @@ def _purge_row(c: _Context, row: Row) -> bool:
         return c.engine.unqueue(keys, row.holder)
     c.delete_everywhere(keys.throttle if row.state == "throttled" else keys.done)
     return True
-
-
-def _on_a_majority(row: Row) -> bool:
-    """Held as the lock sees it: always on one server; on a majority with Redlock."""
-    if not row.masters:
-        return True
-    on, total = (int(n) for n in row.masters.split("/"))
-    return on * 2 > total
 
 
 @singleton.command(cls=CeleryCommand)

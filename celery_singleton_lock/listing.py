@@ -67,6 +67,14 @@ def liveness(record: dict[str, str]) -> str:
     return "alive" if holder.host_key == HOST_KEY else "unknown"
 
 
+def on_a_majority(row: Row) -> bool:
+    """Held as the lock sees it: always on one server; on a majority with Redlock."""
+    if not row.masters:
+        return True
+    on, total = (int(n) for n in row.masters.split("/"))
+    return on * 2 > total
+
+
 def key_pattern(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(lock|queued|done|throttle)$")
 

@@ -282,6 +282,35 @@ def test_purge_by_task_frees_its_send_time_markers_and_done_windows(scene):
     sent.revoke()
 
 
+def test_purge_keeps_a_live_holders_lock_without_force_as_release_does(scene):
+    """A running task's lock stays without --force (exit 1, named with what to
+    pass) while the stale lock of a dead process goes; --force frees both."""
+    fenced = scene.app.tasks["t.fenced"]
+    key = f"alive-{uuid.uuid4().hex}"
+    running = fenced.delay(key, 30.0, f"purge-{key}")
+    alive = fenced.singleton_keys(key)
+    wait_for(lambda: scene.locks.exists(alive.lock), 20, what="lock taken")
+    stale = fenced.singleton_keys(f"ps-{SECRET}")
+    hold_stale(scene.server, stale, "t.fenced")
+    dry = json.loads(cli(scene, "purge", "--task", "t.fenced", "--json").stdout)
+    assert {(e["key"], e["action"]) for e in dry["keys"]} == {
+        (alive.base, "would keep: may run"), (stale.base, "would delete")}
+
+    kept = cli(scene, "purge", "--task", "t.fenced", "--yes")
+    assert kept.returncode == 1, kept.stdout + kept.stderr
+    assert "kept 1 lock(s) whose holder may still run" in kept.stdout
+    assert alive.base in kept.stdout.splitlines()[-1] and "--force" in kept.stdout
+    assert scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
+
+    hold_stale(scene.server, stale, "t.fenced")
+    forced = cli(scene, "purge", "--task", "t.fenced", "--yes", "--force", "--json")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert {(e["key"], e["live"], e["action"]) for e in json.loads(forced.stdout)["keys"]} == {
+        (alive.base, "alive", "deleted"), (stale.base, "dead", "deleted")}
+    assert not scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
+    running.revoke(terminate=True)
+
+
 def test_doctor_prints_findings_with_what_to_do_and_exits_1_on_warnings(scene):
     """The test server keeps nothing on disk: a persistence warning, exit 1."""
     out = cli(scene, "doctor", "--json")

@@ -1,15 +1,25 @@
 """The repository has the shape its users know, and docker-compose.yml names
 only modules, schedulers and scripts that exist (no container engine here:
-the file is parsed and each thing it names is checked)."""
+the file is parsed and each thing it names is checked). The docs extra holds
+what the site needs, and the examples' beat entries say their interval."""
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib
+import importlib.util
 import os
+import re
 import subprocess
 import sys
+from importlib.metadata import entry_points, packages_distributions
+from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
+from celery import Celery
+from packaging.requirements import Requirement
 
 from tests.support import ROOT
 
@@ -58,3 +68,163 @@ def test_the_compose_app_loads_as_celery_would_load_it():
                          timeout=60, env={**os.environ, "REDIS_URL": "redis://127.0.0.1:1"})
     assert out.returncode == 0, out.stderr
     assert "proj" in out.stdout and "singleton_redis_url" in out.stdout.lower()
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def docs_extra() -> dict[str, Requirement]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {canonical(r.name): r for r in map(Requirement,
+                                              project["optional-dependencies"]["docs"])}
+
+
+class _MkdocsLoader(yaml.SafeLoader):
+    """mkdocs.yml with its ``!!python/name:`` tags read as None."""
+
+
+_MkdocsLoader.add_multi_constructor("tag:yaml.org,2002:python/", lambda *_: None)
+
+
+def test_the_docs_extra_holds_what_mkdocs_yml_needs():
+    """`pip install -e '.[docs]' && mkdocs build --strict`: the theme, every
+    plugin, every handler of mkdocstrings and every third-party Markdown
+    extension mkdocs.yml names comes from a distribution the extra names."""
+    extra = docs_extra()
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_MkdocsLoader)
+    needed: dict[str, str] = {"hooks (mkdocs itself)": "mkdocs"}
+    themes = {e.name: e for e in entry_points(group="mkdocs.themes")}
+    needed[f"theme {config['theme']['name']}"] = themes[config["theme"]["name"]].dist.name
+    plugins = {e.name: e for e in entry_points(group="mkdocs.plugins")}
+    for plugin in config["plugins"]:
+        name = plugin if isinstance(plugin, str) else next(iter(plugin))
+        needed[f"plugin {name}"] = plugins[name].dist.name
+        if name == "mkdocstrings":
+            options = plugin[name]
+            for handler in {options.get("default_handler", "python"), *options["handlers"]}:
+                assert handler in extra["mkdocstrings"].extras or (
+                    f"mkdocstrings-{handler}" in extra), f"mkdocstrings handler {handler}"
+    owners = packages_distributions()
+    for extension in config["markdown_extensions"]:
+        name = extension if isinstance(extension, str) else next(iter(extension))
+        if "." in name:  # the short names are Markdown's own, which mkdocs brings
+            needed[f"extension {name}"] = owners[name.split(".")[0]][0]
+    missing = {what: dist for what, dist in needed.items() if canonical(dist) not in extra}
+    assert missing == {}
+
+
+def test_the_built_site_is_ignored_by_git():
+    out = subprocess.run(["git", "check-ignore", "--no-index", "site/index.html"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, ".gitignore does not ignore site/"
+
+
+def test_every_published_compose_port_is_configurable_by_env():
+    """A Redis of one's own on 6379 does not stop the stack: REDIS_PORT=6380."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    published = [(name, str(port)) for name, service in services.items()
+                 for port in service.get("ports", [])]
+    assert ("redis", "${REDIS_PORT:-6379}:6379") in published
+    for name, port in published:
+        host = port.rpartition(":")[0]
+        assert re.fullmatch(r"\$\{[A-Z_]+:-\d+\}", host), (name, port)
+
+
+def dockerignore() -> list[re.Pattern[str]]:
+    """The patterns as Docker reads them: anchored at the context's root, ``*``
+    within one folder, ``**/`` any folders."""
+    patterns = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip().strip("/")
+        if not line or line.startswith("#"):
+            continue
+        assert not line.startswith("!"), "the matcher below knows no exceptions"
+        regex = re.escape(line).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+        patterns.append(re.compile(regex.replace(r"\?", "[^/]")))
+    return patterns
+
+
+def ignored(path: str, patterns: list[re.Pattern[str]]) -> bool:
+    """A path goes when it, or a folder above it, matches a pattern."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(p.fullmatch(prefix) for p in patterns for prefix in prefixes)
+
+
+def test_the_dockerignore_keeps_history_and_venvs_out_and_every_copied_file_in():
+    patterns = dockerignore()
+    for junk in (".git/HEAD", ".venv/bin/python", "venv/bin/python", "venv-3.11/bin/python",
+                 ".nox/oldest/bin/python", "site/index.html", "build/lib/x.py",
+                 "dist/x.whl", "celery_singleton_lock.egg-info/PKG-INFO",
+                 "celery_singleton_lock/__pycache__/task.cpython-311.pyc",
+                 "tests/unit/x.pyc", ".pytest_cache/v", "tests/.mypy_cache/x",
+                 ".ruff_cache/x"):
+        assert ignored(junk, patterns), junk
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30, check=True).stdout.splitlines()
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    dockerfiles = {(s["build"]["context"], s["build"]["dockerfile"])
+                   for s in services.values() if "build" in s}
+    assert dockerfiles
+    for context, dockerfile in dockerfiles:
+        assert context == ".", "the paths below are the repository's"
+        for line in (ROOT / dockerfile).read_text().splitlines():
+            words = line.split()
+            if not words or words[0].upper() not in ("COPY", "ADD"):
+                continue
+            for source in (w for w in words[1:-1] if not w.startswith("--")):
+                source = "" if source in (".", "./") else source.removeprefix("./").rstrip("/")
+                copied = [f for f in tracked if not source or f == source
+                          or f.startswith(source + "/")]
+                assert copied, source
+                assert [f for f in copied if ignored(f, patterns)] == [], source
+    for needed in ("pyproject.toml", "README.md", "celery_singleton_lock/__init__.py",
+                   "examples/compose/proj.py"):
+        assert not ignored(needed, patterns), needed
+
+
+#: a word in an entry's name that promises an interval, in seconds
+PERIODS = {"minutely": 60, "hourly": 3600, "daily": 86400, "nightly": 86400,
+           "weekly": 7 * 86400}
+EVERY = re.compile(r"every-(\d+)(s|m|h|d)\b")
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def example_apps() -> list[tuple[Path, Celery]]:
+    apps = []
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        if "beat_schedule" not in path.read_text():
+            continue
+        spec = importlib.util.spec_from_file_location(f"_example_{len(apps)}", path)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        apps += [(path, app) for app in vars(module).values() if isinstance(app, Celery)]
+    return apps
+
+
+def seconds_of(schedule: Any) -> float:
+    if isinstance(schedule, (int, float)):
+        return float(schedule)
+    if isinstance(schedule, dt.timedelta):
+        return schedule.total_seconds()
+    every = getattr(schedule, "run_every", None)
+    assert isinstance(every, dt.timedelta), f"teach this test {type(schedule).__name__}"
+    return every.total_seconds()
+
+
+def test_every_example_beat_entry_runs_as_often_as_its_name_says():
+    """An entry named hourly runs hourly; one named every-10s every 10 s."""
+    apps = example_apps()
+    assert {path.parent.name for path, _ in apps} >= {"compose", "beat"}
+    checked = 0
+    for path, app in apps:
+        for name, entry in app.conf.beat_schedule.items():
+            promised = [s for word, s in PERIODS.items() if word in name.lower()]
+            promised += [int(n) * UNITS[u] for n, u in EVERY.findall(name.lower())]
+            for seconds in promised:
+                assert seconds_of(entry["schedule"]) == seconds, (str(path), name)
+                checked += 1
+    assert checked, "no entry says its interval"

@@ -22,7 +22,7 @@ app.conf.update(
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
     beat_schedule={
-        "hourly-report": {"task": "proj.report", "schedule": 10.0, "args": ("sales",)},
+        "sales-report-every-10s": {"task": "proj.report", "schedule": 10.0, "args": ("sales",)},
     },
 )
 

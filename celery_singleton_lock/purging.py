@@ -1,0 +1,71 @@
+"""What ``celery singleton purge`` does with each key of a task, and what it
+says. A running lock whose holder may still run (alive on this host, or on
+another host) is kept unless ``--force``, as ``release`` keeps it: the rule is
+the one ``release`` uses, a holder not provably dead is left alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+import click
+
+from .listing import Row, echo_json, on_a_majority, table
+
+WOULD_DELETE = "would delete"
+WOULD_KEEP = "would keep: may run"
+DELETED = "deleted"
+KEPT_ALIVE = "kept: may run"
+CHANGED = "changed hands: kept"
+
+
+def needs_force(row: Row) -> bool:
+    """A running lock whose holder is not provably dead: ``release`` refuses it
+    without ``--force``, and so does ``purge``. With Redlock, a record on fewer
+    than a majority of the masters is not held (a grant being given back, a
+    master that missed a release): it goes without ``--force``."""
+    return row.state == "run" and row.live != "dead" and on_a_majority(row)
+
+
+def purge_rows(rows: Sequence[Row], yes: bool, force: bool,
+               free: Callable[[Row], bool]) -> list[dict[str, Any]]:
+    """One entry per row with what was (or, without ``yes``, would be) done."""
+    outcome: list[dict[str, Any]] = []
+    for row in rows:
+        keep = needs_force(row) and not force
+        if not yes:
+            action = WOULD_KEEP if keep else WOULD_DELETE
+        elif keep:
+            action = KEPT_ALIVE
+        else:
+            action = DELETED if free(row) else CHANGED
+        outcome.append({**asdict(row), "action": action})
+    return outcome
+
+
+def report(task_name: str, outcome: list[dict[str, Any]], yes: bool, force: bool,
+           as_json: bool) -> bool:
+    """Print the outcome; True when a key was kept (exit code 1, as a refused
+    ``release``)."""
+    alive = [e for e in outcome if e["action"] in (KEPT_ALIVE, WOULD_KEEP)]
+    kept = any(e["action"] in (KEPT_ALIVE, CHANGED) for e in outcome)
+    if as_json:
+        echo_json({"task": task_name, "dry_run": not yes, "force": force, "keys": outcome})
+        return kept
+    if not outcome:
+        click.echo(f"no keys of task {task_name!r}")
+        return False
+    click.echo(table(["ACTION", "KEY", "STATE", "HOLDER", "LIVE"],
+                     [[e["action"], e["key"], e["state"], e["holder"], e["live"]]
+                      for e in outcome]))
+    if alive:
+        click.echo(f"{'kept' if yes else 'would keep'} {len(alive)} lock(s) whose holder may "
+                   "still run (alive on this host, or on another host): "
+                   + ", ".join(e["key"] for e in alive)
+                   + "; pass --force to free them too (their holders then see their locks lost)")
+    if not yes:
+        deletable = len(outcome) - len(alive)
+        click.echo(f"dry run: nothing deleted; pass --yes to delete these "
+                   f"{deletable} key(s)")
+    return kept
