@@ -8,9 +8,11 @@ from typing import Any, Optional
 from celery.result import AsyncResult
 
 
-def skip_result(key: str, holder: Optional[str], reason: str = "duplicate") -> dict[str, Any]:
-    """The result a skipped duplicate returns (plain JSON)."""
-    return {"skipped": True, "holder": holder, "key": key, "reason": reason}
+def skip_result(key: str, holder: Optional[str], reason: str = "duplicate",
+                state: str = "running") -> dict[str, Any]:
+    """The result a skipped duplicate returns (plain JSON); ``state`` is what the
+    holder was doing: ``"queued"``, ``"running"`` or ``"done"``."""
+    return {"skipped": True, "holder": holder, "key": key, "reason": reason, "state": state}
 
 
 def is_skipped(result: Any) -> bool:

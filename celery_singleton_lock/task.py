@@ -306,7 +306,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                             decision.holder)
             monitor.count(engine_for(self.app), "skipped", name, decision.reason)
             return self._end_skipped(req, skip_result(keys.base, decision.holder,
-                                                      reason=decision.reason))
+                                                      decision.reason, decision.state))
         if do is Do.DROP:
             logger.info("Dropped redelivered %s[%s]: %s", name, task_id, decision.reason)
             raise Ignore()

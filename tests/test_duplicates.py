@@ -93,8 +93,26 @@ def test_raise_policy_fails_with_duplicate_error_naming_holder(client_app, event
     with pytest.raises(DuplicateTaskError) as info:
         dup.get(timeout=10)
     assert info.value.holder == first.id
+    assert info.value.state == "running"
+    assert f"is already running under key {info.value.key}" in str(info.value)
     first.get(timeout=10)
     assert [e["tag"] for e in events.starts()] == ["first"]
+
+
+def test_skip_result_says_whether_the_holder_runs_or_is_done(client_app, events, key):
+    """The skip result's ``state``: "running" while the holder runs, "done" within
+    the holder's ``singleton_done_ttl`` after it succeeded."""
+    hold = client_app.tasks["t.run_done"]
+    first = hold.delay(key, 1.5, "first")
+    from tests.support import wait_for
+
+    wait_for(lambda: events.starts("first"), 10, what="holder start")
+    running = hold.delay(key, 0.0, "dup").get(timeout=10)
+    assert running["holder"] == first.id and running["state"] == "running", running
+    first.get(timeout=10)
+    done = hold.delay(key, 0.0, "late").get(timeout=10)
+    assert done["holder"] == first.id and done["reason"] == "done", done
+    assert done["state"] == "done", done
 
 
 def test_storm_of_duplicates_never_overlaps(client_app, events, key):
