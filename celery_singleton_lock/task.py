@@ -34,6 +34,7 @@ from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
 from .replies import Acquire, Acquired, Release, Released
 from .results import DeduplicatedResult, skip_result
+from .skiplog import log_skip
 from .ticks import claim_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -300,13 +301,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         req = self.request
         name, task_id, do = self.name, req.id, decision.do
         if do is Do.SKIP:
-            if logger.isEnabledFor(logging.INFO):
-                logger.info("Skipped duplicate %s[%s]: %s %s %s", name, task_id, keys.base,
-                            "was done by" if decision.reason == "done" else "is held by",
-                            decision.holder)
+            skipped = skip_result(keys.base, decision.holder, decision.reason, decision.state)
+            log_skip(logger, name, task_id, skipped)  # and not as Celery's "succeeded"
             monitor.count(engine_for(self.app), "skipped", name, decision.reason)
-            return self._end_skipped(req, skip_result(keys.base, decision.holder,
-                                                      decision.reason, decision.state))
+            return self._end_skipped(req, skipped)
         if do is Do.DROP:
             logger.info("Dropped redelivered %s[%s]: %s", name, task_id, decision.reason)
             raise Ignore()

@@ -29,6 +29,28 @@ def test_repeated_callback_runs_once_and_duplicates_are_skipped(client_app, even
     assert [e["tag"] for e in events.starts()] == ["first"]
 
 
+def test_a_skip_is_logged_as_a_skip_not_as_a_success(client_app, prefork_worker, events, key):
+    """A worker without -E: one INFO line names the holder and why; Celery's
+    "succeeded" line, which would count the skip as a run, is not written."""
+    from tests.support import wait_for
+
+    hold = client_app.tasks["t.hold"]
+    first = hold.delay(key, 2.0, "first")
+    wait_for(lambda: events.starts("first"), 10, what="holder start")
+    dup = hold.delay(key, 0.0, "dup")
+    assert is_skipped(dup.get(timeout=10))
+    first.get(timeout=10)
+    # the holder ends, and is logged, after its duplicate was skipped
+    wait_for(lambda: f"t.hold[{first.id}] succeeded" in prefork_worker.logs(), 10,
+             what="the holder's success line")
+    lines = [line for line in prefork_worker.logs().splitlines() if dup.id in line]
+    skips = [line for line in lines if "skipped" in line]
+    assert len(skips) == 1, lines
+    assert "INFO" in skips[0], skips
+    assert f"Task t.hold[{dup.id}] skipped: duplicate of {first.id} (running)" in skips[0]
+    assert not [line for line in lines if "succeeded" in line or "ignored" in line], lines
+
+
 def test_skip_answers_at_once_while_holder_still_runs(client_app, events, key):
     """The caller of a skipped duplicate gets its answer before the holder ends."""
     hold = client_app.tasks["t.hold"]
