@@ -8,6 +8,7 @@ still complete."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import pytest
 from celery import chain, chord
@@ -288,11 +289,31 @@ def test_metrics_scrape_after_a_duplicate_storm_counts_skips_and_acquisitions(
 IMG = ROOT / "docs" / "img"
 
 
+def check_browser(env: Mapping[str, str]) -> None:
+    """Skip when chromium or chromedriver is not on ``env``'s PATH; fail instead
+    where SINGLETON_REQUIRE_BROWSER=1 (.ci/run sets it)."""
+    missing = [name for name in ("chromium", "chromedriver")
+               if shutil.which(name, path=env.get("PATH")) is None]
+    if missing:
+        why = (f"{' and '.join(missing)} not found on PATH: install Debian's chromium and "
+               "chromium-driver (.ci/run does, with --no-install-recommends)")
+        if env.get("SINGLETON_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"SINGLETON_REQUIRE_BROWSER=1 and {why}", pytrace=False)
+        pytest.skip(why)
+
+
+def test_a_missing_browser_fails_where_ci_requires_it_and_is_skipped_elsewhere(tmp_path):
+    empty = {"PATH": str(tmp_path)}
+    with pytest.raises(pytest.fail.Exception, match="SINGLETON_REQUIRE_BROWSER=1 and chromium"):
+        check_browser({**empty, "SINGLETON_REQUIRE_BROWSER": "1"})
+    with pytest.raises(pytest.skip.Exception, match="chromium and chromedriver not found"):
+        check_browser(empty)
+
+
 @pytest.fixture
 def browser() -> Iterator[Any]:
     """Debian's chromium, headless, driven through chromedriver by selenium."""
-    if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
-        pytest.skip("chromium and chromium-driver are not installed (.ci/run installs them)")
+    check_browser(os.environ)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
