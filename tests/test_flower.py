@@ -218,6 +218,11 @@ def test_worker_shows_its_held_locks_in_inspect_stats_flower_and_inspect_singlet
     assert lock["token"] == start["token"] and lock["age"] >= 0
     assert stats["held"] >= 1 and stats["redis"].startswith("redis://")
     assert "lost" in stats and "renew_failed" in stats
+    # and as one line of text per lock, the rows Flower's worker page shows
+    rows = (flower.try_get("/api/workers") or {}).get(hostname, {}).get("stats", {})
+    lines = [v for k, v in rows.items() if k.startswith("singleton lock ") and holder.id in v]
+    assert lines and lines[0].startswith(f"t.hold  id={holder.id}  key={start['lockkey']}  "
+                                         f"token={start['token']}  age="), rows
 
     out = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "inspect",
@@ -376,7 +381,14 @@ def test_a_browser_sees_skipped_tasks_and_a_workers_held_locks_in_flower(
     pane = WebDriverWait(browser, 10).until(
         ec.visibility_of_element_located((By.ID, "tab-other")))
     assert holder.id in pane.text and "'held': 1" in pane.text and "t.hold" in pane.text
-    assert "'token':" in pane.text and "'age':" in pane.text
+    # each held lock is a row of its own, a line of text (not a dict's repr)
+    rows = [row for row in pane.find_elements(By.CSS_SELECTOR, "tr")
+            if row.text.startswith("singleton lock ") and f"id={holder.id}" in row.text]
+    assert len(rows) == 1, pane.text
+    assert re.fullmatch(rf"singleton lock \d+\s+t\.hold\s+id={holder.id}\s+"
+                        r"key=singleton:\{[0-9a-f]{32}\}\s+token=\d+\s+age=\d+\.\ds\s+pid=\d+",
+                        rows[0].text), rows[0].text
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", rows[0])
     browser.save_screenshot(str(IMG / "flower-worker-locks.png"))
     holder.get(timeout=15)
 
