@@ -116,8 +116,21 @@ class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def info(self, parent: Any) -> dict[str, Any]:
         config = get_config(parent.app)
+        held = held_locks(parent.app, parent.hostname)
         return {"singleton": {"redis": masking.mask_url(config.redis_url), "ttl": config.ttl,
-                              **held_locks(parent.app, parent.hostname)}}
+                              **held},
+                **lock_rows(held["locks"])}
+
+
+def lock_rows(locks: list[dict[str, Any]]) -> dict[str, str]:
+    """One ``stats`` entry per held lock, a line of text: Flower's worker page
+    (tab Other) shows each top-level entry as a row, and a nested value as its
+    Python repr, so the locks read as rows ``singleton lock 1``, ... beside the
+    machine-readable ``singleton`` entry."""
+    return {f"singleton lock {n}": (
+        f"{lock['task']}  id={lock['id']}  key={lock['key']}  token={lock['token']}  "
+        f"age={lock['age']:.1f}s  pid={lock.get('pid')}" + ("  LOST" if lock.get("lost") else ""))
+        for n, lock in enumerate(locks, 1)}
 
 
 def _flush_stats(**_: Any) -> None:

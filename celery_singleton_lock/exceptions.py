@@ -61,17 +61,23 @@ class KeyEncodingError(SingletonError, TypeError):
 
 
 class DuplicateTaskError(SingletonError):
-    """The ``raise`` policy: another execution holds this task's key."""
+    """The ``raise`` policy: another execution holds this task's key.
 
-    def __init__(self, task: str, key: str, holder: Optional[str]) -> None:
-        super().__init__(task, key, holder)
+    ``state`` says what the holder is doing: ``"queued"`` (sent, not started),
+    ``"running"`` or ``"done"`` (succeeded within ``singleton_done_ttl``).
+    """
+
+    def __init__(self, task: str, key: str, holder: Optional[str],
+                 state: Optional[str] = None) -> None:
+        super().__init__(task, key, holder, state)
         self.task = task
         self.key = key
         self.holder = holder
+        self.state = state
 
     def _message(self) -> str:
         return (
-            f"task {self.task!r} is already running under key {self.key} "
+            f"task {self.task!r} is already {self.state or 'held'} under key {self.key} "
             f"(holder task id {self.holder})"
         )
 

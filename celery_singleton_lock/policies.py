@@ -45,6 +45,8 @@ class Decision:
     holder: Optional[str] = None
     #: "duplicate", "done" or "throttled" for SKIP and REFUSE; why, for the others
     reason: str = ""
+    #: what the holder is doing: "queued", "running" or "done" ("" when no holder)
+    state: str = ""
     error: Optional[Exception] = None
     #: SEND: the send-time key is this send's (False: sent without one)
     keyed: bool = False
@@ -58,18 +60,18 @@ def at_send(answer: Enqueued, *, on_duplicate: str, task_name: str, key: str,
     if answer.status is Enqueue.TAKEN:
         return Decision(Do.SEND, keyed=True)
     assert answer.holder is not None
-    holder = answer.holder.task_id
+    holder, state = answer.holder.task_id, answer.holder_state
     if in_canvas:
         # Refusing would leave a chain or chord waiting for ever: the worker
         # gives this member the result a duplicate gets when it starts.
         return Decision(Do.SEND, holder=holder, reason="canvas member")
     if answer.status is Enqueue.DONE:
-        return Decision(Do.REFUSE, holder=holder, reason="done")
+        return Decision(Do.REFUSE, holder=holder, reason="done", state=state)
     if on_duplicate == "raise":
-        return Decision(Do.FAIL, holder=holder, reason="duplicate",
-                        error=DuplicateTaskError(task_name, key, holder))
+        return Decision(Do.FAIL, holder=holder, reason="duplicate", state=state,
+                        error=DuplicateTaskError(task_name, key, holder, state))
     if on_duplicate == "skip":
-        return Decision(Do.REFUSE, holder=holder, reason="duplicate")
+        return Decision(Do.REFUSE, holder=holder, reason="duplicate", state=state)
     # "retry": sent all the same; it waits for the key when it starts
     return Decision(Do.SEND, holder=holder, reason="waits when it starts")
 
@@ -80,21 +82,25 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
     if status is Acquire.GRANTED:
         return Decision(Do.RUN)
     holder = answer.holder.task_id if answer.holder is not None else None
+    state = answer.holder_state
     if status is Acquire.FINISHED:
         return Decision(Do.DROP, holder=holder, reason="this task id already finished")
     if status is Acquire.DONE:
         # within singleton_done_ttl of a success every duplicate is skipped
-        return Decision(Do.SKIP, holder=holder, reason="done")
+        return Decision(Do.SKIP, holder=holder, reason="done", state=state)
     if status is Acquire.THROTTLED:
         # another task started within singleton_throttle: skip, or come back
         # when the window reopens (raise: the error says so)
         reopens = answer.reopens_ms / 1000.0
         if on_duplicate == "skip":
-            return Decision(Do.SKIP, holder=holder, reason="throttled", reopens_in=reopens)
+            return Decision(Do.SKIP, holder=holder, reason="throttled", reopens_in=reopens,
+                            state="started")
         if on_duplicate == "retry":
-            return Decision(Do.WAIT, holder=holder, reason="throttled", reopens_in=reopens)
+            return Decision(Do.WAIT, holder=holder, reason="throttled", reopens_in=reopens,
+                            state="started")
         return Decision(Do.FAIL, holder=holder, reason="throttled", reopens_in=reopens,
-                        error=DuplicateTaskError(task_name, key, holder))
+                        state="started",
+                        error=DuplicateTaskError(task_name, key, holder, "started"))
     if status is Acquire.SAME_TASK:
         # a redelivered copy of a running task: it comes back later and is
         # dropped if the original finished, run if the original died
@@ -103,11 +109,11 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
         # a send that was accepted must run: it waits for the one running
         return Decision(Do.WAIT, holder=holder, reason="accepted when sent; waits its turn")
     if on_duplicate == "skip":
-        return Decision(Do.SKIP, holder=holder, reason="duplicate")
+        return Decision(Do.SKIP, holder=holder, reason="duplicate", state=state)
     if on_duplicate == "retry":
-        return Decision(Do.WAIT, holder=holder, reason="duplicate")
-    return Decision(Do.FAIL, holder=holder, reason="duplicate",
-                    error=DuplicateTaskError(task_name, key, holder))
+        return Decision(Do.WAIT, holder=holder, reason="duplicate", state=state)
+    return Decision(Do.FAIL, holder=holder, reason="duplicate", state=state,
+                    error=DuplicateTaskError(task_name, key, holder, state))
 
 
 def on_backend_error(policy: str, *, phase: str, key: str, error: Exception) -> Decision:

@@ -76,6 +76,18 @@ class Acquired:
     #: THROTTLED: milliseconds until the window reopens
     reopens_ms: int = 0
 
+    @property
+    def holder_state(self) -> str:
+        """What the holder is doing: ``"done"`` (its success keeps the key done),
+        ``"queued"`` (it took the key when sent and has not started: its record
+        names no execution), ``"running"``, or ``"started"`` (it started within
+        the throttle window)."""
+        if self.status is Acquire.DONE:
+            return "done"
+        if self.status is Acquire.THROTTLED:
+            return "started"
+        return "queued" if self.holder is not None and not self.holder.exec_id else "running"
+
 
 @dataclass(frozen=True)
 class Reclaimed:
@@ -88,6 +100,15 @@ class Reclaimed:
 class Enqueued:
     status: Enqueue
     holder: Optional[Holder] = None
+    #: HELD: the holder has started (queue_and_run); else it is still queued
+    running: bool = False
+
+    @property
+    def holder_state(self) -> str:
+        """``"done"``, ``"running"`` or ``"queued"``: what the holder is doing."""
+        if self.status is Enqueue.DONE:
+            return "done"
+        return "running" if self.running else "queued"
 
 
 @dataclass(frozen=True)
@@ -188,7 +209,7 @@ def enqueued(reply: Any) -> Enqueued:
     if status is Enqueue.TAKEN:
         return Enqueued(status)
     try:
-        return Enqueued(status, holder=Holder(reply[1]))
+        return Enqueued(status, holder=Holder(reply[1]), running=len(reply) > 2 and reply[2] == 1)
     except IndexError:
         raise UnexpectedReplyError("enqueue", reply) from None
 

@@ -9,10 +9,13 @@ from celery.result import AsyncResult
 
 
 def skip_result(key: str, holder: Optional[str], reason: str = "duplicate",
-                reopens_in: Optional[float] = None) -> dict[str, Any]:
-    """The result a skipped duplicate returns (plain JSON); a throttled one
-    also says in how many seconds its window reopens."""
-    result: dict[str, Any] = {"skipped": True, "holder": holder, "key": key, "reason": reason}
+                state: str = "running", reopens_in: Optional[float] = None
+                ) -> dict[str, Any]:
+    """The result a skipped duplicate returns (plain JSON); ``state`` is what the
+    holder was doing: ``"queued"``, ``"running"`` or ``"done"`` (``"started"``:
+    it started within the throttle window, which reopens in ``reopens_in`` s)."""
+    result: dict[str, Any] = {"skipped": True, "holder": holder, "key": key, "reason": reason,
+                              "state": state}
     if reopens_in is not None:
         result["reopens_in"] = round(reopens_in, 3)
     return result

@@ -34,6 +34,7 @@ from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
 from .replies import Acquire, Acquired, Release, Released
 from .results import DeduplicatedResult, skip_result
+from .skiplog import log_skip
 from .ticks import claim_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -43,8 +44,7 @@ _ENTERED_ATTR = "_singleton_entered"
 #: header counting how often a request was sent again to wait for its key
 WAITS_HEADER = "singleton_waits"
 _CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
-#: how a skip's log line and Flower's result name the holder, by the skip's reason
-_SKIP_VERBS = {"done": "was done by", "throttled": "is throttled by"}
+#: how Flower's result of a skip names the holder, by the skip's reason
 _RESULT_VERBS = {"done": "done by", "throttled": "throttled by"}
 
 
@@ -304,15 +304,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         req = self.request
         name, task_id, do = self.name, req.id, decision.do
         if do is Do.SKIP:
-            result = skip_result(keys.base, decision.holder, reason=decision.reason,
-                                 reopens_in=decision.reopens_in)
-            if logger.isEnabledFor(logging.INFO):
-                logger.info("Skipped duplicate %s[%s]: %s %s %s%s", name, task_id, keys.base,
-                            _SKIP_VERBS.get(decision.reason, "is held by"), decision.holder,
-                            "" if decision.reopens_in is None else
-                            f"; the window reopens in {decision.reopens_in:.1f} s")
+            skipped = skip_result(keys.base, decision.holder, decision.reason, decision.state,
+                                  decision.reopens_in)
+            log_skip(logger, name, task_id, skipped)  # and not as Celery's "succeeded"
             monitor.count(engine_for(self.app), "skipped", name, decision.reason)
-            return self._end_skipped(req, result)
+            return self._end_skipped(req, skipped)
         if do is Do.DROP:
             logger.info("Dropped redelivered %s[%s]: %s", name, task_id, decision.reason)
             raise Ignore()

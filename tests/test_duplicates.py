@@ -29,6 +29,28 @@ def test_repeated_callback_runs_once_and_duplicates_are_skipped(client_app, even
     assert [e["tag"] for e in events.starts()] == ["first"]
 
 
+def test_a_skip_is_logged_as_a_skip_not_as_a_success(client_app, prefork_worker, events, key):
+    """A worker without -E: one INFO line names the holder and why; Celery's
+    "succeeded" line, which would count the skip as a run, is not written."""
+    from tests.support import wait_for
+
+    hold = client_app.tasks["t.hold"]
+    first = hold.delay(key, 2.0, "first")
+    wait_for(lambda: events.starts("first"), 10, what="holder start")
+    dup = hold.delay(key, 0.0, "dup")
+    assert is_skipped(dup.get(timeout=10))
+    first.get(timeout=10)
+    # the holder ends, and is logged, after its duplicate was skipped
+    wait_for(lambda: f"t.hold[{first.id}] succeeded" in prefork_worker.logs(), 10,
+             what="the holder's success line")
+    lines = [line for line in prefork_worker.logs().splitlines() if dup.id in line]
+    skips = [line for line in lines if "skipped" in line]
+    assert len(skips) == 1, lines
+    assert "INFO" in skips[0], skips
+    assert f"Task t.hold[{dup.id}] skipped: duplicate of {first.id} (running)" in skips[0]
+    assert not [line for line in lines if "succeeded" in line or "ignored" in line], lines
+
+
 def test_skip_answers_at_once_while_holder_still_runs(client_app, events, key):
     """The caller of a skipped duplicate gets its answer before the holder ends."""
     hold = client_app.tasks["t.hold"]
@@ -93,8 +115,26 @@ def test_raise_policy_fails_with_duplicate_error_naming_holder(client_app, event
     with pytest.raises(DuplicateTaskError) as info:
         dup.get(timeout=10)
     assert info.value.holder == first.id
+    assert info.value.state == "running"
+    assert f"is already running under key {info.value.key}" in str(info.value)
     first.get(timeout=10)
     assert [e["tag"] for e in events.starts()] == ["first"]
+
+
+def test_skip_result_says_whether_the_holder_runs_or_is_done(client_app, events, key):
+    """The skip result's ``state``: "running" while the holder runs, "done" within
+    the holder's ``singleton_done_ttl`` after it succeeded."""
+    hold = client_app.tasks["t.run_done"]
+    first = hold.delay(key, 1.5, "first")
+    from tests.support import wait_for
+
+    wait_for(lambda: events.starts("first"), 10, what="holder start")
+    running = hold.delay(key, 0.0, "dup").get(timeout=10)
+    assert running["holder"] == first.id and running["state"] == "running", running
+    first.get(timeout=10)
+    done = hold.delay(key, 0.0, "late").get(timeout=10)
+    assert done["holder"] == first.id and done["reason"] == "done", done
+    assert done["state"] == "done", done
 
 
 def test_storm_of_duplicates_never_overlaps(client_app, events, key):

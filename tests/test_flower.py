@@ -8,6 +8,7 @@ still complete."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import pytest
 from celery import chain, chord
@@ -217,6 +218,11 @@ def test_worker_shows_its_held_locks_in_inspect_stats_flower_and_inspect_singlet
     assert lock["token"] == start["token"] and lock["age"] >= 0
     assert stats["held"] >= 1 and stats["redis"].startswith("redis://")
     assert "lost" in stats and "renew_failed" in stats
+    # and as one line of text per lock, the rows Flower's worker page shows
+    rows = (flower.try_get("/api/workers") or {}).get(hostname, {}).get("stats", {})
+    lines = [v for k, v in rows.items() if k.startswith("singleton lock ") and holder.id in v]
+    assert lines and lines[0].startswith(f"t.hold  id={holder.id}  key={start['lockkey']}  "
+                                         f"token={start['token']}  age="), rows
 
     out = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "inspect",
@@ -288,11 +294,31 @@ def test_metrics_scrape_after_a_duplicate_storm_counts_skips_and_acquisitions(
 IMG = ROOT / "docs" / "img"
 
 
+def check_browser(env: Mapping[str, str]) -> None:
+    """Skip when chromium or chromedriver is not on ``env``'s PATH; fail instead
+    where SINGLETON_REQUIRE_BROWSER=1 (.ci/run sets it)."""
+    missing = [name for name in ("chromium", "chromedriver")
+               if shutil.which(name, path=env.get("PATH")) is None]
+    if missing:
+        why = (f"{' and '.join(missing)} not found on PATH: install Debian's chromium and "
+               "chromium-driver (.ci/run does, with --no-install-recommends)")
+        if env.get("SINGLETON_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"SINGLETON_REQUIRE_BROWSER=1 and {why}", pytrace=False)
+        pytest.skip(why)
+
+
+def test_a_missing_browser_fails_where_ci_requires_it_and_is_skipped_elsewhere(tmp_path):
+    empty = {"PATH": str(tmp_path)}
+    with pytest.raises(pytest.fail.Exception, match="SINGLETON_REQUIRE_BROWSER=1 and chromium"):
+        check_browser({**empty, "SINGLETON_REQUIRE_BROWSER": "1"})
+    with pytest.raises(pytest.skip.Exception, match="chromium and chromedriver not found"):
+        check_browser(empty)
+
+
 @pytest.fixture
 def browser() -> Iterator[Any]:
     """Debian's chromium, headless, driven through chromedriver by selenium."""
-    if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
-        pytest.skip("chromium and chromium-driver are not installed (.ci/run installs them)")
+    check_browser(os.environ)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -355,7 +381,14 @@ def test_a_browser_sees_skipped_tasks_and_a_workers_held_locks_in_flower(
     pane = WebDriverWait(browser, 10).until(
         ec.visibility_of_element_located((By.ID, "tab-other")))
     assert holder.id in pane.text and "'held': 1" in pane.text and "t.hold" in pane.text
-    assert "'token':" in pane.text and "'age':" in pane.text
+    # each held lock is a row of its own, a line of text (not a dict's repr)
+    rows = [row for row in pane.find_elements(By.CSS_SELECTOR, "tr")
+            if row.text.startswith("singleton lock ") and f"id={holder.id}" in row.text]
+    assert len(rows) == 1, pane.text
+    assert re.fullmatch(rf"singleton lock \d+\s+t\.hold\s+id={holder.id}\s+"
+                        r"key=singleton:\{[0-9a-f]{32}\}\s+token=\d+\s+age=\d+\.\ds\s+pid=\d+",
+                        rows[0].text), rows[0].text
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", rows[0])
     browser.save_screenshot(str(IMG / "flower-worker-locks.png"))
     holder.get(timeout=15)
 

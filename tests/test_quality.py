@@ -47,6 +47,16 @@ def test_readme_opens_with_the_demo_and_test_commands_ci_runs():
     assert ci[-2:] == [tests, "python -m nox -s oldest"]
 
 
+def test_ci_requires_the_browser_test_and_installs_chromium_without_recommends():
+    """CI fails, not skips, the Flower browser test when chromium is missing, and
+    installs chromium without the desktop packages it recommends."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "export SINGLETON_REQUIRE_BROWSER=1" in script
+    installs = [line for line in script.replace("\\\n", " ").splitlines()
+                if "apt-get install" in line and "chromium" in line]
+    assert installs and all("--no-install-recommends" in line for line in installs)
+
+
 def test_public_api_is_exactly_all():
     """Every public name of the package is in __all__ (submodules aside: importing
     one, as the CLI or the beat scheduler does, puts its name on the package)."""

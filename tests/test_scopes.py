@@ -120,6 +120,11 @@ def test_queue_scope_raise_and_retry_policies_at_send(client_app, events, key):
     with pytest.raises(DuplicateTaskError) as info:
         raiser.delay(key, 0.0, "dup")
     assert first.id in str(info.value)
+    wait_for(lambda: events.starts("first"), 10, what="first start")
+    with pytest.raises(DuplicateTaskError) as running:
+        raiser.delay(key, 0.0, "dup")
+    assert running.value.state == "running"
+    assert "is already running under key" in str(running.value)
     first.get(timeout=10)
 
     waiter = client_app.tasks["t.queue_and_run_retry"]
@@ -133,6 +138,22 @@ def test_queue_scope_raise_and_retry_policies_at_send(client_app, events, key):
     late_start = [e for e in events.all() if e["ev"] == "start" and e["tag"] == "late"]
     assert len(late_start) == 1 and late_start[0]["concurrent"] == 1
     assert "holder" in ends
+
+
+def test_raise_at_send_says_the_holder_is_queued_when_no_worker_took_it(redis_server, r, key):
+    """No worker reads this queue: the holder never started, and the error says so."""
+    app = make_app(redis_server.url(), f"nobody-{key}")
+    try:
+        t = app.tasks["t.queue_raise"]
+        first = t.delay(key, 0.0, "first")
+        with pytest.raises(DuplicateTaskError) as info:
+            t.delay(key, 0.0, "dup")
+        assert info.value.holder == first.id and info.value.state == "queued"
+        assert "is already queued under key" in str(info.value)
+        assert "running" not in str(info.value)
+    finally:
+        redis_server.client(0).delete(f"nobody-{key}")
+        app.close()
 
 
 def test_far_eta_keeps_the_key_and_revoke_frees_it(client_app, events, key, r):

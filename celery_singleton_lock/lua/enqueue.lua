@@ -12,7 +12,8 @@
 --
 -- Returns
 --   {1}          taken: send the message
---   {0, task}    queued, or running (queue_and_run), as that task
+--   {0, task}    queued as that task
+--   {0, task, 1} running as that task (queue_and_run)
 --   {4, task}    done: that task succeeded within done_ttl
 local queued, lock, done = KEYS[1], KEYS[2], KEYS[3]
 local task_id = ARGV[1]
@@ -29,7 +30,7 @@ if ARGV[2] == 'queue_and_run' then
   local record = redis.call('GET', lock)
   if record then
     -- the owner record's last field, after twelve others (docs/redis-keys.md)
-    return {0, string.match(record, '^' .. string.rep('[^\n]*\n', 12) .. '(.*)$')}
+    return {0, string.match(record, '^' .. string.rep('[^\n]*\n', 12) .. '(.*)$'), 1}
   end
 end
 redis.call('SET', queued, ARGV[4] .. '\n' .. task_id, 'PX', ARGV[3])

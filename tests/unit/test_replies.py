@@ -50,6 +50,17 @@ def test_other_families():
     assert enqueued([1]).status is Enqueue.TAKEN
     assert enqueued([0, "q1"]).holder.task_id == "q1"
     assert enqueued([4, "d"]).status is Enqueue.DONE
+
+
+def test_what_the_holder_is_doing():
+    """queued (took the key at send, not started), running, or done."""
+    assert enqueued([0, "q1"]).holder_state == "queued"
+    assert enqueued([0, "r1", 1]).holder_state == "running"
+    assert enqueued([4, "d"]).holder_state == "done"
+    assert acquired([0, owner_record("t", "exec", 1, "h"), 0]).holder_state == "running"
+    # acquire.lua's answer for a key queued by another under queue_and_run: no execution
+    assert acquired([0, "\n" * 12 + "q", 0]).holder_state == "queued"
+    assert acquired([4, "winner"]).holder_state == "done"
     assert released(-1, repeated=True).status is Release.FREE
     assert renewed([1, 0, 2], 3) == [Renew.RENEWED, Renew.NOT_OURS, Renew.HANDED_OFF]
     assert flag(1, "handoff") is True and flag(0, "unqueue") is False
