@@ -1,4 +1,5 @@
-"""Bad settings stop the worker at start with a message naming the setting."""
+"""Bad settings stop the worker at start with a message naming the setting; good
+ones are named in its start-up line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, Optional
 
 import pytest
 
-from tests.support import RedisServer, Worker
+from tests.support import RedisServer, Worker, wait_for
 
 
 def run_worker(redis_server: RedisServer, conf: dict[str, Any],
@@ -73,3 +74,22 @@ def test_celery_singletons_settings_are_named_with_ours_not_refused(redis_server
                          ("singleton_raise_on_duplicate", 'singleton_on_duplicate="raise"')]:
         assert f"the setting {theirs} belongs to celery-singleton and is not read here; use " \
                f"{ours}" in log
+
+
+@pytest.mark.worker
+def test_the_start_up_line_names_the_masked_lock_url_and_the_mode(redis_server):
+    """The worker says where its locks live, as a standalone Redis, with the
+    password masked: never the password itself."""
+    locks = RedisServer(["--requirepass", "lock-pw-4321"]).start()
+    w = Worker(redis_server.url(), f"cfg-{uuid.uuid4().hex[:6]}", pool="solo",
+               lock_url=f"redis://:lock-pw-4321@127.0.0.1:{locks.port}/2")
+    try:
+        w.start()
+        line = wait_for(lambda: [ln for ln in w.logs().splitlines() if "locks in" in ln], 10,
+                        what="start-up line")[0]
+        log = w.logs()
+    finally:
+        w.stop()
+        locks.cleanup()
+    assert f"redis://:********@127.0.0.1:{locks.port}/2 (standalone)" in line
+    assert "lock-pw-4321" not in log
