@@ -306,6 +306,19 @@ def test_doctor_prints_findings_with_what_to_do_and_exits_1_on_warnings(scene):
     assert "WARNING  persistence" in table.stdout and "-> " in table.stdout
 
 
+def test_doctor_prints_the_checks_the_docs_show(scene):
+    """The doctor example in docs/operating.md shows one line per check, in the
+    order doctor prints them, and the scripts line says how many it ran."""
+    page = (ROOT / "docs" / "operating.md").read_text()
+    example = page[page.index("$ celery -A proj singleton doctor\n"):]
+    example = example[:example.index("```")]
+    documented = re.findall(r"^(?:OK|WARNING|ERROR) +(\S+) +(.*)$", example, re.M)
+    printed = json.loads(cli(scene, "doctor", "--json").stdout)["findings"]
+    assert [code for code, _ in documented] == [f["code"] for f in printed]
+    scripts = next(f["message"] for f in printed if f["code"] == "scripts")
+    assert dict(documented)["scripts"].split(" as user")[0] == scripts.split(" as user")[0]
+
+
 def env_with_lock_url(scene: Scene, url: str) -> dict[str, str]:
     env = dict(scene.worker.env)
     env["SLT_LOCK_URL"] = url
