@@ -28,14 +28,14 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import redis
 from celery.beat import PersistentScheduler, event_t
 from celery.schedules import crontab, schedstate
 from celery.schedules import schedule as interval_schedule
 
-from .config import check_ttl, choice, get_config
+from .config import BEAT_SETTINGS, OVERLAP_MODES, choice, get_config
 from .engines import engine_for
 from .ticks import (
     BEAT_HEADER,
@@ -56,8 +56,6 @@ logger = logging.getLogger("celery_singleton_lock")
 
 UTC = dt.timezone.utc
 
-OVERLAP_MODES = ("skip", "buffer_one", "allow")
-BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
 #: the entry option (``options={"singleton_overlap": ...}``) choosing an entry's mode
 OVERLAP_OPTION = "singleton_overlap"
 
@@ -99,18 +97,10 @@ class BeatConfig:
         return int((self.catchup + self.max_clock_skew + _CLAIM_MARGIN) * 1000)
 
 
-_BEAT_SETTINGS: tuple[tuple[str, Any, Callable[[str, Any], Any]], ...] = (
-    ("singleton_beat_catchup", 60.0, check_ttl),
-    ("singleton_beat_on_backend_error", "skip", choice(BEAT_BACKEND_ERROR_POLICIES)),
-    ("singleton_beat_overlap", "skip", choice(OVERLAP_MODES, "overlap mode")),
-    ("singleton_beat_max_clock_skew", 30.0, check_ttl),
-)
-
-
 def beat_config(app: Any) -> BeatConfig:
     """Read and check the beat settings (raises ConfigurationError naming the setting)."""
     values: dict[str, Any] = {}
-    for name, default, check in _BEAT_SETTINGS:
+    for name, default, check in BEAT_SETTINGS:
         value = app.conf.get(name)
         values[name[len("singleton_beat_"):]] = default if value is None else check(name, value)
     return BeatConfig(**values)

@@ -21,8 +21,13 @@ from .config import get_config
 from .engines import engine_for
 from .exceptions import ConfigurationError
 from .revoke import watch_revoke_command
+from .servers import mode_of
 
 logger = logging.getLogger("celery_singleton_lock")
+
+#: how the start-up line names each kind of lock Redis (docs/deployments.md)
+MODES = {"standalone": "standalone", "sentinel": "Sentinel", "cluster": "Cluster",
+         "redlock": "Redlock"}
 
 
 def validate_app(app: Any) -> None:
@@ -106,6 +111,10 @@ class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
         except ConfigurationError as exc:
             logger.critical("celery-singleton-lock: %s", exc)
             raise SystemExit(f"celery-singleton-lock configuration error: {exc}") from None
+        config = engine.config
+        logger.info("celery-singleton-lock: locks in %s (%s), lease %g s",
+                    masking.mask_url(config.redis_url), MODES[mode_of(config.redis_url)],
+                    config.ttl)
         signals.connect()
         watch_revoke_command()
         # Before the pool forks: children label their counts with this node

@@ -135,9 +135,8 @@ def startup_check(engine: LockEngine) -> None:
             # a restricted ACL user may not read INFO or CONFIG: normal, not alarming
             logger.info("celery-singleton-lock: %s", finding.message)
         elif finding.level == WARNING:
-            logger.warning("celery-singleton-lock: %s. What to do: %s",
-                           finding.message, finding.action)
+            logger.warning("celery-singleton-lock: %s", finding.advice())
     if errors:
         raise ConfigurationError(
             "singleton_redis_url",
-            "; ".join(f"{f.message}. What to do: {f.action}" for f in errors))
+            "; ".join(f.advice() for f in errors))

@@ -3,8 +3,8 @@
 Plugged into Celery's command line through the ``celery.commands`` entry point.
 Tables for people, ``--json`` for scripts. Exit codes: 0 done / nothing to
 report, 1 refused, nothing to do, or findings to look at, 2 usage, settings or
-connection error. Only key hashes are ever printed, never argument values, and
-every URL goes out with its password masked.
+connection error, or credentials refused. Only key hashes are ever printed,
+never argument values, and every URL goes out with its password masked.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from .listing import (
     headers_of,
     liveness,
     merge_views,
-    on_a_majority,
     read_rows,
     scan_digests,
     table,
+    token_of,
 )
 
 # Celery loads this module for every `celery` command (it is an entry point),
@@ -204,7 +204,7 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     rows = c.rows([digest])
     if as_json:
         echo_json({"task": task_name, "key": keys.base, "lock": keys.lock,
-                    "held": any(r.state == "run" and on_a_majority(r) for r in rows),
+                    "held": any(r.state == "run" and r.held() for r in rows),
                     "locks": [asdict(r) for r in rows]})
         return
     click.echo(f"task  {task_name}\nkey   {keys.base}\nlock  {keys.lock}")
@@ -252,7 +252,7 @@ def release(ctx: click.Context, key_text: str, force: bool, as_json: bool) -> No
     if record:
         live = liveness(record)
         result.update(holder=record.get("task", ""), host=record.get("host", ""),
-                      pid=int(record.get("pid") or 0), token=record.get("token", ""),
+                      pid=int(record.get("pid") or 0), token=token_of(record),
                       live=live, state="run")
         who = (f"task {result['holder']} (pid {result['pid']} on {result['host']}, "
                f"token {result['token']})")
@@ -333,7 +333,9 @@ def _purge_row(c: _Context, row: Row) -> bool:
 @_guarded
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check the lock Redis for what can make a lock lie or fail: credentials,
-    ACL permissions, scripts, eviction, clock, version, persistence, replicas."""
+    ACL permissions, scripts, eviction, clock, version, persistence, replicas.
+    Exits 0 when all is well, 1 on findings to look at, 2 when the lock Redis
+    is unreachable or refuses the credentials."""
     from .checks import engine_checks
     from .findings import ERROR, OK
 
@@ -347,7 +349,8 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
             if f.action:
                 click.echo(f"{'':8} {'':20} -> {f.action}")
     quorum = [f for f in findings if f.code == "redlock"]
-    if quorum[0].level == ERROR if quorum else any(f.code == "unreachable" for f in findings):
+    if quorum[0].level == ERROR if quorum else any(f.code in ("unreachable", "auth")
+                                                   for f in findings):
         raise click.exceptions.Exit(EXIT_ERROR)
     if any(f.level != OK for f in findings):
         raise click.exceptions.Exit(EXIT_FINDINGS)

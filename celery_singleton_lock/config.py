@@ -6,6 +6,8 @@ task may override it. Read once from ``app.conf`` (every name starts with
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -13,10 +15,14 @@ from typing import Any, Callable, Mapping, Optional
 from .exceptions import ConfigurationError
 from .process import ForkSafeLock
 
+logger = logging.getLogger("celery_singleton_lock")
+
 DUPLICATE_POLICIES = ("skip", "retry", "raise")
 BACKEND_ERROR_POLICIES = ("retry", "run", "raise")
 SCOPES = ("run", "queue", "queue_and_run")
 WAIT_POLICIES = ("release", "proceed")
+OVERLAP_MODES = ("skip", "buffer_one", "allow")
+BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _DEPLOY_SCHEMES = ("sentinel://", "sentinels://", "cluster://", "clusters://", "redlock://",
@@ -128,6 +134,100 @@ SETTINGS: tuple[Setting, ...] = (
 
 TASK_OPTIONS = tuple(s for s in SETTINGS if s.per_task)
 
+#: the settings of beat (:func:`.beat.beat_config`): name, default, check
+BEAT_SETTINGS: tuple[tuple[str, Any, Callable[[str, Any], Any]], ...] = (
+    ("singleton_beat_catchup", 60.0, check_ttl),
+    ("singleton_beat_on_backend_error", "skip", choice(BEAT_BACKEND_ERROR_POLICIES)),
+    ("singleton_beat_overlap", "skip", choice(OVERLAP_MODES, "overlap mode")),
+    ("singleton_beat_max_clock_skew", 30.0, check_ttl),
+)
+
+
+# -- names: a misspelt one is refused, celery-singleton's are named -------------------
+
+APP_SETTING_NAMES = frozenset([s.name for s in SETTINGS] + [name for name, *_ in BEAT_SETTINGS])
+#: what a task may set (``singleton_key`` is read by :class:`.keys.KeyBuilder`)
+TASK_OPTION_NAMES = frozenset([s.name for s in TASK_OPTIONS] + ["singleton_key"])
+
+#: celery-singleton's app settings (``singleton_key_prefix`` is ours too) and
+#: task options, with what replaces each here (docs/migration.md). A migration
+#: keeps both libraries' settings for a while: they are named, not refused.
+CELERY_SINGLETON_SETTINGS = {
+    "singleton_backend_url": "singleton_redis_url",
+    "singleton_backend_class": "singleton_redis_url (Redis only)",
+    "singleton_backend_kwargs": "singleton_redis_options",
+    "singleton_raise_on_duplicate": 'singleton_on_duplicate="raise"',
+    "singleton_lock_expiry": "singleton_ttl (a lease renewed while the task runs)",
+}
+CELERY_SINGLETON_OPTIONS = {
+    "unique_on": "singleton_key=(...)",
+    "raise_on_duplicate": 'singleton_on_duplicate="raise"',
+    "lock_expiry": "singleton_ttl (a lease renewed while the task runs)",
+    "challenge_lock_on_startup": "nothing (a dead holder's lock frees itself)",
+}
+
+
+def did_you_mean(name: str, names: Any, written: Optional[str] = None) -> str:
+    """``; did you mean singleton_ttl?`` for the closest of ``names``, in the
+    form the user wrote (``CELERY_SINGLETON_TTL`` under a namespace)."""
+    # compared without the prefix every name shares, which would make any two alike
+    tails = {n[len("singleton_"):]: n for n in names}
+    close = [tails[t] for t in difflib.get_close_matches(name[len("singleton_"):],
+                                                          sorted(tails), n=1)]
+    if not close:
+        return ""
+    if written and written != name:
+        close[0] = written[:len(written) - len(name)] + close[0].upper()
+    return f"; did you mean {close[0]}?"
+
+
+def check_app_names(conf: Any) -> None:
+    """Refuse a ``singleton_*`` setting no table has (ConfigurationError naming
+    it and the closest known name); name celery-singleton's in a warning."""
+    for written, name in _singleton_names(conf):
+        if name in APP_SETTING_NAMES:
+            continue
+        if name in CELERY_SINGLETON_SETTINGS:
+            logger.warning("celery-singleton-lock: the setting %s belongs to celery-singleton "
+                           "and is not read here; use %s", written,
+                           CELERY_SINGLETON_SETTINGS[name])
+            continue
+        hint = did_you_mean(name, APP_SETTING_NAMES, written)
+        raise ConfigurationError(written, f"unknown setting{hint or ' (docs/settings.md)'}")
+
+
+def _singleton_names(conf: Any) -> list[tuple[str, str]]:
+    """The ``singleton_*`` settings in ``conf``: each as written and as Celery
+    reads it (without the namespace of ``config_from_object(..., namespace=...)``)."""
+    prefix = str(getattr(conf, "prefix", None) or "")
+    found = set()
+    for key in list(conf.keys()):
+        if not isinstance(key, str):
+            continue
+        name = key
+        if prefix and key.upper().startswith(prefix.upper()):
+            name = key[len(prefix):].lower()
+        if name.startswith("singleton_"):
+            found.add((key, name))
+    return sorted(found)
+
+
+def check_task_names(task_name: str, names: Any) -> None:
+    """Refuse a task's ``singleton_*`` option that is none of ours, naming the
+    task and the closest option; name celery-singleton's options in a warning."""
+    for name in sorted(names):
+        if name in CELERY_SINGLETON_OPTIONS:
+            logger.warning("celery-singleton-lock: task %r: the option %s belongs to "
+                           "celery-singleton and is not read here; use %s",
+                           task_name, name, CELERY_SINGLETON_OPTIONS[name])
+        elif name.startswith("singleton_") and name not in TASK_OPTION_NAMES:
+            if name in APP_SETTING_NAMES:
+                detail = "an app setting, not a task option: set it in app.conf"
+            else:
+                hint = did_you_mean(name, TASK_OPTION_NAMES)
+                detail = f"unknown task option{hint or ' (docs/settings.md)'}"
+            raise ConfigurationError(name, f"task {task_name!r}: {detail}")
+
 
 @dataclass(frozen=True)
 class SingletonConfig:
@@ -165,6 +265,7 @@ class SingletonConfig:
                 values[setting.field] = setting.default
             else:
                 values[setting.field] = setting.check(setting.name, value)
+        check_app_names(conf)
         return cls(**values)
 
     @classmethod

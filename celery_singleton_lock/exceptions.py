@@ -53,6 +53,10 @@ class KeyEncodingError(SingletonError, TypeError):
         self.reason = reason
 
     def _message(self) -> str:
+        if self.argument == "*":  # the call does not fit the signature: no argument to leave out
+            return f"task {self.task!r}: no singleton key for this call: {self.reason}"
+        if self.argument == "singleton_key":  # the key function's own doing
+            return f"task {self.task!r}: singleton_key: {self.reason}"
         return (
             f"task {self.task!r}: argument {self.argument!r} cannot be part of a singleton "
             f"key: {self.reason}. Choose the key's arguments with singleton_key=(...) "

@@ -34,6 +34,17 @@ class Finding:
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
 
+    def advice(self) -> str:
+        """``<message>. What to do: <action>``, with one full stop however the
+        message ends (a server's error text may bring its own)."""
+        return f"{sentence(self.message)} What to do: {self.action}"
+
+
+def sentence(text: str) -> str:
+    """``text`` ending in one full stop."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else f"{text}."
+
 
 def client_kwargs(client: redis.Redis) -> dict[str, Any]:
     pool = getattr(client, "connection_pool", None)

@@ -28,19 +28,33 @@ class Row:
     holder: str
     host: str = ""
     pid: int = 0
-    token: str = ""
+    #: the fencing token of a running lock; None for a marker or a window
+    token: Optional[int] = None
     ttl: Optional[float] = None
     age: Optional[float] = None
     live: str = ""
     exec: str = ""
-    #: Redlock: on how many masters, of how many (``3/5``); empty on one server
-    masters: str = ""
+    #: Redlock: on how many masters, of how many (``(3, 5)``); None on one server
+    masters: Optional[tuple[int, int]] = None
 
     def cells(self) -> list[str]:
         cells = [self.key, self.state, self.task or "?", self.holder, self.host,
-                 str(self.pid or ""), self.token, seconds(self.ttl), seconds(self.age),
-                 self.live]
-        return [*cells, self.masters] if self.masters else cells
+                 str(self.pid or ""), "" if self.token is None else str(self.token),
+                 seconds(self.ttl), seconds(self.age), self.live]
+        return [*cells, "/".join(map(str, self.masters))] if self.masters else cells
+
+    def held(self) -> bool:
+        """Held as the lock sees it: always on one server; on a majority with Redlock."""
+        if self.masters is None:
+            return True
+        on, total = self.masters
+        return on * 2 > total
+
+
+def token_of(record: dict[str, str]) -> Optional[int]:
+    """An owner record's fencing token (digits), or None when it has none."""
+    token = record.get("token", "")
+    return int(token) if token.isdigit() else None
 
 
 HEADERS = ["KEY", "STATE", "TASK", "HOLDER", "HOST", "PID", "TOKEN", "TTL", "AGE", "LIVE"]
@@ -65,14 +79,6 @@ def liveness(record: dict[str, str]) -> str:
     if holder.provably_dead():
         return "dead"
     return "alive" if holder.host_key == HOST_KEY else "unknown"
-
-
-def on_a_majority(row: Row) -> bool:
-    """Held as the lock sees it: always on one server; on a majority with Redlock."""
-    if not row.masters:
-        return True
-    on, total = (int(n) for n in row.masters.split("/"))
-    return on * 2 > total
 
 
 def key_pattern(prefix: str) -> re.Pattern[str]:
@@ -121,7 +127,7 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
                 rows.append(Row(
                     key=keys.base, state="run", task=name, holder=record.get("task", ""),
                     host=record.get("host", ""), pid=int(record.get("pid") or 0),
-                    token=record.get("token", ""), ttl=ttl_of(lock_ttl),
+                    token=token_of(record), ttl=ttl_of(lock_ttl),
                     age=(now_ms - at) / 1000 if at else None, live=liveness(record),
                     exec=record.get("exec", "")))
             if queued:
@@ -150,11 +156,10 @@ def merge_views(views: Sequence[list[Row]], total: int) -> list[Row]:
     merged = []
     for same in groups.values():
         ttls = [r.ttl for r in same if r.ttl is not None]
-        tokens = [r.token for r in same if r.token.isdigit()]
+        tokens = [r.token for r in same if r.token is not None]
         merged.append(replace(
             same[0], ttl=min(ttls) if ttls else None,
-            token=max(tokens, key=int) if tokens else same[0].token,
-            masters=f"{len(same)}/{total}"))
+            token=max(tokens) if tokens else None, masters=(len(same), total)))
     return merged
 
 

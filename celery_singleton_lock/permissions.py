@@ -160,7 +160,8 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
     rule = f"ACL SETUSER {user} {acl_rule(config.key_prefix, db_of(client))}"
     findings: list[Finding] = []
     command_denied: list[str] = []
-    for name, keys_, args in _probe_calls(keys, task_id, exec_id):
+    probes = _probe_calls(keys, task_id, exec_id)
+    for name, keys_, args in probes:
         script = SCRIPTS[name]
         try:
             sha = command(client, "SCRIPT", "LOAD", script.source)
@@ -217,8 +218,9 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
     except NoPermissionError as exc:
         return [*findings, noperm_command(client, config, exc)]
     if not findings:
-        findings.append(Finding(OK, "scripts", f"all {len(SCRIPTS)} scripts load and run as "
-                                               f"user {user!r}"))
+        findings.append(Finding(OK, "scripts", f"the {len(probes)} scripts a task calls "
+                                               f"({', '.join(n for n, *_ in probes)}) load and "
+                                               f"run as user {user!r}"))
     return findings
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import click
 
-from .listing import Row, echo_json, on_a_majority, table
+from .listing import Row, echo_json, table
 
 WOULD_DELETE = "would delete"
 WOULD_KEEP = "would keep: may run"
@@ -25,7 +25,7 @@ def needs_force(row: Row) -> bool:
     without ``--force``, and so does ``purge``. With Redlock, a record on fewer
     than a majority of the masters is not held (a grant being given back, a
     master that missed a release): it goes without ``--force``."""
-    return row.state == "run" and row.live != "dead" and on_a_majority(row)
+    return row.state == "run" and row.live != "dead" and row.held()
 
 
 def purge_rows(rows: Sequence[Row], yes: bool, force: bool,

@@ -23,7 +23,7 @@ from kombu.utils.uuid import uuid
 from . import monitor, policies
 from .bootsteps import SingletonStep
 from .canvas import delay_of, send_delay, send_on
-from .config import TASK_OPTIONS, SingletonConfig, get_config
+from .config import TASK_OPTIONS, SingletonConfig, check_task_names, get_config
 from .engine import LockEngine
 from .engines import engine_for
 from .exceptions import LockBackendError, WaitingForKey
@@ -119,6 +119,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             with self._singleton_settings_mutex:
                 settings = None if reload else self._singleton_settings_cache
                 if settings is None:
+                    check_task_names(self.name, self._own_names())
                     config = get_config(self.app, reload=reload).for_task(self.name, {
                         s.name: getattr(self, s.name, None) for s in TASK_OPTIONS})
                     builder = KeyBuilder(self.name, self.run, self.singleton_key,
@@ -126,6 +127,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                     settings = TaskSettings(config, builder)
                     self._singleton_settings_cache = settings
         return settings
+
+    @classmethod
+    def _own_names(cls) -> set[str]:
+        """What the task's classes below this one set: its decorator's options too."""
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            if klass is SingletonTask:
+                break
+            names.update(n for n in vars(klass) if not hasattr(SingletonTask, n))
+        return names
 
     def singleton_keys(self, *args: Any, **kwargs: Any) -> LockKeys:
         """The lock keys a call with these arguments uses."""

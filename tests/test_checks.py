@@ -168,6 +168,17 @@ def test_wrong_password_is_an_auth_error_with_the_url_masked(acl_server, caplog)
     assert "not-the-password" not in str(raised.value)
 
 
+def test_the_start_up_verdict_ends_each_sentence_once(acl_server):
+    """Redis's WRONGPASS text ends in a full stop of its own ("... user is
+    disabled."): the verdict reads "disabled. What to do", not "disabled.."."""
+    engine = engine_for_url(locks_url(acl_server, "not-the-password"))
+    with pytest.raises(ConfigurationError) as raised:
+        checks.startup_check(engine)
+    text = str(raised.value)
+    assert ". What to do: set the user and password" in text
+    assert ".." not in text
+
+
 def test_missing_password_is_an_auth_error():
     """A server that requires a password and a URL without one: `auth`."""
     server = RedisServer(["--requirepass", "pw"]).start()

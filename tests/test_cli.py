@@ -5,6 +5,7 @@ window, and stale ones whose holder process is dead."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -125,14 +126,26 @@ def test_list_json_shows_running_queued_done_and_stale_keys_with_their_holders(s
     held = found[(scene.held.base, "run")]
     assert (held["task"], held["holder"], held["pid"], held["live"]) == (
         "t.hold", scene.held_id, scene.held_pid, "alive")
-    assert int(held["token"]) == scene.held_token
+    assert held["token"] == scene.held_token and held["masters"] is None
     assert 0 < held["ttl"] <= 2.0 and held["age"] >= 0
     queued, done = found[(scene.queued.base, "queued")], found[(scene.done.base, "done")]
     assert (queued["task"], queued["holder"]) == ("t.queue", scene.queued_id)
+    assert queued["token"] is None and queued["masters"] is None
     assert (done["task"], done["holder"]) == ("t.run_done_long", scene.done_id)
     stale = found[(scene.stale.base, "run")]
     assert (stale["holder"], stale["pid"], stale["live"]) == (
         scene.stale_id, scene.stale_pid, "dead")
+
+
+def test_list_json_fields_are_the_ones_the_docs_table_gives(scene):
+    """docs/operating.md lists every field of a `list --json` row with its type."""
+    page = (ROOT / "docs" / "operating.md").read_text()
+    section = page[page.index("`--json` prints `{\"redis\": <masked URL>"):]
+    section = section[:section.index("\n\n", section.index("| field |"))]
+    documented = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    for row in json.loads(cli(scene, "list", "--json").stdout)["locks"]:
+        assert sorted(row) == sorted(documented)
+        assert row["token"] is None or isinstance(row["token"], int)
 
 
 def test_list_table_is_for_people_and_exits_0(scene):
@@ -322,6 +335,19 @@ def test_doctor_prints_findings_with_what_to_do_and_exits_1_on_warnings(scene):
     assert "WARNING  persistence" in table.stdout and "-> " in table.stdout
 
 
+def test_doctor_prints_the_checks_the_docs_show(scene):
+    """The doctor example in docs/operating.md shows one line per check, in the
+    order doctor prints them, and the scripts line says how many it ran."""
+    page = (ROOT / "docs" / "operating.md").read_text()
+    example = page[page.index("$ celery -A proj singleton doctor\n"):]
+    example = example[:example.index("```")]
+    documented = re.findall(r"^(?:OK|WARNING|ERROR) +(\S+) +(.*)$", example, re.M)
+    printed = json.loads(cli(scene, "doctor", "--json").stdout)["findings"]
+    assert [code for code, _ in documented] == [f["code"] for f in printed]
+    scripts = next(f["message"] for f in printed if f["code"] == "scripts")
+    assert dict(documented)["scripts"].split(" as user")[0] == scripts.split(" as user")[0]
+
+
 def env_with_lock_url(scene: Scene, url: str) -> dict[str, str]:
     env = dict(scene.worker.env)
     env["SLT_LOCK_URL"] = url
@@ -339,14 +365,15 @@ def test_redis_down_exits_2_and_says_unreachable(scene):
 
 
 def test_a_wrong_password_is_named_and_never_printed():
-    """doctor reports `auth` (exit 1); other commands exit 2; the password is masked."""
+    """doctor reports `auth` and exits 2, as its exit-code table says; so do the
+    other commands; the password is masked."""
     server = RedisServer(["--requirepass", "right-pw"]).start()
     try:
         env = Worker(server.url(), "unused").env
         env["SLT_REDIS_URL"] = f"redis://:right-pw@127.0.0.1:{server.port}/0"
         env["SLT_LOCK_URL"] = f"redis://:wrong-pw-123@127.0.0.1:{server.port}/2"
         doctor = run_cli(env, "doctor", "--json")
-        assert doctor.returncode == 1
+        assert doctor.returncode == 2
         assert [f["code"] for f in json.loads(doctor.stdout)["findings"]] == ["auth"]
         listing = run_cli(env, "list")
         assert listing.returncode == 2 and "credentials" in listing.stderr

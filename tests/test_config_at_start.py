@@ -1,4 +1,5 @@
-"""Bad settings stop the worker at start with a message naming the setting."""
+"""Bad settings stop the worker at start with a message naming the setting; good
+ones are named in its start-up line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, Optional
 
 import pytest
 
-from tests.support import RedisServer, Worker
+from tests.support import RedisServer, Worker, wait_for
 
 
 def run_worker(redis_server: RedisServer, conf: dict[str, Any],
@@ -37,3 +38,58 @@ def test_worker_refuses_to_start(redis_server, conf, env, setting):
     code, output = run_worker(redis_server, conf, env)
     assert code != 0
     assert f"celery-singleton-lock configuration error: {setting}:" in output
+
+
+@pytest.mark.worker
+def test_a_misspelt_setting_stops_the_worker_with_the_name_it_meant(redis_server):
+    code, output = run_worker(redis_server, {"singleton_on_duplicates": "retry"})
+    assert code != 0
+    assert ("configuration error: singleton_on_duplicates: unknown setting; did you mean "
+            "singleton_on_duplicate?") in output
+
+
+@pytest.mark.worker
+def test_a_misspelt_task_option_stops_the_worker_naming_task_option_and_suggestion(
+        redis_server):
+    code, output = run_worker(redis_server, {}, {"SLT_TASK_OPTIONS": '{"singleton_tll": 5}'})
+    assert code != 0
+    assert ("configuration error: singleton_tll: task 't.options': unknown task option; "
+            "did you mean singleton_ttl?") in output
+
+
+@pytest.mark.worker
+def test_celery_singletons_settings_are_named_with_ours_not_refused(redis_server):
+    """A migration keeps celery-singleton's settings for a while: the worker starts
+    and its log names each one and what replaces it here."""
+    w = Worker(redis_server.url(), f"cfg-{uuid.uuid4().hex[:6]}", pool="solo", conf={
+        "singleton_backend_url": redis_server.url(5), "singleton_lock_expiry": 60,
+        "singleton_raise_on_duplicate": True},
+        ).start()
+    try:
+        log = w.logs()
+    finally:
+        w.stop()
+    for theirs, ours in [("singleton_backend_url", "singleton_redis_url"),
+                         ("singleton_lock_expiry", "singleton_ttl"),
+                         ("singleton_raise_on_duplicate", 'singleton_on_duplicate="raise"')]:
+        assert f"the setting {theirs} belongs to celery-singleton and is not read here; use " \
+               f"{ours}" in log
+
+
+@pytest.mark.worker
+def test_the_start_up_line_names_the_masked_lock_url_and_the_mode(redis_server):
+    """The worker says where its locks live, as a standalone Redis, with the
+    password masked: never the password itself."""
+    locks = RedisServer(["--requirepass", "lock-pw-4321"]).start()
+    w = Worker(redis_server.url(), f"cfg-{uuid.uuid4().hex[:6]}", pool="solo",
+               lock_url=f"redis://:lock-pw-4321@127.0.0.1:{locks.port}/2")
+    try:
+        w.start()
+        line = wait_for(lambda: [ln for ln in w.logs().splitlines() if "locks in" in ln], 10,
+                        what="start-up line")[0]
+        log = w.logs()
+    finally:
+        w.stop()
+        locks.cleanup()
+    assert f"redis://:********@127.0.0.1:{locks.port}/2 (standalone)" in line
+    assert "lock-pw-4321" not in log

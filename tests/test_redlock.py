@@ -439,7 +439,7 @@ def test_the_cli_reads_and_frees_every_master(worker_masters, worker, app, event
     assert listed.returncode == 0, listed.stderr
     rows = [r for r in json.loads(listed.stdout)["locks"] if r["key"] == keys.base]
     assert [(r["state"], r["holder"], r["task"], r["masters"]) for r in rows] == [
-        ("run", res.id, "t.hold", "5/5")]
+        ("run", res.id, "t.hold", [5, 5])]
     table = run_cli(worker, "list", "--task", "t.hold")
     assert "MASTERS" in table.stdout and "5/5" in table.stdout, table.stdout
     shown = run_cli(worker, "key", "t.hold", "--args", json.dumps([key]), "--json")
@@ -459,8 +459,8 @@ def test_the_cli_reads_and_frees_every_master(worker_masters, worker, app, event
     for s in worker_masters:  # the done window a success with singleton_done_ttl leaves
         s.client(2).set(keys.done, f"t.hold\n{res.id}", px=30_000)
     shown = json.loads(run_cli(worker, "list", "--json").stdout)["locks"]
-    assert {(r["key"], r["state"], r["masters"]) for r in shown} >= {
-        (stray.base, "run", "1/5"), (keys.base, "done", "5/5")}
+    assert {(r["key"], r["state"], tuple(r["masters"])) for r in shown} >= {
+        (stray.base, "run", (1, 5)), (keys.base, "done", (5, 5))}
     stray_json = run_cli(worker, "key", "t.hold", "--args", json.dumps([key]), "--json")
     assert json.loads(stray_json.stdout)["held"] is False
     purged = run_cli(worker, "purge", "--task", "t.hold", "--yes", "--json")

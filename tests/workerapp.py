@@ -191,6 +191,11 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         def bad_ttl() -> None:
             return None
 
+    if os.environ.get("SLT_TASK_OPTIONS"):  # a JSON object: a task with these options
+        @task(base=SingletonTask, name="t.options", **json.loads(os.environ["SLT_TASK_OPTIONS"]))
+        def options() -> None:
+            return None
+
     @task(bind=True, name="t.plain")
     def plain(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return {"tag": tag}

@@ -104,7 +104,8 @@ def test_task_options_override_only_per_task_settings_and_name_the_task():
     from celery_singleton_lock.config import TASK_OPTIONS, SingletonConfig
 
     assert {s.name for s in TASK_OPTIONS} == {"singleton_ttl", "singleton_on_duplicate",
-                                              "singleton_scope", "singleton_done_ttl"}
+                                              "singleton_scope", "singleton_done_ttl",
+                                              "singleton_throttle"}
     app_level = SingletonConfig.defaults("redis://h/0", ttl=10.0)
     task_level = app_level.for_task("t.x", {"singleton_ttl": 2, "singleton_scope": None})
     assert (task_level.ttl, task_level.scope) == (2.0, "run")
@@ -121,3 +122,36 @@ def test_every_setting_is_in_the_settings_page():
     page = (Path(__file__).resolve().parents[2] / "docs" / "settings.md").read_text()
     missing = [s.name for s in SETTINGS if f"`{s.name}`" not in page]
     assert not missing, missing
+
+
+def test_a_misspelt_setting_is_refused_at_first_use_in_the_form_it_was_written():
+    class Settings:
+        CELERY_SINGLETON_TLL = 5
+
+    app = Celery(set_as_current=False, broker="redis://h/0")
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=r"^CELERY_SINGLETON_TLL: unknown setting; "
+                                                 r"did you mean CELERY_SINGLETON_TTL\?$"):
+        get_config(app)
+    far = Celery(set_as_current=False, broker="redis://h/0")
+    far.conf.singleton_zzzz = 1
+    with pytest.raises(ConfigurationError, match=r"^singleton_zzzz: unknown setting "):
+        get_config(far)
+
+
+def test_a_task_option_that_is_no_task_option_is_refused_at_first_use():
+    app = Celery(set_as_current=False, broker="redis://h/0")
+
+    @app.task(base=SingletonTask, name="t.typo", singleton_tll=5)
+    def typo() -> None:
+        return None
+
+    @app.task(base=SingletonTask, name="t.app_only", singleton_on_backend_error="run")
+    def app_only() -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match=r"^singleton_tll: task 't\.typo': unknown "
+                                                 r"task option; did you mean singleton_ttl\?$"):
+        typo.singleton_settings()
+    with pytest.raises(ConfigurationError, match="an app setting, not a task option"):
+        app_only.singleton_settings()

@@ -60,8 +60,12 @@ def test_var_args_and_var_kwargs_are_bound_too():
 
 
 def test_a_call_that_does_not_fit_is_a_clear_error():
-    with pytest.raises(KeyEncodingError, match=r"shop\.charge"):
+    """It says why the call does not fit, and no hint about choosing the key's
+    arguments: leaving one out would not make the call fit."""
+    with pytest.raises(KeyEncodingError, match=r"shop\.charge") as info:
         k(1, 2, 3, 4)
+    assert "too many positional arguments" in str(info.value)
+    assert "singleton_key=" not in str(info.value)
 
 
 # -- singleton_key --------------------------------------------------------------
@@ -106,6 +110,7 @@ def test_key_function_that_raises_names_the_task():
     text = str(info.value)
     assert "shop.charge" in text and "singleton_key" in text and "LookupError" in text
     assert "no such customer" not in text  # its message may carry argument values
+    assert "singleton_key=(...)" not in text  # a key function is already the choice
 
 
 # -- canonical values -------------------------------------------------------------
@@ -194,6 +199,7 @@ def test_unencodable_argument_names_task_and_argument_but_not_the_value():
     text = str(info.value)
     assert "shop.charge" in text and "amount" in text and "Card" in text
     assert "4111111111111111" not in text
+    assert "Choose the key's arguments with singleton_key=(...)" in text
     with pytest.raises(KeyEncodingError, match="order_id"):
         k(object())
 
