@@ -139,7 +139,8 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
                 rows.append(Row(key=keys.base, state="done", task=marked or name, holder=by,
                                 ttl=ttl_of(done_ttl)))
             if throttle:
-                marked, by = marker_task(throttle)
+                marked, _, by = str(throttle).split("\n", 2) if str(throttle).count(
+                    "\n") >= 2 else ("", "", str(throttle))
                 rows.append(Row(key=keys.base, state="throttled", task=marked or name,
                                 holder=by, ttl=ttl_of(throttle_ttl)))
     return rows

@@ -211,9 +211,10 @@ def test_retries_keep_the_key_under_queue_scopes(client_app, events, key, scope)
 def test_chord_with_duplicate_members_completes(client_app, events, key, name):
     t = client_app.tasks[name]
     collect = client_app.tasks["t.collect"]
-    # The duplicates start no sooner than 2 s after their send, so both are
-    # sent before either starts (the queue scope frees its key at the start).
-    result = chord([t.s(key, 1.0, "m1").set(countdown=2), t.s(key, 1.0, "m2").set(countdown=2),
+    # m1 starts first and runs while m2, due 2 s after the send, starts. (Were
+    # m2 to start first under `queue`, m1, which took the key when sent, would
+    # wait for it and run after it: an accepted send runs.)
+    result = chord([t.s(key, 3.0, "m1"), t.s(key, 1.0, "m2").set(countdown=2),
                     t.s(key + "x", 0.1, "other")], collect.s()).apply_async()
     members = result.get(timeout=20)
     assert len(members) == 3

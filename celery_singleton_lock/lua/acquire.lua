@@ -10,7 +10,8 @@
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
 -- ARGV[5] scope, with KEYS[5]: 'run', 'queue' or 'queue_and_run'
--- KEYS[6] throttle string: the task that opened the throttle window (name, newline, id)
+-- KEYS[6] throttle string: the task that opened the throttle window: its name, the
+--                 window's end (server ms), its id, joined by newlines
 --                 (singleton_throttle only; KEYS[5] and ARGV[5] are then passed too)
 -- ARGV[6] the throttle window in ms   ARGV[7] the task's name (with KEYS[6])
 --
@@ -55,7 +56,8 @@ local function grant()
     'PX', ARGV[3])
   if throttle then
     -- a start opens the window; a retry of the task that opened it keeps it
-    redis.call('SET', throttle, ARGV[7] .. '\n' .. task_id, 'PX', ARGV[6], 'NX')
+    local ends = string.format('%.0f', math.floor(tonumber(now) / 1000) + tonumber(ARGV[6]))
+    redis.call('SET', throttle, ARGV[7] .. '\n' .. ends .. '\n' .. task_id, 'PX', ARGV[6], 'NX')
   end
   return token
 end
@@ -99,13 +101,15 @@ if done_by then
 end
 
 if throttle then
-  local by = redis.call('GET', throttle)
-  by = by and (string.match(by, '\n(.*)$') or by)  -- the id after the name
+  local window = redis.call('GET', throttle)
+  local ends, by
+  if window then ends, by = string.match(window, '^[^\n]*\n(%d+)\n(.*)$') end
   if by and by ~= task_id then
     -- another task started within the window: whatever its outcome, this
     -- one does not start before the window reopens
     if own_queued then redis.call('DEL', queued) end
-    return {5, by, redis.call('PTTL', throttle)}
+    local t = redis.call('TIME')
+    return {5, by, tonumber(ends) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))}
   end
 end
 
