@@ -137,8 +137,10 @@ def lock_rows(locks: list[dict[str, Any]]) -> dict[str, str]:
     Python repr, so the locks read as rows ``singleton lock 1``, ... beside the
     machine-readable ``singleton`` entry."""
     return {f"singleton lock {n}": (
-        f"{lock['task']}  id={lock['id']}  key={lock['key']}  token={lock['token']}  "
-        f"age={lock['age']:.1f}s  pid={lock.get('pid')}" + ("  LOST" if lock.get("lost") else ""))
+        f"{lock['task']}  id={lock['id']}  key={lock['key']}"
+        + (f"  slot={lock['slot']}" if lock.get("slot", 1) > 1 else "")
+        + f"  token={lock['token']}  age={lock['age']:.1f}s  pid={lock.get('pid')}"
+        + ("  LOST" if lock.get("lost") else ""))
         for n, lock in enumerate(locks, 1)}
 
 

@@ -20,8 +20,8 @@ FENCE_TTL_MS = 24 * 3600 * 1000
 #: in its reaper thread while the pool forks)
 SCRIPTS: dict[str, Script] = {
     name: Script.load(name)
-    for name in ("acquire", "release", "renew", "handoff", "enqueue", "unqueue", "fence",
-                 "reclaim")
+    for name in ("acquire", "acquire_slots", "release", "renew", "handoff", "enqueue", "unqueue",
+                 "fence", "reclaim")
 }
 
 
@@ -56,6 +56,15 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
         return [keys.lock, keys.fence, keys.fin, keys.done], [task_id, exec_id, lease_ms, rest]
     return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued],
             [task_id, exec_id, lease_ms, rest, scope])
+
+
+def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
+                       hostname: str, retries: int, task_name: str, fin_ms: int, slots: int
+                       ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1)."""
+    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    return ([keys.fence, keys.fin, keys.done, *(k.lock for k in keys.slots(slots))],
+            [task_id, exec_id, lease_ms, rest])
 
 
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,

@@ -201,13 +201,17 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     kwargs = _parse_json(kwargs_json, dict, "--kwargs", "a JSON object")
     keys = task.singleton_keys(*args, **kwargs)
     digest = keys.base[len(c.config.key_prefix) + 1:-1]
-    rows = c.rows([digest])
+    limit = task.singleton_settings().config.limit
+    rows = c.rows([digest, *(f"{digest}:{n}" for n in range(2, limit + 1))])
     if as_json:
-        echo_json({"task": task_name, "key": keys.base, "lock": keys.lock,
+        echo_json({"task": task_name, "key": keys.base, "lock": keys.lock, "limit": limit,
                     "held": any(r.state == "run" and r.held() for r in rows),
+                    "slots_used": sum(r.state == "run" and r.held() for r in rows),
                     "locks": [asdict(r) for r in rows]})
         return
-    click.echo(f"task  {task_name}\nkey   {keys.base}\nlock  {keys.lock}")
+    used = sum(r.state == "run" and r.held() for r in rows)
+    click.echo(f"task  {task_name}\nkey   {keys.base}\nlock  {keys.lock}"
+               + (f"\nslots {used}/{limit} used" if limit > 1 else ""))
     if rows:
         click.echo(table(headers_of(rows), [r.cells() for r in rows]))
     else:
@@ -232,7 +236,8 @@ def _lock_keys(text: str, prefix: str) -> Any:
     if match is None:
         raise click.BadParameter(f"expected a key like {prefix}{{<32 hex>}} or its 32-hex hash",
                                  param_hint="KEY")
-    return LockKeys(prefix, match.group(1))
+    slot = re.search(r":lock:([0-9]+)$", text)  # a slot of singleton_limit
+    return LockKeys(prefix, match.group(1)).slot(int(slot.group(1)) if slot else 1)
 
 
 @singleton.command(cls=CeleryCommand)
@@ -318,7 +323,8 @@ def purge(ctx: click.Context, task_name: str, yes: bool, force: bool, as_json: b
 def _purge_row(c: _Context, row: Row) -> bool:
     from .keys import LockKeys
 
-    keys = LockKeys(c.config.key_prefix, row.key[len(c.config.key_prefix) + 1:-1])
+    keys = LockKeys(c.config.key_prefix, row.key[len(c.config.key_prefix) + 1:-1]).slot(
+        row.slot or 1)
     if row.state == "run":
         return c.engine.release(keys, row.exec, row.holder, finished=False)
     if row.state == "queued":

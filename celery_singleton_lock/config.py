@@ -61,6 +61,12 @@ def check_count(setting: str, value: Any) -> int:
     return value
 
 
+def check_limit(setting: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(setting, f"expected a whole number >= 1, got {value!r}")
+    return value
+
+
 def check_ms(setting: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigurationError(setting, f"expected milliseconds, a whole number > 0, "
@@ -120,6 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("scope", "run", choice(SCOPES, "scope"), per_task=True),
     Setting("done_ttl", 0.0, check_optional_ttl, per_task=True),
     Setting("throttle", 0.0, check_optional_ttl, per_task=True),
+    Setting("limit", 1, check_limit, per_task=True),
     Setting("on_backend_error", "retry", choice(BACKEND_ERROR_POLICIES)),
     Setting("retry_delay", 1.0, check_ttl),
     Setting("retry_max_delay", 30.0, check_ttl),
@@ -243,6 +250,7 @@ class SingletonConfig:
     scope: str
     done_ttl: float
     throttle: float
+    limit: int
     on_backend_error: str
     retry_delay: float
     retry_max_delay: float
@@ -266,7 +274,7 @@ class SingletonConfig:
             else:
                 values[setting.field] = setting.check(setting.name, value)
         check_app_names(conf)
-        return cls(**values)
+        return cls(**values).checked("")
 
     @classmethod
     def defaults(cls, redis_url: str, **overrides: Any) -> SingletonConfig:
@@ -286,7 +294,18 @@ class SingletonConfig:
                 overrides[setting.field] = setting.check(setting.name, value)
             except ConfigurationError as exc:
                 raise ConfigurationError(exc.setting, f"task {task_name!r}: {exc.detail}") from None
-        return dataclasses.replace(self, **overrides) if overrides else self
+        return dataclasses.replace(self, **overrides).checked(task_name) if overrides else self
+
+    def checked(self, task_name: str) -> SingletonConfig:
+        """Refuse settings that do not go together (raises ConfigurationError)."""
+        if self.limit > 1 and (self.scope != "run" or self.throttle):
+            where = f"task {task_name!r}: " if task_name else ""
+            other = (f"singleton_scope={self.scope!r}" if self.scope != "run"
+                     else "singleton_throttle")
+            raise ConfigurationError("singleton_limit", f"{where}{self.limit} per key goes with "
+                                     f"singleton_scope='run' only, without a throttle; "
+                                     f"not with {other}")
+        return self
 
 
 def _default_redis_url(conf: Any) -> str:

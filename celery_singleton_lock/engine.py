@@ -24,6 +24,7 @@ from .calls import (
     FENCE_TTL_MS,
     SCRIPTS,
     acquire_call,
+    acquire_slots_call,
     enqueue_call,
     handoff_call,
     marker_task,
@@ -62,6 +63,7 @@ class LockEngine:
         else:
             self.wire = Wire(client, SCRIPTS.values())
         self._acquire = SCRIPTS["acquire"]
+        self._acquire_slots = SCRIPTS["acquire_slots"]
         self._release = SCRIPTS["release"]
         self._renew = SCRIPTS["renew"]
         self._handoff = SCRIPTS["handoff"]
@@ -95,8 +97,8 @@ class LockEngine:
 
     @property
     def scripts(self) -> tuple[Script, ...]:
-        return (self._acquire, self._release, self._renew, self._handoff, self._enqueue,
-                self._unqueue, self._fence, self._reclaim)
+        return (self._acquire, self._acquire_slots, self._release, self._renew, self._handoff,
+                self._enqueue, self._unqueue, self._fence, self._reclaim)
 
     def settle(self) -> None:
         """Read every reply still owed to this process (see :meth:`release_later`)."""
@@ -118,31 +120,40 @@ class LockEngine:
         task_name: str,
         scope: str = "run",
         throttle_ms: int = 0,
+        slots: int = 1,
     ) -> Acquired:
         """Take the lock for an execution that starts now.
 
         A refused execution that owns the key it took at send time keeps it
         (``queued_by_it`` in the answer): it was accepted, so it will wait and run.
         ``throttle_ms`` > 0: a grant opens a window that long in which no other
-        task id of this key starts (``singleton_throttle``).
+        task id of this key starts (``singleton_throttle``). ``slots`` > 1: one
+        of that many slots (``singleton_limit``), named by the answer's ``slot``.
         """
-        keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                   task_name, scope, self._fin_ms, throttle_ms)
+        if slots > 1:
+            script = self._acquire_slots
+            keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
+                                             retries, task_name, self._fin_ms, slots)
+        else:
+            script = self._acquire
+            keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
+                                       task_name, scope, self._fin_ms, throttle_ms)
         try:
             if not self._wait:
-                reply, _ = self.wire.call(self._acquire, keys_, args)
+                reply, _ = self.wire.call(script, keys_, args)
                 return replies.acquired(reply)
-            reply, _, acked = self.wire.call_with(self._acquire, keys_, args, after=self._wait)
+            reply, _, acked = self.wire.call_with(script, keys_, args, after=self._wait)
         except BROKEN as exc:
             if not isinstance(exc, RedisUnanswered):
                 # Redis may still run it (a frozen server runs what it has
                 # read): undone, owner-checked, once it answers again
-                self.wire.owe(exc, self._release, *release_call(
-                    keys, exec_id, task_id, False, False, 0.0, self._fin_ms))
+                for slot in keys.slots(slots):
+                    self.wire.owe(exc, self._release, *release_call(
+                        slot, exec_id, task_id, False, False, 0.0, self._fin_ms))
             raise
         answer = replies.acquired(reply)
         if answer.status is Acquire.GRANTED:
-            self._replicated(keys, acked, exec_id, task_id)
+            self._replicated(keys.slot(answer.slot), acked, exec_id, task_id)
         return answer
 
     def _replicated(self, keys: LockKeys, acked: Any, exec_id: str, task_id: str) -> None:
@@ -402,14 +413,19 @@ class LockEngine:
             )
         return released
 
-    def reap(self, keys: LockKeys, task_id: str, wait: float = 3.0) -> bool:
-        """Free ``task_id``'s lock once its process on this host is gone.
+    def reap(self, keys: LockKeys, task_id: str, wait: float = 3.0, slots: int = 1) -> bool:
+        """Free ``task_id``'s lock (in whichever of ``slots`` it holds) once its
+        process on this host is gone.
 
         Called by the main worker process when a child was killed or timed out;
         waits up to ``wait`` seconds for the child to exit.
         """
-        record = self.owner(keys)
-        if record.get("task") != task_id:
+        for slot in keys.slots(slots):
+            record = self.owner(slot)
+            if record.get("task") == task_id:
+                keys = slot
+                break
+        else:
             return False
         holder = Holder(
             task_id=task_id,

@@ -156,6 +156,21 @@ class LockKeys:
         self.done = f"{self.base}:done"
         self.throttle = f"{self.base}:throttle"
 
+    def slot(self, number: int) -> LockKeys:
+        """These keys with slot ``number``'s owner record as ``lock``
+        (``singleton_limit``): slot 1 is ``lock`` itself, slot n ``lock:n``."""
+        if number == 1:
+            return self
+        other = LockKeys.__new__(LockKeys)
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.lock = f"{self.lock}:{number}"
+        return other
+
+    def slots(self, count: int) -> list[LockKeys]:
+        """The keys of slots 1 to ``count``."""
+        return [self.slot(n) for n in range(1, count + 1)]
+
     def __repr__(self) -> str:
         return f"LockKeys({self.base!r})"
 

@@ -36,6 +36,8 @@ class Row:
     exec: str = ""
     #: Redlock: on how many masters, of how many (``(3, 5)``); None on one server
     masters: Optional[tuple[int, int]] = None
+    #: a running lock's slot (``singleton_limit``): 1, or 2 to N; None for the others
+    slot: Optional[int] = None
 
     def cells(self) -> list[str]:
         cells = [self.key, self.state, self.task or "?", self.holder, self.host,
@@ -82,18 +84,20 @@ def liveness(record: dict[str, str]) -> str:
 
 
 def key_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(lock|queued|done|throttle)$")
+    return re.compile(
+        rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(?:lock(:[0-9]+)?|queued|done|throttle)$")
 
 
 def scan_digests(client: redis.Redis, prefix: str) -> list[str]:
-    """Every key hash with a lock, marker, done or throttle window: SCAN, never KEYS."""
+    """Every key hash with a lock, marker, done or throttle window: SCAN, never
+    KEYS. Slot ``n`` > 1 of a key (``singleton_limit``) comes as ``<hash>:<n>``."""
     glob = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}:*"
     pattern = key_pattern(prefix)
     found: dict[str, None] = {}
     for name in client.scan_iter(match=glob, count=1000):
         match = pattern.match(str(name))
         if match:
-            found.setdefault(match.group(1), None)
+            found.setdefault(match.group(1) + (match.group(2) or ""), None)
     return list(found)
 
 
@@ -104,6 +108,10 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
     seconds, micros = client.execute_command("TIME")  # type: ignore[no-untyped-call]
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     rows: list[Row] = []
+    slots = [d for d in digests if ":" in d]
+    if slots:
+        rows += read_slots(client, prefix, slots, now_ms)
+        digests = [d for d in digests if ":" not in d]
     for start in range(0, len(digests), 500):
         chunk = [LockKeys(prefix, d) for d in digests[start:start + 500]]
         pipe = client.pipeline(transaction=False)
@@ -123,13 +131,7 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
             record = owner_record(raw)
             name = record.get("name", "") if record else ""
             if record:
-                at = int(record.get("at") or 0)
-                rows.append(Row(
-                    key=keys.base, state="run", task=name, holder=record.get("task", ""),
-                    host=record.get("host", ""), pid=int(record.get("pid") or 0),
-                    token=token_of(record), ttl=ttl_of(lock_ttl),
-                    age=(now_ms - at) / 1000 if at else None, live=liveness(record),
-                    exec=record.get("exec", "")))
+                rows.append(run_row(keys.base, record, lock_ttl, now_ms, 1))
             if queued:
                 marked, by = marker_task(queued)
                 rows.append(Row(key=keys.base, state="queued", task=marked or name, holder=by,
@@ -143,6 +145,38 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
                     "\n") >= 2 else ("", "", str(throttle))
                 rows.append(Row(key=keys.base, state="throttled", task=marked or name,
                                 holder=by, ttl=ttl_of(throttle_ttl)))
+    return rows
+
+
+def run_row(base: str, record: dict[str, str], pttl: Any, now_ms: int, slot: int) -> Row:
+    """The row of a running lock (slot ``slot``) from its owner record."""
+    at = int(record.get("at") or 0)
+    return Row(key=base, state="run", task=record.get("name", ""),
+               holder=record.get("task", ""), host=record.get("host", ""),
+               pid=int(record.get("pid") or 0), token=token_of(record), ttl=ttl_of(pttl),
+               age=(now_ms - at) / 1000 if at else None, live=liveness(record),
+               exec=record.get("exec", ""), slot=slot)
+
+
+def read_slots(client: redis.Redis, prefix: str, names: Sequence[str], now_ms: int
+               ) -> list[Row]:
+    """The running locks of slots ``<hash>:<n>`` (``singleton_limit`` > 1)."""
+    from .keys import LockKeys
+
+    wanted = []
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        digest, _, text = name.partition(":")
+        keys = LockKeys(prefix, digest).slot(int(text))
+        wanted.append((keys, int(text)))
+        pipe.get(keys.lock)
+        pipe.pttl(keys.lock)
+    replies = pipe.execute()
+    rows = []
+    for i, (keys, slot) in enumerate(wanted):
+        record = owner_record(replies[2 * i])
+        if record:
+            rows.append(run_row(keys.base, record, replies[2 * i + 1], now_ms, slot))
     return rows
 
 

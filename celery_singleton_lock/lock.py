@@ -44,6 +44,7 @@ class SingletonLock:
         "lease",
         "margin",
         "retries",
+        "slot",
         "task_id",
         "task_name",
         "token",
@@ -64,8 +65,11 @@ class SingletonLock:
         retries: int = 0,
         margin: float = 0.0,
         clock: Clock = time.monotonic,
+        slot: int = 1,
     ) -> None:
         self.keys = keys
+        #: which of the key's ``singleton_limit`` slots this execution holds
+        self.slot = slot
         self.key = keys.base
         self.task_id = task_id
         self.task_name = task_name

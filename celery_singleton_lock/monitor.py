@@ -244,7 +244,8 @@ def _held_snapshot(engine: Any) -> list[dict[str, Any]]:
     if heartbeat is None:
         return []
     return [{"task": lock.task_name, "id": lock.task_id, "key": lock.key,
-             "token": lock.token, "since": lock.acquired_at, "lost": lock.lost}
+             "token": lock.token, "since": lock.acquired_at, "lost": lock.lost,
+             "slot": lock.slot}
             for lock in heartbeat.held() if lock.held and not lock.handed_off]
 
 
@@ -275,7 +276,7 @@ def read_held(client: redis.Redis, prefix: str,
             rows.append({"task": lock["task"], "id": lock["id"], "key": lock["key"],
                          "token": lock["token"], "age": round(max(now - lock["since"], 0.0), 3),
                          "lost": lock.get("lost", False), "hostname": host,
-                         "pid": entry.get("pid")})
+                         "pid": entry.get("pid"), "slot": lock.get("slot", 1)})
     if stale:
         with contextlib.suppress(redis.RedisError):
             client.hdel(held_key(prefix), *stale)

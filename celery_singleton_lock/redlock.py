@@ -48,7 +48,7 @@ import redis
 
 from .config import SingletonConfig
 from .engine import LockEngine
-from .exceptions import QuorumError
+from .exceptions import ConfigurationError, QuorumError
 from .keys import LockKeys
 from .quorum import MISSING, Master, Masters, _settled_by
 from .replies import (
@@ -134,8 +134,13 @@ class RedlockEngine(Masters, LockEngine):
         task_name: str,
         scope: str = "run",
         throttle_ms: int = 0,
+        slots: int = 1,
     ) -> Acquired:
         """Take the lock on a majority of the masters within the validity time."""
+        if slots > 1:
+            # each master could grant a different slot: no majority would hold one
+            raise ConfigurationError("singleton_limit", f"{slots} slots per key: not on "
+                                     "Redlock (one server, Sentinel or Cluster only)")
         started = time.monotonic()
         validity = lease_ms / 1000.0 - self.lease_margin(lease_ms / 1000.0)
         quorum, total = self.quorum, len(self.masters)

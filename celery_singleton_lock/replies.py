@@ -75,6 +75,8 @@ class Acquired:
     queued_by_it: bool = False
     #: THROTTLED: milliseconds until the window reopens
     reopens_ms: int = 0
+    #: ``singleton_limit`` > 1: the slot granted, or the slot of ``holder``
+    slot: int = 1
 
     @property
     def holder_state(self) -> str:
@@ -177,14 +179,18 @@ def acquired(reply: Any) -> Acquired:
     status: Acquire = _enum(Acquire, _first(reply, "acquire"), "acquire")
     try:
         if status is Acquire.GRANTED:
-            return Acquired(status, token=int(reply[1]))
+            return Acquired(status, token=int(reply[1]),
+                            slot=int(reply[2]) if len(reply) > 2 else 1)
+        if status is Acquire.SAME_TASK and len(reply) > 2:
+            return Acquired(status, holder=_holder(reply[1]), slot=int(reply[2]))
         if status in (Acquire.FINISHED, Acquire.DONE):
             return Acquired(status, holder=Holder(reply[1]))
         if status is Acquire.THROTTLED:
             return Acquired(status, holder=Holder(reply[1]),
                             reopens_ms=max(int(reply[2]), 0))
         return Acquired(status, holder=_holder(reply[1]),
-                        queued_by_it=len(reply) > 2 and reply[2] == 1)
+                        queued_by_it=len(reply) > 2 and reply[2] == 1,
+                        slot=int(reply[3]) if len(reply) > 3 else 1)
     except (IndexError, TypeError, ValueError, AttributeError):
         raise UnexpectedReplyError("acquire", reply) from None
 

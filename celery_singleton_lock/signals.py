@@ -61,7 +61,8 @@ def _reap_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
     def reap() -> None:
         try:
             keys = task.singleton_keys(*(args or ()), **(kwargs or {}))
-            engine_for(task.app).reap(keys, task_id)
+            engine_for(task.app).reap(keys, task_id,
+                                      slots=task.singleton_settings().config.limit)
         except Exception as exc:
             logger.warning("Could not free the singleton lock of %s[%s]: %r",
                            task.name, task_id, exc)

@@ -266,10 +266,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             return self._carry_out(decision, config, keys, args, kwargs)
 
         lock = SingletonLock(
-            keys, task_id=req.id, task_name=self.name, exec_id=exec_id,
+            keys.slot(answer.slot), task_id=req.id, task_name=self.name, exec_id=exec_id,
             token=answer.token, lease=config.ttl, started=started, held=True,
             hostname=req.hostname or "", retries=req.retries or 0,
-            margin=engine.lease_margin(config.ttl),
+            margin=engine.lease_margin(config.ttl), slot=answer.slot,
         )
         if lock.expired:
             # The grant arrived after its lease could have run out (a stall on
@@ -418,12 +418,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 keys, task_id=req.id, exec_id=exec_id, lease_ms=int(config.ttl * 1000),
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
                 scope=config.scope, throttle_ms=int(config.throttle * 1000),
+                slots=config.limit,
             )
 
         answer = attempt()
         holder = answer.holder
         if holder is not None and answer.status not in (Acquire.DONE, Acquire.THROTTLED) and (
-                engine.clear_dead_holder(keys, holder)):
+                engine.clear_dead_holder(keys.slot(answer.slot), holder)):
             answer = attempt()
         return answer
 

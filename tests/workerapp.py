@@ -161,6 +161,22 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
     def run_done_long(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return body(self, key, seconds, tag)
 
+    # -- at most N per key --------------------------------------------------------
+    @task(base=SingletonTask, bind=True, name="t.limit3", singleton_key=("key",),
+          singleton_limit=3)
+    def limit3(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
+
+    @task(base=SingletonTask, bind=True, name="t.limit2_retry", singleton_key=("key",),
+          singleton_limit=2, singleton_on_duplicate="retry")
+    def limit2_retry(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
+
+    @task(base=SingletonTask, bind=True, name="t.limit2", singleton_key=("key",),
+          singleton_limit=2)
+    def limit2(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
+
     # -- the throttle window -----------------------------------------------------
     @task(base=SingletonTask, bind=True, name="t.throttle", singleton_key=("key",),
           singleton_throttle=3)

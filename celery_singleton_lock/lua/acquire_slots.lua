@@ -1,0 +1,78 @@
+-- Take one of N slots of a key when an execution starts (singleton_limit = N > 1),
+-- or say why not. Each slot is a lock of its own (an owner record, the lease
+-- its TTL); all share the key's fencing counter, so tokens of one key only go up.
+--
+-- KEYS[1] fence   string: last fencing token granted for this key
+-- KEYS[2] fin     string: id of a task that finished while a copy of it waited
+-- KEYS[3] done    string: the task whose success keeps the key done
+-- KEYS[4..]       the slots' owner records, slot 1 first (slot 1 is the key's
+--                 lock of singleton_limit = 1)
+-- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
+-- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
+-- (the owner record's layout is acquire.lua's: docs/redis-keys.md)
+--
+-- Returns
+--   {1, token, slot}            granted slot number 'slot'
+--   {0, record, 0, slot}        every slot held by other tasks ('slot': the first)
+--   {2, record, slot}           held by another execution of this task id
+--   {3, task}                   this task id already finished
+--   {4, task}                   done: another task succeeded within done_ttl
+local fence, fin, done = KEYS[1], KEYS[2], KEYS[3]
+local task_id, exec_id = ARGV[1], ARGV[2]
+local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
+  '[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$'
+
+local function grant(slot)
+  local t = redis.call('TIME')
+  local us = t[2]
+  local now = t[1] .. string.sub('00000', #us) .. us
+  -- the server clock is the tokens' floor (acquire.lua says why)
+  local token = now
+  local last = redis.call('GET', fence)
+  if last and (#last > #now or (#last == #now and last >= now)) then
+    token = string.format('%.0f', tonumber(last) + 1)
+  end
+  redis.call('SET', fence, token, 'PX', '86400000')
+  redis.call('SET', KEYS[3 + slot], exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' ..
+    ARGV[4], 'PX', ARGV[3])
+  return {1, token, slot}
+end
+
+local records, free = {}, nil
+for slot = 1, #KEYS - 3 do
+  local record = redis.call('GET', KEYS[3 + slot])
+  records[slot] = record
+  if not record then
+    free = free or slot
+  elseif string.sub(record, -#task_id - 1) == '\n' .. task_id then
+    local exec, handoff, copies, holder = string.match(record, FIELDS)
+    if holder == task_id then
+      if handoff == string.match(ARGV[4], '^[^\n]*\n[^\n]*\n([^\n]*)') then
+        return grant(slot)  -- the retry takes back the slot its attempt kept for it
+      end
+      if exec == exec_id then
+        redis.call('PEXPIRE', KEYS[3 + slot], ARGV[3])
+        return {1, string.match(record, '^[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)'), slot}
+      end
+      if copies ~= '1' then
+        redis.call('SET', KEYS[3 + slot], exec .. '\n' .. handoff .. '\n1' ..
+          string.sub(record, #exec + #handoff + #copies + 3), 'KEEPTTL')
+      end
+      return {2, record, slot}
+    end
+  end
+end
+
+local done_by = redis.call('GET', done)
+if done_by then
+  done_by = string.match(done_by, '\n(.*)$') or done_by
+  if done_by == task_id then return {3, task_id} end
+  return {4, done_by}
+end
+if not free then
+  return {0, records[1], 0, 1}
+end
+if redis.call('GET', fin) == task_id then
+  return {3, task_id}
+end
+return grant(free)
