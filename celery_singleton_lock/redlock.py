@@ -48,7 +48,7 @@ import redis
 
 from .config import SingletonConfig
 from .engine import LockEngine
-from .exceptions import QuorumError
+from .exceptions import ConfigurationError, QuorumError
 from .keys import LockKeys
 from .quorum import MISSING, Master, Masters, _settled_by
 from .replies import (
@@ -79,6 +79,11 @@ CLAIM_ROUNDS = 6
 #: clock drift allowed per lease (the Redlock rule: 1 % of it plus 2 ms)
 DRIFT_FACTOR = 0.01
 DRIFT_MS = 2
+
+
+def _no_replace() -> ConfigurationError:
+    return ConfigurationError("singleton_on_duplicate", "'replace' needs one lock Redis "
+                              "(a server, Sentinel or Cluster), not redlock://")
 
 
 class RedlockEngine(Masters, LockEngine):
@@ -134,8 +139,11 @@ class RedlockEngine(Masters, LockEngine):
         task_name: str,
         scope: str = "run",
         throttle_ms: int = 0,
+        replace: bool = False,
     ) -> Acquired:
         """Take the lock on a majority of the masters within the validity time."""
+        if replace:
+            raise _no_replace()
         started = time.monotonic()
         validity = lease_ms / 1000.0 - self.lease_margin(lease_ms / 1000.0)
         quorum, total = self.quorum, len(self.masters)
@@ -420,8 +428,10 @@ class RedlockEngine(Masters, LockEngine):
         return sum(1 for r in results if r is True) >= self.quorum
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
-                task_name: str = "") -> Enqueued:
+                task_name: str = "", replace: Optional[tuple[int, int]] = None) -> Enqueued:
         """Take the key at send time on a majority, or say who has it."""
+        if replace is not None:
+            raise _no_replace()
         quorum, total = self.quorum, len(self.masters)
 
         def taken(r: Any) -> bool:
