@@ -7,7 +7,7 @@ record's layout is in docs/redis-keys.md.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from .keys import LockKeys
 from .process import HOST_KEY, PROCESS
@@ -38,17 +38,21 @@ def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_n
 
 
 def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
-                 retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0
-                 ) -> tuple[list[str], list[Any]]:
+                 retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0,
+                 replace: bool = False) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``acquire.lua``.
 
     Redis pays for every string passed (about as much as for a command run
     inside the script), so the owner record's fields that the script does not
     look at go as one string, in the record's own order, the send-time
     marker's key only under the queue scopes, the throttle window's only
-    with ``singleton_throttle``.
+    with ``singleton_throttle``, the superseded ids' hash with ``replace``.
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    if replace:
+        return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued, keys.throttle,
+                 keys.replaced],
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
     if throttle_ms > 0:
         return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued, keys.throttle],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
@@ -82,9 +86,13 @@ def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
     return [keys.lock, keys.fin], [exec_id, mode]
 
 
-def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = ""
-                 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``enqueue.lua``."""
+def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = "",
+                 replace: Optional[tuple[int, int]] = None) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``enqueue.lua``; ``replace``: (debounce ms, debounce_max
+    ms) of ``singleton_on_duplicate="replace"``."""
+    if replace is not None:
+        return [keys.queued, keys.lock, keys.done, keys.replaced], [
+            task_id, scope, max(ttl_ms, 1), _field(task_name), *replace]
     return [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1),
                                                 _field(task_name)]
 

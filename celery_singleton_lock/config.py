@@ -17,7 +17,7 @@ from .process import ForkSafeLock
 
 logger = logging.getLogger("celery_singleton_lock")
 
-DUPLICATE_POLICIES = ("skip", "retry", "raise")
+DUPLICATE_POLICIES = ("skip", "retry", "raise", "replace")
 BACKEND_ERROR_POLICIES = ("retry", "run", "raise")
 SCOPES = ("run", "queue", "queue_and_run")
 WAIT_POLICIES = ("release", "proceed")
@@ -127,6 +127,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("done_ttl", 0.0, check_optional_ttl, per_task=True),
     Setting("throttle", 0.0, check_optional_ttl, per_task=True),
     Setting("limit", 1, check_limit, per_task=True),
+    # with on_duplicate "replace": the queued call starts this long after the
+    # latest send, but never later than debounce_max after the burst's first
+    Setting("debounce", 0.0, check_optional_ttl, per_task=True),
+    Setting("debounce_max", 0.0, check_optional_ttl, per_task=True),
     Setting("on_backend_error", "retry", choice(BACKEND_ERROR_POLICIES)),
     Setting("retry_delay", 1.0, check_ttl),
     Setting("retry_max_delay", 30.0, check_ttl),
@@ -251,6 +255,8 @@ class SingletonConfig:
     done_ttl: float
     throttle: float
     limit: int
+    debounce: float
+    debounce_max: float
     on_backend_error: str
     retry_delay: float
     retry_max_delay: float
@@ -274,7 +280,9 @@ class SingletonConfig:
             else:
                 values[setting.field] = setting.check(setting.name, value)
         check_app_names(conf)
-        return cls(**values).checked("")
+        config = cls(**values)
+        check_together("", config)
+        return config
 
     @classmethod
     def defaults(cls, redis_url: str, **overrides: Any) -> SingletonConfig:
@@ -294,18 +302,41 @@ class SingletonConfig:
                 overrides[setting.field] = setting.check(setting.name, value)
             except ConfigurationError as exc:
                 raise ConfigurationError(exc.setting, f"task {task_name!r}: {exc.detail}") from None
-        return dataclasses.replace(self, **overrides).checked(task_name) if overrides else self
+        config = dataclasses.replace(self, **overrides) if overrides else self
+        check_together(task_name, config)
+        return config
 
-    def checked(self, task_name: str) -> SingletonConfig:
-        """Refuse settings that do not go together (raises ConfigurationError)."""
-        if self.limit > 1 and (self.scope != "run" or self.throttle):
-            where = f"task {task_name!r}: " if task_name else ""
-            other = (f"singleton_scope={self.scope!r}" if self.scope != "run"
-                     else "singleton_throttle")
-            raise ConfigurationError("singleton_limit", f"{where}{self.limit} per key goes with "
-                                     f"singleton_scope='run' only, without a throttle; "
-                                     f"not with {other}")
-        return self
+
+def check_together(task_name: str, config: SingletonConfig) -> None:
+    """Settings that are fine alone and wrong together, named in a ConfigurationError."""
+    where = f"task {task_name!r}: " if task_name else ""
+    if config.limit > 1 and (config.scope != "run" or config.throttle):
+        other = (f"singleton_scope={config.scope!r}" if config.scope != "run"
+                 else "singleton_throttle")
+        raise ConfigurationError("singleton_limit", f"{where}{config.limit} per key goes with "
+                                 f"singleton_scope='run' only, without a throttle; "
+                                 f"not with {other}")
+    if config.on_duplicate == "replace" and config.scope == "run":
+        raise ConfigurationError(
+            "singleton_on_duplicate",
+            f"task {task_name!r}: 'replace' swaps a call that is still queued for the "
+            f"new one, so it needs a send-time key: set singleton_scope='queue' or "
+            f"'queue_and_run' (the scope is 'run')")
+    if config.debounce and config.on_duplicate != "replace":
+        raise ConfigurationError(
+            "singleton_debounce",
+            f"task {task_name!r}: debouncing pushes back the queued call each time a "
+            f"send replaces it: set singleton_on_duplicate='replace' (it is "
+            f"{config.on_duplicate!r})")
+    if config.debounce_max and not config.debounce:
+        raise ConfigurationError(
+            "singleton_debounce_max", f"task {task_name!r}: caps singleton_debounce, "
+                                      f"which is not set")
+    if config.debounce_max and config.debounce_max < config.debounce:
+        raise ConfigurationError(
+            "singleton_debounce_max",
+            f"task {task_name!r}: {config.debounce_max:g} s is shorter than "
+            f"singleton_debounce ({config.debounce:g} s)")
 
 
 def _default_redis_url(conf: Any) -> str:

@@ -121,14 +121,17 @@ class LockEngine:
         scope: str = "run",
         throttle_ms: int = 0,
         slots: int = 1,
+        replace: bool = False,
     ) -> Acquired:
         """Take the lock for an execution that starts now.
 
         A refused execution that owns the key it took at send time keeps it
         (``queued_by_it`` in the answer): it was accepted, so it will wait and run.
         ``throttle_ms`` > 0: a grant opens a window that long in which no other
-        task id of this key starts (``singleton_throttle``). ``slots`` > 1: one
-        of that many slots (``singleton_limit``), named by the answer's ``slot``.
+        task id of this key starts (``singleton_throttle``). ``replace``: a
+        task that a later send superseded is told so (``Acquire.REPLACED``).
+        ``slots`` > 1: one of that many slots (``singleton_limit``), named by
+        the answer's ``slot``.
         """
         if slots > 1:
             script = self._acquire_slots
@@ -137,7 +140,7 @@ class LockEngine:
         else:
             script = self._acquire
             keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                       task_name, scope, self._fin_ms, throttle_ms)
+                                       task_name, scope, self._fin_ms, throttle_ms, replace)
         try:
             if not self._wait:
                 reply, _ = self.wire.call(script, keys_, args)
@@ -225,11 +228,12 @@ class LockEngine:
             keys, exec_id, task_id, finished, always_record, done_ttl, task_name), done, owe=True)
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
-                task_name: str = "") -> Enqueued:
-        """Take the key for a task about to be sent."""
+                task_name: str = "", replace: Optional[tuple[int, int]] = None) -> Enqueued:
+        """Take the key for a task about to be sent; ``replace`` (debounce ms,
+        debounce_max ms): take it from a task still queued, superseding it."""
         try:
             reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms,
-                                                                   task_name))
+                                                                   task_name, replace))
         except BROKEN as exc:
             if not isinstance(exc, RedisUnanswered):
                 # freed once Redis answers again: a send that went out without

@@ -143,9 +143,12 @@ class LockKeys:
     ``queued`` string: task id that took the key when it was sent
     ``done``  string: task id whose success keeps the key done (``singleton_done_ttl``)
     ``throttle`` string: task that opened the throttle window (``singleton_throttle``)
+    ``replaced`` hash: superseded task id -> the task id that replaced it, and
+    ``""`` -> when the burst's first send took the key, server ms
+    (``singleton_on_duplicate="replace"``)
     """
 
-    __slots__ = ("base", "done", "fence", "fin", "lock", "queued", "throttle")
+    __slots__ = ("base", "done", "fence", "fin", "lock", "queued", "replaced", "throttle")
 
     def __init__(self, prefix: str, hexdigest: str) -> None:
         self.base = f"{prefix}{{{hexdigest}}}"
@@ -155,6 +158,7 @@ class LockKeys:
         self.queued = f"{self.base}:queued"
         self.done = f"{self.base}:done"
         self.throttle = f"{self.base}:throttle"
+        self.replaced = f"{self.base}:replaced"
 
     def slot(self, number: int) -> LockKeys:
         """These keys with slot ``number``'s owner record as ``lock``

@@ -85,10 +85,11 @@ def noperm_command(client: redis.Redis, config: SingletonConfig,
     )
 
 
-def _probe_calls(keys: LockKeys, task_id: str, exec_id: str
+def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str
                  ) -> list[tuple[str, list[str], list[Any]]]:
     """One harmless call of every script on a fresh random key under our prefix;
-    whatever they write expires within seconds."""
+    whatever they write expires within seconds. Then, on a second key, a send
+    that replaces a queued one and that one's start (``"replace"``)."""
     return [
         ("enqueue", *enqueue_call(keys, task_id, "queue_and_run", 5000)),
         ("acquire", *acquire_call(keys, task_id, exec_id, 5000, socket.gethostname(), 0,
@@ -97,6 +98,11 @@ def _probe_calls(keys: LockKeys, task_id: str, exec_id: str
         ("handoff", *handoff_call(keys, exec_id, 1, 5000)),
         ("release", *release_call(keys, exec_id, task_id, True, True, 1.0, 1000)),
         ("unqueue", *unqueue_call(keys, task_id)),
+        ("enqueue", *enqueue_call(other, task_id, "queue", 5000, replace=(1000, 2000))),
+        ("enqueue", *enqueue_call(other, exec_id, "queue", 5000, replace=(1000, 2000))),
+        ("acquire", *acquire_call(other, task_id, exec_id, 5000, socket.gethostname(), 0,
+                                  "celery_singleton_lock.checks", "queue", 1000,
+                                  replace=True)),
     ]
 
 
@@ -105,9 +111,13 @@ def _probe_calls(keys: LockKeys, task_id: str, exec_id: str
 _COMMAND_PROBES: dict[str, str] = {
     "time": "return redis.call('TIME')",
     "get": "return redis.call('GET', KEYS[1])",
+    "pttl": "return redis.call('PTTL', KEYS[1])",
+    "hget": "return redis.call('HGET', KEYS[1], 'x')",
+    "hgetall": "return redis.call('HGETALL', KEYS[1])",
     "pexpire": "return redis.call('PEXPIRE', KEYS[1], 1000)",
     "del": "return redis.call('DEL', KEYS[1])",
     "set": "return redis.call('SET', KEYS[1], '1', 'PX', 1000)",
+    "hset": "return redis.call('HSET', KEYS[1] .. ':h', 'x', '1')",
 }
 
 
@@ -154,13 +164,14 @@ def _acl_log(client: redis.Redis) -> Optional[list[str]]:
 
 def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
     keys = LockKeys(config.key_prefix, uuid.uuid4().hex)
+    other = LockKeys(config.key_prefix, uuid.uuid4().hex)
     task_id = f"checks-{uuid.uuid4().hex}"
     exec_id = uuid.uuid4().hex
     user = user_of(client)
     rule = f"ACL SETUSER {user} {acl_rule(config.key_prefix, db_of(client))}"
     findings: list[Finding] = []
     command_denied: list[str] = []
-    probes = _probe_calls(keys, task_id, exec_id)
+    probes = _probe_calls(keys, other, task_id, exec_id)
     for name, keys_, args in probes:
         script = SCRIPTS[name]
         try:
@@ -196,9 +207,12 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
             findings.append(Finding(ERROR, "script", f"script {name} failed: {server_text(exc)}",
                                     "check that the server supports Lua scripting (EVALSHA)"))
     # nothing of the probe stays: the grant's fencing counter would live a day
-    # (acquire.lua), the finish and done markers a second
+    # (acquire.lua), the finish and done markers a second; the replace probe's
+    # send-time key and superseded ids five seconds (one slot per DEL: a Cluster)
     with contextlib.suppress(redis.RedisError):
         command(client, "DEL", keys.fence, keys.fin, keys.done)
+    with contextlib.suppress(redis.RedisError):
+        command(client, "DEL", other.queued, other.replaced)
     if command_denied:
         wanted = sorted({c for n in command_denied for c in script_commands(SCRIPTS[n])})
         denied = _denied_in_scripts(client, config.key_prefix, wanted)

@@ -43,7 +43,8 @@ class Decision:
     do: Do
     #: the task id the decision is about (the one holding the key)
     holder: Optional[str] = None
-    #: "duplicate", "done" or "throttled" for SKIP and REFUSE; why, for the others
+    #: "duplicate", "done", "throttled" or "replaced" for SKIP and REFUSE; why,
+    #: for the others
     reason: str = ""
     #: what the holder is doing: "queued", "running" or "done" ("" when no holder)
     state: str = ""
@@ -59,6 +60,10 @@ def at_send(answer: Enqueued, *, on_duplicate: str, task_name: str, key: str,
     """A send under ``queue`` / ``queue_and_run`` asked for its key."""
     if answer.status is Enqueue.TAKEN:
         return Decision(Do.SEND, keyed=True)
+    if answer.status is Enqueue.REPLACED:
+        # "replace": the queued one had not started; this send takes its place
+        return Decision(Do.SEND, keyed=True, reason="replaces",
+                        holder=answer.holder.task_id if answer.holder else None)
     assert answer.holder is not None
     holder, state = answer.holder.task_id, answer.holder_state
     if in_canvas:
@@ -70,7 +75,8 @@ def at_send(answer: Enqueued, *, on_duplicate: str, task_name: str, key: str,
     if on_duplicate == "raise":
         return Decision(Do.FAIL, holder=holder, reason="duplicate", state=state,
                         error=DuplicateTaskError(task_name, key, holder, state))
-    if on_duplicate == "skip":
+    if on_duplicate in ("skip", "replace"):
+        # "replace" and a holder that started (queue_and_run): refused, as "skip"
         return Decision(Do.REFUSE, holder=holder, reason="duplicate", state=state)
     # "retry": sent all the same; it waits for the key when it starts
     return Decision(Do.SEND, holder=holder, reason="waits when it starts")
@@ -83,6 +89,9 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
         return Decision(Do.RUN)
     holder = answer.holder.task_id if answer.holder is not None else None
     state = answer.holder_state
+    if status is Acquire.REPLACED:
+        # a later send took this queued call's place: that one runs instead
+        return Decision(Do.SKIP, holder=holder, reason="replaced", state="queued")
     if status is Acquire.FINISHED:
         return Decision(Do.DROP, holder=holder, reason="this task id already finished")
     if status is Acquire.DONE:
@@ -92,7 +101,7 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
         # another task started within singleton_throttle: skip, or come back
         # when the window reopens (raise: the error says so)
         reopens = answer.reopens_ms / 1000.0
-        if on_duplicate == "skip":
+        if on_duplicate in ("skip", "replace"):
             return Decision(Do.SKIP, holder=holder, reason="throttled", reopens_in=reopens,
                             state="started")
         if on_duplicate == "retry":
@@ -108,7 +117,7 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
     if answer.queued_by_it:
         # a send that was accepted must run: it waits for the one running
         return Decision(Do.WAIT, holder=holder, reason="accepted when sent; waits its turn")
-    if on_duplicate == "skip":
+    if on_duplicate in ("skip", "replace"):
         return Decision(Do.SKIP, holder=holder, reason="duplicate", state=state)
     if on_duplicate == "retry":
         return Decision(Do.WAIT, holder=holder, reason="duplicate", state=state)

@@ -81,6 +81,11 @@ DRIFT_FACTOR = 0.01
 DRIFT_MS = 2
 
 
+def _no_replace() -> ConfigurationError:
+    return ConfigurationError("singleton_on_duplicate", "'replace' needs one lock Redis "
+                              "(a server, Sentinel or Cluster), not redlock://")
+
+
 class RedlockEngine(Masters, LockEngine):
     """All Redis work of one process for one app, on a majority of masters."""
 
@@ -135,12 +140,15 @@ class RedlockEngine(Masters, LockEngine):
         scope: str = "run",
         throttle_ms: int = 0,
         slots: int = 1,
+        replace: bool = False,
     ) -> Acquired:
         """Take the lock on a majority of the masters within the validity time."""
         if slots > 1:
             # each master could grant a different slot: no majority would hold one
             raise ConfigurationError("singleton_limit", f"{slots} slots per key: not on "
                                      "Redlock (one server, Sentinel or Cluster only)")
+        if replace:
+            raise _no_replace()
         started = time.monotonic()
         validity = lease_ms / 1000.0 - self.lease_margin(lease_ms / 1000.0)
         quorum, total = self.quorum, len(self.masters)
@@ -425,8 +433,10 @@ class RedlockEngine(Masters, LockEngine):
         return sum(1 for r in results if r is True) >= self.quorum
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
-                task_name: str = "") -> Enqueued:
+                task_name: str = "", replace: Optional[tuple[int, int]] = None) -> Enqueued:
         """Take the key at send time on a majority, or say who has it."""
+        if replace is not None:
+            raise _no_replace()
         quorum, total = self.quorum, len(self.masters)
 
         def taken(r: Any) -> bool:

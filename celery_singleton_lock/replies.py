@@ -25,6 +25,7 @@ class Acquire(IntEnum):
     FINISHED = 3  #: this task id already finished: a late redelivery
     DONE = 4  #: another task succeeded within ``singleton_done_ttl``
     THROTTLED = 5  #: another task started within the ``singleton_throttle`` window
+    REPLACED = 6  #: a later send took this queued one's place (``"replace"``)
 
 
 class Release(IntEnum):
@@ -61,6 +62,7 @@ class Enqueue(IntEnum):
 
     HELD = 0  #: queued, or running (queue_and_run), as another task
     TAKEN = 1  #: the key is this send's
+    REPLACED = 2  #: the key is this send's; the queued one it names is superseded
     DONE = 4  #: another task succeeded within ``singleton_done_ttl``
 
 
@@ -88,6 +90,8 @@ class Acquired:
             return "done"
         if self.status is Acquire.THROTTLED:
             return "started"
+        if self.status is Acquire.REPLACED:
+            return "queued"
         return "queued" if self.holder is not None and not self.holder.exec_id else "running"
 
 
@@ -104,6 +108,11 @@ class Enqueued:
     holder: Optional[Holder] = None
     #: HELD: the holder has started (queue_and_run); else it is still queued
     running: bool = False
+    #: debounced sends (TAKEN, REPLACED): the countdown to send with, in ms
+    countdown_ms: Optional[int] = None
+    #: REPLACED: every task id this send supersedes (the holder, and those it
+    #: had superseded)
+    superseded: tuple[str, ...] = ()
 
     @property
     def holder_state(self) -> str:
@@ -183,7 +192,7 @@ def acquired(reply: Any) -> Acquired:
                             slot=int(reply[2]) if len(reply) > 2 else 1)
         if status is Acquire.SAME_TASK and len(reply) > 2:
             return Acquired(status, holder=_holder(reply[1]), slot=int(reply[2]))
-        if status in (Acquire.FINISHED, Acquire.DONE):
+        if status in (Acquire.FINISHED, Acquire.DONE, Acquire.REPLACED):
             return Acquired(status, holder=Holder(reply[1]))
         if status is Acquire.THROTTLED:
             return Acquired(status, holder=Holder(reply[1]),
@@ -212,11 +221,14 @@ def reclaimed(reply: Any) -> Reclaimed:
 
 def enqueued(reply: Any) -> Enqueued:
     status: Enqueue = _enum(Enqueue, _first(reply, "enqueue"), "enqueue")
-    if status is Enqueue.TAKEN:
-        return Enqueued(status)
     try:
+        if status is Enqueue.TAKEN:
+            return Enqueued(status, countdown_ms=int(reply[1]) if len(reply) > 1 else None)
+        if status is Enqueue.REPLACED:
+            return Enqueued(status, holder=Holder(reply[1]), countdown_ms=int(reply[2]),
+                            superseded=tuple(str(x) for x in reply[3:]))
         return Enqueued(status, holder=Holder(reply[1]), running=len(reply) > 2 and reply[2] == 1)
-    except IndexError:
+    except (IndexError, TypeError, ValueError):
         raise UnexpectedReplyError("enqueue", reply) from None
 
 

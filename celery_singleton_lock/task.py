@@ -32,6 +32,7 @@ from .keys import KeyBuilder, KeySpec, LockKeys
 from .lock import SingletonLock
 from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
+from .replacing import debounced, replace_args, supersede
 from .replies import Acquire, Acquired, Release, Released
 from .results import DeduplicatedResult, skip_result
 from .skiplog import log_skip
@@ -45,7 +46,7 @@ _ENTERED_ATTR = "_singleton_entered"
 WAITS_HEADER = "singleton_waits"
 _CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
 #: how Flower's result of a skip names the holder, by the skip's reason
-_RESULT_VERBS = {"done": "done by", "throttled": "throttled by"}
+_RESULT_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by"}
 
 
 def _is_chord_body(task_id: Optional[str]) -> bool:
@@ -83,12 +84,17 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     ``singleton_key``          argument names, a function of the task's arguments,
                                or None for all arguments
-    ``singleton_on_duplicate`` ``"skip"``, ``"retry"`` or ``"raise"``
+    ``singleton_on_duplicate`` ``"skip"``, ``"retry"``, ``"raise"`` or ``"replace"``
+                               (queue scopes: a send takes the place of a call
+                               still queued)
     ``singleton_ttl``          lease in seconds, renewed while the task runs
     ``singleton_scope``        ``"run"``, ``"queue"`` or ``"queue_and_run"``
     ``singleton_done_ttl``     seconds a success keeps its key done (0 or None: off)
     ``singleton_throttle``     seconds: at most one start per key in that window,
                                whatever its outcome (0 or None: off)
+    ``singleton_debounce``     with ``"replace"``: seconds the queued call waits
+                               after the latest send (``singleton_debounce_max``:
+                               never longer than that after the burst's first)
     """
 
     singleton_key: KeySpec = None
@@ -97,6 +103,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_scope: Optional[str] = None
     singleton_done_ttl: Optional[float] = None
     singleton_throttle: Optional[float] = None
+    singleton_debounce: Optional[float] = None
+    singleton_debounce_max: Optional[float] = None
 
     _singleton_settings_cache: Optional[TaskSettings] = None
     _singleton_settings_mutex = ForkSafeLock()
@@ -175,9 +183,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         task_id = task_id or uuid()
         keys = self.singleton_settings().builder.keys(args or (), kwargs or {})
         engine = engine_for(self.app)
-        marker_ms = int((send_delay(self, options) + config.queue_ttl) * 1000)
+        in_canvas = ("chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
+                     or _is_chord_body(task_id))
+        replace = None if in_canvas else replace_args(config)
+        marker_ms = int((send_delay(self, options) + config.queue_ttl + config.debounce) * 1000)
         try:
-            answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name)
+            answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name, replace)
         except redis.RedisError as exc:
             monitor.count(engine, "backend_errors", self.name, "send")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="send",
@@ -193,8 +204,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             # broken connection found its own first attempt's work.
             decision = Decision(Do.SEND, keyed=True)
         else:
-            in_canvas = ("chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
-                         or _is_chord_body(task_id))
             decision = policies.at_send(answer, on_duplicate=config.on_duplicate,
                                         task_name=self.name, key=keys.base, in_canvas=in_canvas)
         if decision.do is Do.FAIL:
@@ -215,12 +224,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             return DeduplicatedResult(decision.holder, key=keys.base, reason=decision.reason,
                                       refused_id=task_id, task=self)
         try:
-            return super().apply_async(args, kwargs, task_id=task_id, **options)
+            sent = super().apply_async(args, kwargs, task_id=task_id,
+                                       **debounced(options, answer.countdown_ms, config))
         except BaseException:
             if decision.keyed:
                 with contextlib.suppress(redis.RedisError):  # else it expires on its own
                     engine.unqueue(keys, task_id)
             raise
+        if answer.superseded:
+            supersede(self, keys.base, task_id, answer.superseded)
+        return sent
 
     # -- execution --------------------------------------------------------------
 
@@ -418,12 +431,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 keys, task_id=req.id, exec_id=exec_id, lease_ms=int(config.ttl * 1000),
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
                 scope=config.scope, throttle_ms=int(config.throttle * 1000),
-                slots=config.limit,
+                slots=config.limit, replace=config.on_duplicate == "replace",
             )
 
         answer = attempt()
         holder = answer.holder
-        if holder is not None and answer.status not in (Acquire.DONE, Acquire.THROTTLED) and (
+        if holder is not None and answer.status not in (
+                Acquire.DONE, Acquire.THROTTLED, Acquire.REPLACED) and (
                 engine.clear_dead_holder(keys.slot(answer.slot), holder)):
             answer = attempt()
         return answer

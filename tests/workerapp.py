@@ -197,6 +197,24 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
             raise self.retry(countdown=0.2)
         return result
 
+    # -- replace, and debounce -----------------------------------------------------
+    for scope in ("queue", "queue_and_run"):
+        @task(base=SingletonTask, bind=True, name=f"t.{scope}_replace", singleton_key=("key",),
+              singleton_scope=scope, singleton_on_duplicate="replace")
+        def replacing(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+            return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.debounce", singleton_key=("key",),
+          singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=1.0)
+    def debounce(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.debounce_max", singleton_key=("key",),
+          singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=1.0,
+          singleton_debounce_max=2.5)
+    def debounce_max(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
     @task(base=SingletonTask, bind=True, name="t.collect", singleton_scope="queue_and_run")
     def collect(self: Any, results: list[Any]) -> Any:
         return results

@@ -14,6 +14,9 @@
 --                 window's end (server ms), its id, joined by newlines
 --                 (singleton_throttle only; KEYS[5] and ARGV[5] are then passed too)
 -- ARGV[6] the throttle window in ms   ARGV[7] the task's name (with KEYS[6])
+-- KEYS[7] replaced hash: superseded task id -> the task that replaced it
+--                 (singleton_on_duplicate 'replace' only; KEYS[6] and ARGV[5]
+--                 to ARGV[7] are then passed too, ARGV[6] '0' when not throttled)
 --
 -- The owner record is one string, fields joined by newlines (docs/redis-keys.md):
 --   exec, handoff, copies, token, at, lease, fin, retries, pid, hostkey, host, name, task
@@ -27,10 +30,14 @@
 --   {4, task}                   done: another task succeeded within done_ttl
 --   {5, task, ms}               throttled: another task started within the window,
 --                               which reopens in ms
+--   {6, task}                   replaced: a later send took this one's place while
+--                               it was queued; that task runs instead
 -- accepted = 1: the refused execution took the key when it was sent; it keeps
 -- that marker, because a send that was accepted must run (it waits its turn).
 local lock, fence, fin, done, queued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local throttle = KEYS[6]
+if throttle and ARGV[6] == '0' then throttle = nil end
+local replaced = KEYS[7]
 local task_id, exec_id = ARGV[1], ARGV[2]
 -- exec, handoff, copies, then nine fields, then the task id
 local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
@@ -68,6 +75,11 @@ local own_queued = false
 if queued then
   local marker = redis.call('GET', queued)
   own_queued = marker and (string.match(marker, '\n(.*)$') or marker) == task_id
+end
+
+if replaced and not own_queued then
+  local by = redis.call('HGET', replaced, task_id)
+  if by then return {6, by} end
 end
 
 local record = redis.call('GET', lock)

@@ -2,6 +2,10 @@
 --
 -- KEYS[1] queued  KEYS[2] lock  KEYS[3] done
 -- ARGV[1] task id   ARGV[2] scope   ARGV[3] marker TTL ms   ARGV[4] task name
+-- With singleton_on_duplicate 'replace' only:
+-- KEYS[4] replaced  hash: superseded task id -> the one that replaced it;
+--                   field '' -> when the burst's first send took the key (ms)
+-- ARGV[5] debounce ms (0: off)   ARGV[6] debounce_max ms (0: off)
 --
 -- The send-time and done markers hold the task's name, a newline, its id
 -- (names have no newline; an id may hold any character).
@@ -12,11 +16,21 @@
 --
 -- Returns
 --   {1}          taken: send the message
+--   {1, ms}      taken, debounced: send it with that countdown
 --   {0, task}    queued as that task
 --   {0, task, 1} running as that task (queue_and_run)
 --   {4, task}    done: that task succeeded within done_ttl
-local queued, lock, done = KEYS[1], KEYS[2], KEYS[3]
+--   {2, task, ms, id...}  replaced: that task was queued and had not started;
+--                the key is this send's now (send it with countdown ms when
+--                debounced); every id listed (that task, and the ones it had
+--                replaced) is superseded by this send
+local queued, lock, done, replaced = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local task_id = ARGV[1]
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 
 local done_by = redis.call('GET', done)
 if done_by then
@@ -24,7 +38,36 @@ if done_by then
 end
 local other = redis.call('GET', queued)
 if other then
-  return {0, (string.match(other, '\n(.*)$') or other)}
+  local holder = string.match(other, '\n(.*)$') or other
+  -- replaced only while still queued: no owner record of it (it has not started)
+  local record = replaced and holder ~= task_id and redis.call('GET', lock)
+  if replaced and holder ~= task_id and not (
+      record and string.sub(record, -#holder - 1) == '\n' .. holder) then
+    local now = now_ms()
+    local ids = {}
+    local all = redis.call('HGETALL', replaced)
+    for i = 1, #all, 2 do
+      if all[i] ~= '' and all[i + 1] == holder then
+        redis.call('HSET', replaced, all[i], task_id)
+        ids[#ids + 1] = all[i]
+      end
+    end
+    redis.call('HSET', replaced, holder, task_id)
+    ids[#ids + 1] = holder
+    -- the hash outlives every superseded message: as long as the longest marker
+    local keep = math.max(tonumber(ARGV[3]), redis.call('PTTL', queued),
+      redis.call('PTTL', replaced))
+    redis.call('SET', queued, ARGV[4] .. '\n' .. task_id, 'PX', ARGV[3])
+    redis.call('PEXPIRE', replaced, keep)
+    local wait = tonumber(ARGV[5])
+    local cap = tonumber(ARGV[6])
+    if wait > 0 and cap > 0 then
+      local first = tonumber(redis.call('HGET', replaced, '') or now)
+      wait = math.max(0, math.min(wait, first + cap - now))
+    end
+    return {2, holder, wait, unpack(ids)}
+  end
+  return {0, holder}
 end
 if ARGV[2] == 'queue_and_run' then
   local record = redis.call('GET', lock)
@@ -34,4 +77,10 @@ if ARGV[2] == 'queue_and_run' then
   end
 end
 redis.call('SET', queued, ARGV[4] .. '\n' .. task_id, 'PX', ARGV[3])
+if replaced and tonumber(ARGV[5]) > 0 then
+  -- a burst starts: its cap counts from now
+  redis.call('HSET', replaced, '', now_ms())
+  redis.call('PEXPIRE', replaced, math.max(tonumber(ARGV[3]), redis.call('PTTL', replaced)))
+  return {1, tonumber(ARGV[5])}
+end
 return {1}

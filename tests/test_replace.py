@@ -1,0 +1,168 @@
+"""``singleton_on_duplicate="replace"``: a send takes the place of the call
+still queued (its arguments win), and ``singleton_debounce`` pushes that
+call's start back after each send; on two prefork workers sharing one queue."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from celery_singleton_lock import ConfigurationError, SingletonTask, is_deduplicated, is_skipped
+from tests.support import Worker, wait_for
+from tests.test_cli import run_cli
+from tests.workerapp import make_app
+
+pytestmark = pytest.mark.worker
+
+
+@pytest.fixture(scope="module")
+def two_workers(redis_server: Any) -> Iterator[tuple[Worker, Worker]]:
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    workers = (Worker(redis_server.url(), queue, concurrency=2, name="a").start(),
+               Worker(redis_server.url(), queue, concurrency=2, name="b").start())
+    yield workers
+    for w in workers:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def app(redis_server: Any, two_workers: tuple[Worker, Worker]) -> Any:
+    return make_app(redis_server.url(), two_workers[0].queue)
+
+
+def skipped_by_workers(workers: tuple[Worker, Worker], task_id: str, successor: str) -> bool:
+    line = f"[{task_id}] skipped: replaced by {successor} (queued)"
+    return any(line in w.logs() for w in workers)
+
+
+@pytest.mark.parametrize("scope", ["queue", "queue_and_run"])
+def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers, events, key,
+                                                               scope):
+    """Three sends while the first is queued: the last one's arguments run,
+    once; the two before it get, at once, skip results naming it, and their
+    messages are skipped as "replaced" when they reach a worker."""
+    t = app.tasks[f"t.{scope}_replace"]
+    first = t.apply_async((key, 0.0, "first"), countdown=1.5)
+    second = t.apply_async((key, 0.0, "second"), countdown=1.5)
+    third = t.delay(key, 0.0, "third")
+    assert not any(is_deduplicated(x) for x in (first, second, third))
+    # stored by the send that replaced them: no worker has had their messages yet
+    assert first.ready() and second.ready()
+    for old in (first, second):
+        result = old.get(timeout=1)
+        assert is_skipped(result), result
+        assert (result["reason"], result["holder"], result["state"]) == (
+            "replaced", third.id, "queued")
+        assert result["key"] == t.singleton_keys(key).base
+    assert third.get(timeout=10)["tag"] == "third"
+    wait_for(lambda: all(skipped_by_workers(two_workers, old.id, third.id)
+                         for old in (first, second)), 15, what="the workers to skip both")
+    assert [e["tag"] for e in events.starts()] == ["third"]
+
+
+def test_the_cli_lists_the_queued_marker_s_new_holder(app, two_workers, events, key):
+    t = app.tasks["t.queue_replace"]
+    first = t.apply_async((key, 0.0, "first"), countdown=1.5)
+    second = t.apply_async((key, 0.0, "second"), countdown=1.5)
+    out = run_cli(two_workers[0].env, "list", "--state", "queued", "--json")
+    assert out.returncode == 0, out.stderr
+    base = t.singleton_keys(key).base
+    rows = [row for row in json.loads(out.stdout)["locks"] if row["key"] == base]
+    assert [(row["holder"], row["task"]) for row in rows] == [(second.id, "t.queue_replace")]
+    assert first.get(timeout=1)["holder"] == second.id
+    assert second.get(timeout=10)["tag"] == "second"
+    wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,
+             what="the worker to skip the first")
+
+
+def test_queue_a_send_after_the_holder_started_is_accepted_and_waits(app, events, key):
+    t = app.tasks["t.queue_replace"]
+    first = t.delay(key, 1.0, "first")
+    wait_for(lambda: events.starts("first"), 10, what="the first start")
+    second = t.delay(key, 0.0, "second")
+    assert not is_deduplicated(second)
+    assert second.get(timeout=15)["tag"] == "second"
+    assert first.get(timeout=5)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first", "second"]
+    assert all(e["concurrent"] == 1 for e in events.starts())
+
+
+def test_queue_and_run_a_send_after_the_holder_started_is_refused(app, events, key):
+    t = app.tasks["t.queue_and_run_replace"]
+    first = t.delay(key, 1.0, "first")
+    wait_for(lambda: events.starts("first"), 10, what="the first start")
+    dup = t.delay(key, 0.0, "dup")
+    assert is_deduplicated(dup) and dup.id == first.id and dup.reason == "duplicate"
+    assert dup.get(timeout=10)["tag"] == "first"
+    assert [e["tag"] for e in events.starts()] == ["first"]
+
+
+def test_debounce_runs_the_last_of_a_burst_after_it_goes_quiet(app, events, key):
+    """Sends closer together than ``singleton_debounce`` (1 s): one run, the
+    last send's, no earlier than a debounce after that send."""
+    t = app.tasks["t.debounce"]
+    sent = []
+    for i in range(5):
+        before = time.time()
+        sent.append((before, t.delay(key, 0.0, f"s{i}")))
+        time.sleep(0.2)
+    last_sent, last = sent[-1]
+    assert last.get(timeout=15)["tag"] == "s4"
+    for _, old in sent[:-1]:
+        result = old.get(timeout=1)
+        assert is_skipped(result) and result["reason"] == "replaced"
+        assert result["holder"] == last.id
+    starts = events.starts()
+    assert [e["tag"] for e in starts] == ["s4"]
+    assert starts[0]["t"] >= last_sent + 1.0, (starts[0]["t"], last_sent)
+
+
+def test_debounce_max_starts_the_call_while_the_sends_go_on(app, events, key):
+    """A burst that never goes quiet still runs: no later than
+    ``singleton_debounce_max`` after its first send, before the latest send
+    made ahead of the start has had its debounce."""
+    t = app.tasks["t.debounce_max"]
+    sent: list[tuple[float, Any]] = []
+    deadline = time.monotonic() + 20
+    while not events.starts() and time.monotonic() < deadline:
+        sent.append((time.time(), t.delay(key, 0.0, f"s{len(sent)}")))
+        time.sleep(0.2)
+    starts = events.starts()
+    assert starts, "the burst never started: nothing caps the debounce"
+    first_start = starts[0]["t"]
+    before = [at for at, _ in sent if at < first_start]
+    assert first_start >= sent[0][0] + 1.0
+    assert first_start < max(before) + 1.0, (first_start, max(before))
+    for _, result in sent:
+        result.get(timeout=15)
+
+
+def test_replace_is_refused_under_the_run_scope_and_debounce_needs_it():
+    from celery import Celery
+
+    bad = Celery("bad", broker="redis://127.0.0.1:1/0", set_as_current=False)
+
+    @bad.task(base=SingletonTask, name="bad.replace", singleton_on_duplicate="replace")
+    def replace_run() -> None:
+        pass
+
+    @bad.task(base=SingletonTask, name="bad.debounce", singleton_scope="queue",
+              singleton_debounce=1)
+    def debounce_skip() -> None:
+        pass
+
+    @bad.task(base=SingletonTask, name="bad.debounce_max", singleton_scope="queue",
+              singleton_on_duplicate="replace", singleton_debounce=2, singleton_debounce_max=1)
+    def short_cap() -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match=r"singleton_on_duplicate.*singleton_scope"):
+        bad.tasks["bad.replace"].singleton_settings()
+    with pytest.raises(ConfigurationError, match=r"singleton_debounce.*'replace'"):
+        bad.tasks["bad.debounce"].singleton_settings()
+    with pytest.raises(ConfigurationError, match="singleton_debounce_max"):
+        bad.tasks["bad.debounce_max"].singleton_settings()
