@@ -319,23 +319,23 @@ def check_together(task_name: str, config: SingletonConfig) -> None:
     if config.on_duplicate == "replace" and config.scope == "run":
         raise ConfigurationError(
             "singleton_on_duplicate",
-            f"task {task_name!r}: 'replace' swaps a call that is still queued for the "
+            f"{where}'replace' swaps a call that is still queued for the "
             f"new one, so it needs a send-time key: set singleton_scope='queue' or "
             f"'queue_and_run' (the scope is 'run')")
     if config.debounce and config.on_duplicate != "replace":
         raise ConfigurationError(
             "singleton_debounce",
-            f"task {task_name!r}: debouncing pushes back the queued call each time a "
+            f"{where}debouncing pushes back the queued call each time a "
             f"send replaces it: set singleton_on_duplicate='replace' (it is "
             f"{config.on_duplicate!r})")
     if config.debounce_max and not config.debounce:
         raise ConfigurationError(
-            "singleton_debounce_max", f"task {task_name!r}: caps singleton_debounce, "
+            "singleton_debounce_max", f"{where}caps singleton_debounce, "
                                       f"which is not set")
     if config.debounce_max and config.debounce_max < config.debounce:
         raise ConfigurationError(
             "singleton_debounce_max",
-            f"task {task_name!r}: {config.debounce_max:g} s is shorter than "
+            f"{where}{config.debounce_max:g} s is shorter than "
             f"singleton_debounce ({config.debounce:g} s)")
 
 

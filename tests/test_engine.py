@@ -757,7 +757,7 @@ def test_a_grant_that_arrives_after_its_lease_is_no_grant(redis_server):
                     singleton_on_backend_error="raise")
     ran: list[int] = []
 
-    @app.task(base=SingletonTask, name="stale.t", bind=True)
+    @app.task(base=SingletonTask, name="stale.t", bind=True, shared=False)
     def t(self: Any, x: int) -> int:
         ran.append(self.singleton.token)
         return x

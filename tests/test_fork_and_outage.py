@@ -50,7 +50,7 @@ def test_every_mutex_of_the_library_is_free_in_a_forked_child():
     the child takes each of them at once instead of blocking for ever."""
     app = Celery("fork", broker="redis://127.0.0.1:1/0", set_as_current=False)
 
-    @app.task(base=SingletonTask, name="fork.t")
+    @app.task(base=SingletonTask, name="fork.t", shared=False)
     def t() -> None:
         return None
 

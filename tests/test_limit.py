@@ -99,14 +99,14 @@ def test_a_limit_goes_with_the_run_scope_only():
     app = Celery("bad", broker="redis://127.0.0.1:1/0", set_as_current=False)
 
     @app.task(base=SingletonTask, name="bad.limit", singleton_limit=2,
-              singleton_scope="queue")
+              singleton_scope="queue", shared=False)
     def bad() -> None:
         pass
 
     with pytest.raises(ConfigurationError, match=r"singleton_limit: task 'bad\.limit': 2 per"):
         app.tasks["bad.limit"].singleton_settings()
 
-    @app.task(base=SingletonTask, name="bad.zero", singleton_limit=0)
+    @app.task(base=SingletonTask, name="bad.zero", singleton_limit=0, shared=False)
     def zero() -> None:
         pass
 

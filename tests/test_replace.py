@@ -146,17 +146,19 @@ def test_replace_is_refused_under_the_run_scope_and_debounce_needs_it():
 
     bad = Celery("bad", broker="redis://127.0.0.1:1/0", set_as_current=False)
 
-    @bad.task(base=SingletonTask, name="bad.replace", singleton_on_duplicate="replace")
+    @bad.task(base=SingletonTask, name="bad.replace", singleton_on_duplicate="replace",
+              shared=False)
     def replace_run() -> None:
         pass
 
     @bad.task(base=SingletonTask, name="bad.debounce", singleton_scope="queue",
-              singleton_debounce=1)
+              singleton_debounce=1, shared=False)
     def debounce_skip() -> None:
         pass
 
     @bad.task(base=SingletonTask, name="bad.debounce_max", singleton_scope="queue",
-              singleton_on_duplicate="replace", singleton_debounce=2, singleton_debounce_max=1)
+              singleton_on_duplicate="replace", singleton_debounce=2, singleton_debounce_max=1,
+              shared=False)
     def short_cap() -> None:
         pass
 

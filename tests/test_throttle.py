@@ -91,7 +91,7 @@ def test_a_bad_window_is_refused_at_definition():
 
     app = Celery("bad", broker="redis://127.0.0.1:1/0", set_as_current=False)
 
-    @app.task(base=SingletonTask, name="bad.window", singleton_throttle=-1)
+    @app.task(base=SingletonTask, name="bad.window", singleton_throttle=-1, shared=False)
     def bad() -> None:
         pass
 

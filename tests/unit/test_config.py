@@ -143,11 +143,11 @@ def test_a_misspelt_setting_is_refused_at_first_use_in_the_form_it_was_written()
 def test_a_task_option_that_is_no_task_option_is_refused_at_first_use():
     app = Celery(set_as_current=False, broker="redis://h/0")
 
-    @app.task(base=SingletonTask, name="t.typo", singleton_tll=5)
+    @app.task(base=SingletonTask, name="t.typo", singleton_tll=5, shared=False)
     def typo() -> None:
         return None
 
-    @app.task(base=SingletonTask, name="t.app_only", singleton_on_backend_error="run")
+    @app.task(base=SingletonTask, name="t.app_only", singleton_on_backend_error="run", shared=False)
     def app_only() -> None:
         return None
 
