@@ -139,7 +139,8 @@ def claim_key(prefix: str, entry_name: str, tick: dt.datetime) -> str:
 
 
 def buffer_key(prefix: str, entry_name: str) -> str:
-    """String key: the tick waiting for the running one (overlap "buffer_one")."""
+    """String key: the tick waiting for the running one (overlaps "buffer_one",
+    "cancel_other", "terminate_other")."""
     return f"{entry_base(prefix, entry_name)}:buffer"
 
 
