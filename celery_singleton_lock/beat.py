@@ -13,8 +13,8 @@ of any other scheduler class (django-celery-beat's ``DatabaseScheduler``, ...).
 Tick names, their keys and the worker's check that each tick runs once are in
 :mod:`.ticks`.
 
-Over 400 lines: one scheduler mixin, the life of a tick from due to sent
-(claim, overlap, buffer) in order; tick names and keys are in :mod:`.ticks`.
+What a beat does with a tick whose previous run still runs (overlap modes,
+buffered ticks) is in :mod:`.overlap`.
 """
 
 from __future__ import annotations
@@ -24,48 +24,37 @@ import heapq
 import logging
 import os
 import socket
-import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import redis
 from celery.beat import PersistentScheduler, event_t
 from celery.schedules import crontab, schedstate
 from celery.schedules import schedule as interval_schedule
 
-from .config import BEAT_SETTINGS, OVERLAP_MODES, choice, get_config
+from .config import BEAT_SETTINGS, get_config
 from .engines import engine_for
+from .overlap import OVERLAP_OPTION as OVERLAP_OPTION
+from .overlap import OverlapMixin
 from .ticks import (
     BEAT_HEADER,
     BEAT_TASK_HEADER,
     ENTRY_HEADER,
     PERIODIC_TASK_HEADER,
-    RUN_MARKER_TTL_MS,
     TICK_HEADER,
-    buffer_key,
     claim_key,
-    from_ms,
     tick_name,
     ticks_around,
-    to_ms,
 )
 
 logger = logging.getLogger("celery_singleton_lock")
 
 UTC = dt.timezone.utc
 
-#: the entry option (``options={"singleton_overlap": ...}``) choosing an entry's mode
-OVERLAP_OPTION = "singleton_overlap"
-
 #: wake this much after a nominal fire time: Celery wakes 10 ms early (its drift)
 _WAKE_SLACK = 0.015
-#: how often a beat holding a buffered tick looks whether the running one ended
-_BUFFER_POLL = 0.25
-#: how often every beat looks for ticks buffered by a beat that may have died
-#: since (one EXISTS per ``buffer_one`` entry of a SingletonTask)
-_BUFFER_ADOPT = 1.0
 #: extra life of a claim beyond the catch-up window and the clock-skew bound
 _CLAIM_MARGIN = 10.0
 
@@ -85,6 +74,8 @@ class BeatConfig:
     overlap: str
     #: the largest clock difference between beat hosts that keeps one send per tick
     max_clock_skew: float
+    #: overlap "buffer_all": how many ticks of one entry may wait (more are dropped)
+    buffer_max: int = 10
 
     @property
     def claim_ttl_ms(self) -> int:
@@ -109,16 +100,7 @@ def beat_config(app: Any) -> BeatConfig:
 # -- the scheduler --------------------------------------------------------------------
 
 
-def _evaluate(values: Any) -> Any:
-    """Entry args/kwargs with BeatLazyFunc values called, as Celery sends them."""
-    from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
-
-    if isinstance(values, Mapping):
-        return _evaluate_entry_kwargs(values)
-    return _evaluate_entry_args(values)
-
-
-class SingletonSchedulerMixin:
+class SingletonSchedulerMixin(OverlapMixin):
     """Put in front of a Celery scheduler class: each tick is claimed before it is sent.
 
     Overrides ``is_due`` (ticks by nominal time, interval entries aligned to the
@@ -132,6 +114,7 @@ class SingletonSchedulerMixin:
     app: Any
     schedule: Any
     max_interval: float
+    singleton_beat: BeatConfig
     _heap: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -142,8 +125,7 @@ class SingletonSchedulerMixin:
         self._done: dict[str, dt.datetime] = {}  # last tick decided here, per entry
         self._due: dict[str, dt.datetime] = {}  # tick is_due found, for apply_entry
         self._sending: dict[str, dt.datetime] = {}  # tick being sent, for apply_async
-        self._buffered: dict[str, Any] = {}  # entries this beat buffered a tick of
-        self._adopt_at = 0.0  # monotonic time of the next look for others' buffers
+        self._overlap_init()
         super().__init__(*args, **kwargs)
 
     # -- the clock ----------------------------------------------------------------
@@ -187,41 +169,12 @@ class SingletonSchedulerMixin:
         heapify(self._heap)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Celery's tick; a beat holding a buffered tick also looks whether it may
-        go, and every beat with ``buffer_one`` entries looks for buffered ticks
-        it does not hold (their beat may have died)."""
-        buffering = self._buffer_one_entries()
-        if buffering and time.monotonic() >= self._adopt_at:
-            self._adopt_buffers(buffering)
-            self._adopt_at = time.monotonic() + _BUFFER_ADOPT
-        if self._buffered:
-            self._send_buffered()
+        """Celery's tick; first, waiting ticks whose run ended are sent, and
+        every beat with entries whose ticks may wait looks for waiting ticks it
+        does not hold (their beat may have died): :mod:`.overlap`."""
+        waiting = self._overlap_before_tick()
         delay: float = super().tick(*args, **kwargs)  # type: ignore[misc]
-        if self._buffered:
-            delay = min(delay, _BUFFER_POLL)
-        if buffering:
-            delay = min(delay, max(self._adopt_at - time.monotonic(), 0.0))
-        return delay
-
-    def _buffer_one_entries(self) -> list[Any]:
-        return [e for e in self.schedule.values()
-                if self.singleton_overlap(e) == "buffer_one" and self._task_keys(e) is not None]
-
-    def _adopt_buffers(self, entries: list[Any]) -> None:
-        """Take on the buffered ticks this beat does not hold: the beat that
-        buffered one may be dead, and nobody would send it. Every beat that
-        holds a buffer polls it; ``GETDEL`` lets one of them send it."""
-        client = engine_for(self.app).client
-        prefix = get_config(self.app).key_prefix
-        for entry in entries:
-            if entry.name in self._buffered:
-                continue
-            try:
-                waiting = client.exists(buffer_key(prefix, entry.name))
-            except redis.RedisError:
-                return  # the next look, or the next tick, tries again
-            if waiting:
-                self._buffered[entry.name] = entry
+        return self._overlap_delay(delay, waiting)
 
     # -- sending ------------------------------------------------------------------
 
@@ -318,93 +271,6 @@ class SingletonSchedulerMixin:
             logger.warning("Beat entry %r: %d tick(s) before %s missed; only the latest is sent",
                            entry.name, missed, tick_name(tick))
 
-    # -- overlap ------------------------------------------------------------------
-
-    def singleton_overlap(self, entry: Any) -> str:
-        """The entry's overlap mode: its ``singleton_overlap`` option, else the setting."""
-        mode = (entry.options or {}).get(OVERLAP_OPTION)
-        if mode is None:
-            return self.singleton_beat.overlap
-        return str(choice(OVERLAP_MODES, "overlap mode")(
-            f"{OVERLAP_OPTION} of beat entry {entry.name!r}", mode))
-
-    def _task_keys(self, entry: Any) -> Any:
-        """The lock keys the entry's next run takes, or None when it is no SingletonTask."""
-        from .task import SingletonTask  # task.py imports this module lazily too
-
-        task = self.app.tasks.get(entry.task)
-        if not isinstance(task, SingletonTask):
-            return None
-        return task.singleton_keys(*_evaluate(entry.args), **_evaluate(entry.kwargs))
-
-    def _previous_still_runs(self, entry: Any, tick: dt.datetime, overlap: str) -> bool:
-        """True when the tick must not be sent now (skipped, or buffered)."""
-        keys = self._task_keys(entry)
-        if keys is None:
-            return False  # only a SingletonTask's run is visible in Redis
-        try:
-            running = bool(engine_for(self.app).owner(keys))
-        except redis.RedisError as exc:
-            logger.warning("Beat entry %r tick %s: could not see whether its previous run "
-                           "still runs (%r); sent, the task's own lock decides",
-                           entry.name, tick_name(tick), exc)
-            return False
-        if not running:
-            return False
-        if overlap == "buffer_one":
-            self._buffer(entry, tick)
-            return True
-        self.singleton_stats["overlap_skipped"] += 1
-        logger.info("Beat entry %r tick %s skipped: the previous run still runs (%s)",
-                    entry.name, tick_name(tick), keys.base)
-        return True
-
-    def _buffer(self, entry: Any, tick: dt.datetime) -> None:
-        """Keep the tick in Redis, replacing an older one: at most one run waits."""
-        client = engine_for(self.app).client
-        key = buffer_key(get_config(self.app).key_prefix, entry.name)
-        try:
-            replaced = client.set(key, str(to_ms(tick)), px=RUN_MARKER_TTL_MS, get=True)
-        except redis.RedisError as exc:
-            self.singleton_stats["backend_error"] += 1
-            logger.error("Beat entry %r tick %s not buffered: Redis unreachable (%r)",
-                         entry.name, tick_name(tick), exc)
-            return
-        if replaced is not None and str(replaced) != str(to_ms(tick)):
-            self.singleton_stats["buffer_dropped"] += 1
-            logger.info("Beat entry %r tick %s dropped from the buffer: tick %s is newer",
-                        entry.name, tick_name(from_ms(int(replaced))), tick_name(tick))
-        self.singleton_stats["buffered"] += 1
-        logger.info("Beat entry %r tick %s buffered: the previous run still runs",
-                    entry.name, tick_name(tick))
-        self._buffered[entry.name] = entry
-
-    def _send_buffered(self) -> None:
-        """Send a buffered tick once the run before it ended; GETDEL: one beat sends it."""
-        client = engine_for(self.app).client
-        prefix = get_config(self.app).key_prefix
-        for name, entry in list(self._buffered.items()):
-            keys = self._task_keys(entry)
-            try:
-                if keys is not None and engine_for(self.app).owner(keys):
-                    continue
-                waiting = client.getdel(buffer_key(prefix, name))
-            except redis.RedisError:
-                continue
-            del self._buffered[name]
-            if waiting is None:
-                continue  # another beat sent it, or a newer buffer replaced it
-            tick = from_ms(int(waiting))
-            decided = self._done.get(name)
-            if decided is not None and decided > tick:
-                # a newer tick was decided meanwhile (sent, buffered or skipped):
-                # it stands for this one, which would run late and out of order
-                self.singleton_stats["buffer_dropped"] += 1
-                logger.info("Beat entry %r tick %s dropped from the buffer: tick %s came "
-                            "after it", name, tick_name(tick), tick_name(decided))
-                continue
-            logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
-            self._send(entry, tick, self.producer)  # type: ignore[attr-defined]
 
 
 class SingletonScheduler(SingletonSchedulerMixin, PersistentScheduler):  # type: ignore[misc]

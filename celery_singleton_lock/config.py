@@ -21,7 +21,7 @@ DUPLICATE_POLICIES = ("skip", "retry", "raise", "replace")
 BACKEND_ERROR_POLICIES = ("retry", "run", "raise")
 SCOPES = ("run", "queue", "queue_and_run")
 WAIT_POLICIES = ("release", "proceed")
-OVERLAP_MODES = ("skip", "buffer_one", "allow")
+OVERLAP_MODES = ("skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other", "allow")
 BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -53,6 +53,12 @@ def choice(choices: tuple[str, ...], what: str = "policy") -> Callable[[str, Any
                 setting, f"unknown {what} {value!r}; expected one of: {', '.join(choices)}")
         return str(value)
     return check
+
+
+def check_positive_count(setting: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(setting, f"expected a whole number >= 1, got {value!r}")
+    return value
 
 
 def check_count(setting: str, value: Any) -> int:
@@ -151,6 +157,7 @@ BEAT_SETTINGS: tuple[tuple[str, Any, Callable[[str, Any], Any]], ...] = (
     ("singleton_beat_on_backend_error", "skip", choice(BEAT_BACKEND_ERROR_POLICIES)),
     ("singleton_beat_overlap", "skip", choice(OVERLAP_MODES, "overlap mode")),
     ("singleton_beat_max_clock_skew", 30.0, check_ttl),
+    ("singleton_beat_buffer_max", 10, check_positive_count),
 )
 
 

@@ -20,7 +20,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 
 from .engine import LockEngine
-from .keys import digest
+from .keys import LockKeys, digest
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -139,8 +139,24 @@ def claim_key(prefix: str, entry_name: str, tick: dt.datetime) -> str:
 
 
 def buffer_key(prefix: str, entry_name: str) -> str:
-    """String key: the tick waiting for the running one (overlap "buffer_one")."""
+    """String key: the tick waiting for the running one (overlaps "buffer_one",
+    "cancel_other", "terminate_other")."""
     return f"{entry_base(prefix, entry_name)}:buffer"
+
+
+def queue_key(prefix: str, entry_name: str) -> str:
+    """Sorted set: the ticks waiting in order (overlap "buffer_all"; score and member: tick ms)."""
+    return f"{entry_base(prefix, entry_name)}:queue"
+
+
+def last_sent_key(prefix: str, entry_name: str) -> str:
+    """String key: the last tick sent of a "buffer_all" entry (tick ms): the next waits for it."""
+    return f"{entry_base(prefix, entry_name)}:last"
+
+
+def cancel_key(keys: LockKeys) -> str:
+    """String key: the task id a beat asked to stop (overlap "cancel_other"), by the task's lock."""
+    return f"{keys.base}:cancel"
 
 
 def run_key(prefix: str, entry_name: str, tick: dt.datetime) -> str:

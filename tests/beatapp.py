@@ -7,8 +7,8 @@ too), plus:
 ``SLT_CLOCK_OFFSET``   seconds added to this beat's clock (clock-skew tests)
 ``SLT_BEAT_NAME``      where this beat publishes ``singleton_stats`` (db 3, ``beatstats:<name>``)
 
-Tasks ``t.tick`` (plain) and ``t.tick_hold`` (SingletonTask) record the beat
-headers they arrive with in db 3 list ``events``.
+Tasks ``t.tick`` (plain), ``t.tick_hold`` and ``t.tick_cancellable``
+(SingletonTasks) record the beat headers they arrive with in db 3 list ``events``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from celery.schedules import crontab
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.beat import SingletonScheduler
+from celery_singleton_lock.overlap import cancel_requested
 from tests.workerapp import make_app, recorder
 
 HEADERS = ("singleton_beat_entry", "singleton_beat_tick", "singleton_beat_id",
@@ -52,6 +53,25 @@ def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
         record(self, "start", key=key, concurrent=n)
         try:
             time.sleep(seconds)
+        finally:
+            rec.decr(f"active:{key}")
+            record(self, "end", key=key)
+
+    @app.task(base=SingletonTask, bind=True, name="t.tick_cancellable", shared=False,
+              singleton_key=("key",))
+    def tick_cancellable(self: Any, key: str, seconds: float = 0.0) -> None:
+        """Runs ``seconds`` unless asked to stop (overlap cancel_other) or terminated:
+        ``finished`` only when it ran to the end, ``cancelled`` when asked, ``end`` always."""
+        n = rec.incr(f"active:{key}")
+        record(self, "start", key=key, concurrent=n)
+        try:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if cancel_requested(self):
+                    record(self, "cancelled", key=key)
+                    return
+                time.sleep(0.05)
+            record(self, "finished", key=key)
         finally:
             rec.decr(f"active:{key}")
             record(self, "end", key=key)

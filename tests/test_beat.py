@@ -107,10 +107,10 @@ def test_beat_settings_are_checked_and_name_the_setting():
 
     app = Celery(set_as_current=False)
     assert beat_config(app) == BeatConfig(catchup=60.0, on_backend_error="skip",
-                                          overlap="skip", max_clock_skew=30.0)
+                                          overlap="skip", max_clock_skew=30.0, buffer_max=10)
     for name, bad in (("singleton_beat_catchup", -1), ("singleton_beat_on_backend_error", "run"),
-                      ("singleton_beat_overlap", "buffer_all"),
-                      ("singleton_beat_max_clock_skew", "5")):
+                      ("singleton_beat_overlap", "buffer_some"),
+                      ("singleton_beat_max_clock_skew", "5"), ("singleton_beat_buffer_max", 0)):
         app.conf[name] = bad
         with pytest.raises(ConfigurationError) as info:
             beat_config(app)

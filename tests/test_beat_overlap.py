@@ -1,0 +1,162 @@
+"""Beat overlap modes past skip and buffer_one: buffer_all, cancel_other,
+terminate_other. Real `celery beat` processes, a real prefork worker, real Redis;
+what ran is read from the events the tasks record, never from a beat's belief.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+
+import tests.test_beat as beat_tests
+from celery_singleton_lock.ticks import claim_key, from_ms, queue_key, tick_name
+from tests.support import wait_for
+from tests.test_beat import Beat, stats, tick_events
+
+pytestmark = pytest.mark.worker
+
+# the fixtures of tests/test_beat.py: a module worker of tests.beatapp, beats
+# stopped after each test, the beats' counters emptied before it
+beat_worker = beat_tests.beat_worker
+beats = beat_tests.beats
+clean_stats = beat_tests.clean_stats
+
+
+def parse(tick: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(tick)
+
+
+def counted(events: Any) -> Counter[str]:
+    total = Counter[str]()
+    for st in stats(events).values():
+        total.update({k: int(v) for k, v in st.items() if k != "beat_id"})
+    return total
+
+
+def test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_and_survives_kill_9(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """A 3 s SingletonTask every second, buffer_all, cap 3, two beats: the ticks
+    that come while a run runs wait in Redis and run one after another, each
+    after the one before ended, in tick order, each once; past the cap a tick
+    is dropped and counted. kill -9 of the beat that buffered the newest
+    waiting tick: the other beat sends every tick that was waiting."""
+    key = uuid.uuid4().hex[:8]
+    sched = {"all": {"task": "t.tick_hold", "every": 1,
+                     "kwargs": {"key": key, "seconds": 3.0},
+                     "options": {"singleton_overlap": "buffer_all"}}}
+    conf = {"singleton_beat_buffer_max": 3}
+    for name in ("a", "b"):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name,
+                          conf=conf).start())
+    queue = queue_key("singleton:", "all")
+    wait_for(lambda: r.zcard(queue) >= 3, 40, what="the queue full (3 ticks waiting)")
+    wait_for(lambda: counted(events)["buffer_dropped"] >= 1, 20,
+             what="a tick dropped past the cap")
+    waiting = wait_for(lambda: r.zrange(queue, 0, -1) if r.zcard(queue) >= 2 else None, 20,
+                       what="ticks waiting")
+    newest = from_ms(int(waiting[-1]))
+    buffering = r.get(claim_key("singleton:", "all", newest))  # who claimed it queued it
+    victim = next(b for b in beats if b.proc is not None
+                  and b.proc.pid == int(buffering.split(":")[1]))
+    victim.kill()
+    survivor = next(b for b in beats if b is not victim)
+    names = [tick_name(from_ms(int(ms))) for ms in waiting]
+
+    def ran() -> set[str]:
+        return {e["singleton_beat_tick"] for e in tick_events(events, "all", "start")}
+
+    wait_for(lambda: set(names) <= ran(), 60, what="every waiting tick to run after kill -9")
+    for beat in beats:
+        beat.stop()
+    wait_for(lambda: len(tick_events(events, "all", "end")) == len(
+        tick_events(events, "all", "start")), 15, what="the last run to end")
+
+    starts = sorted(tick_events(events, "all", "start"), key=lambda e: e["at"])
+    ends = {e["id"]: e["at"] for e in tick_events(events, "all", "end")}
+    ticks = [e["singleton_beat_tick"] for e in starts]
+    assert len(ticks) >= 5
+    assert ticks == sorted(ticks), "run in tick order"
+    assert len(set(ticks)) == len(ticks), "each tick once"
+    assert all(e["concurrent"] == 1 for e in starts), "never two at once"
+    for before, after in zip(starts, starts[1:]):
+        assert ends[before["id"]] <= after["at"], (before, after)
+    # the ticks after the first ran because they waited: their nominal time
+    # fell while the run before them still ran
+    assert sum(parse(e["singleton_beat_tick"]).timestamp() < ends[b["id"]]
+               for b, e in zip(starts, starts[1:])) >= 3
+    sent_by = {e["singleton_beat_tick"]: e["singleton_beat_id"] for e in starts}
+    assert all(sent_by[n] != buffering for n in names[1:])
+    assert sent_by[names[-1]].split(":")[1] == str(survivor.proc.pid)  # type: ignore[union-attr]
+    c = counted(events)
+    assert c["buffered"] >= 3 and c["buffer_dropped"] >= 1
+    logs = "".join(b.logs() for b in beats)
+    assert "dropped: 3 ticks already wait" in logs and "sent from the buffer" in survivor.logs()
+
+
+def _stops_the_previous_run(redis_server, beat_worker, beats, events, mode: str
+                            ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """A 30 s run every 3 s under ``mode``, two beats: the run after the first.
+    Returns (the first run's start, the second's, every event of the entry)."""
+    key = uuid.uuid4().hex[:8]
+    sched = {mode: {"task": "t.tick_cancellable", "every": 3,
+                    "kwargs": {"key": key, "seconds": 30.0},
+                    "options": {"singleton_overlap": mode}}}
+    for name in ("a", "b"):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name).start())
+    starts = wait_for(lambda: (s := tick_events(events, mode, "start"))[1:] and s, 40,
+                      what="a second run")
+    first, second = sorted(starts, key=lambda e: e["at"])[:2]
+    wait_for(lambda: [e for e in tick_events(events, mode, "end") if e["id"] == first["id"]],
+             10, what="the first run's end")
+    for beat in beats:
+        beat.stop()
+    every = [e for e in events.all() if e.get("singleton_beat_entry") == mode]
+    return first, second, every
+
+
+def _ended_before_the_next(first: dict[str, Any], second: dict[str, Any],
+                           every: list[dict[str, Any]]) -> None:
+    first_end = next(e for e in every if e["id"] == first["id"] and e["ev"] == "end")
+    assert not [e for e in every if e["id"] == first["id"] and e["ev"] == "finished"]
+    assert first_end["at"] <= second["at"], "the next run started after the first ended"
+    assert first_end["at"] - first["at"] < 15, "stopped long before its 30 s"
+    assert all(e["concurrent"] == 1 for e in every if e["ev"] == "start")
+    # the run after it is the tick that came while it ran, sent once its key freed
+    gap = (parse(second["singleton_beat_tick"]) - parse(first["singleton_beat_tick"]))
+    assert gap == dt.timedelta(seconds=3)
+    assert parse(second["singleton_beat_tick"]).timestamp() < first_end["at"]
+    assert Counter(e["singleton_beat_tick"] for e in every if e["ev"] == "start").most_common(
+        1)[0][1] == 1
+
+
+def test_terminate_other_terminates_the_running_task_then_sends_the_tick(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """terminate_other: the tick that comes while a 30 s run runs revokes it with
+    terminate=True (SIGTERM to its pool process); its lock frees and the tick
+    runs after it, never beside it. The first run never finished."""
+    first, second, every = _stops_the_previous_run(
+        redis_server, beat_worker, beats, events, "terminate_other")
+    _ended_before_the_next(first, second, every)
+    assert not [e for e in every if e["id"] == first["id"] and e["ev"] == "cancelled"]
+    assert counted(events)["overlap_terminated"] >= 1
+    logs = "".join(b.logs() for b in beats)
+    assert f"the previous run {first['id']} still runs, terminated" in logs
+
+
+def test_cancel_other_asks_the_running_task_to_stop_then_sends_the_tick(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """cancel_other: the tick that comes while a 30 s run runs asks it to stop;
+    the body sees cancel_requested(self), returns, its lock frees and the tick
+    runs after it, never beside it."""
+    first, second, every = _stops_the_previous_run(
+        redis_server, beat_worker, beats, events, "cancel_other")
+    _ended_before_the_next(first, second, every)
+    assert [e for e in every if e["id"] == first["id"] and e["ev"] == "cancelled"]
+    # the process was asked, not killed: it recorded its own end and lived on
+    assert counted(events)["overlap_cancelled"] >= 1
+    logs = "".join(b.logs() for b in beats)
+    assert f"the previous run {first['id']} still runs, asked to cancel" in logs
