@@ -78,7 +78,7 @@ def test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_and_surviv
     starts = sorted(tick_events(events, "all", "start"), key=lambda e: e["at"])
     ends = {e["id"]: e["at"] for e in tick_events(events, "all", "end")}
     ticks = [e["singleton_beat_tick"] for e in starts]
-    assert len(ticks) >= 5
+    assert len(ticks) >= len(names) + 1  # a first run, then at least those that waited
     assert ticks == sorted(ticks), "run in tick order"
     assert len(set(ticks)) == len(ticks), "each tick once"
     assert all(e["concurrent"] == 1 for e in starts), "never two at once"
@@ -87,7 +87,7 @@ def test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_and_surviv
     # the ticks after the first ran because they waited: their nominal time
     # fell while the run before them still ran
     assert sum(parse(e["singleton_beat_tick"]).timestamp() < ends[b["id"]]
-               for b, e in zip(starts, starts[1:])) >= 3
+               for b, e in zip(starts, starts[1:])) >= len(names)
     sent_by = {e["singleton_beat_tick"]: e["singleton_beat_id"] for e in starts}
     assert all(sent_by[n] != buffering for n in names[1:])
     assert sent_by[names[-1]].split(":")[1] == str(survivor.proc.pid)  # type: ignore[union-attr]
