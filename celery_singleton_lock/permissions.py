@@ -232,8 +232,9 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
     except NoPermissionError as exc:
         return [*findings, noperm_command(client, config, exc)]
     if not findings:
-        findings.append(Finding(OK, "scripts", f"the {len(probes)} scripts a task calls "
-                                               f"({', '.join(n for n, *_ in probes)}) load and "
+        ran = list(dict.fromkeys(n for n, *_ in probes))  # a script probed twice, named once
+        findings.append(Finding(OK, "scripts", f"the {len(ran)} scripts a task calls "
+                                               f"({', '.join(ran)}) load and "
                                                f"run as user {user!r}"))
     return findings
 

@@ -139,11 +139,14 @@ class SingletonTask(Task):  # type: ignore[misc]
     @classmethod
     def _own_names(cls) -> set[str]:
         """What the task's classes below this one set: its decorator's options too."""
+        # read the classes' own dicts: getattr on SingletonTask would run Celery's
+        # class property ``app``, which binds the base class to the current app
+        known = {n for klass in SingletonTask.__mro__ for n in vars(klass)}
         names: set[str] = set()
         for klass in cls.__mro__:
             if klass is SingletonTask:
                 break
-            names.update(n for n in vars(klass) if not hasattr(SingletonTask, n))
+            names.update(n for n in vars(klass) if n not in known)
         return names
 
     def singleton_keys(self, *args: Any, **kwargs: Any) -> LockKeys:

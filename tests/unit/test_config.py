@@ -156,3 +156,26 @@ def test_a_task_option_that_is_no_task_option_is_refused_at_first_use():
         typo.singleton_settings()
     with pytest.raises(ConfigurationError, match="an app setting, not a task option"):
         app_only.singleton_settings()
+
+
+def test_reading_a_tasks_settings_binds_no_app_to_the_base_class():
+    """Checking a task's option names must not touch Celery's class property
+    ``app`` of SingletonTask itself: that binds the base class to the current
+    app, and every task class made later inherits its serializer and the rest
+    instead of reading its own app's settings."""
+    first = Celery("first", broker="redis://h/0", set_as_current=False)
+
+    @first.task(base=SingletonTask, name="first.t", shared=False)
+    def one() -> None:
+        return None
+
+    one.singleton_settings()
+    assert "_app" not in vars(SingletonTask) or vars(SingletonTask)["_app"] is None
+    second = Celery("second", broker="redis://h/0", set_as_current=False)
+    second.conf.task_serializer = "pickle"
+
+    @second.task(base=SingletonTask, name="second.t", shared=False)
+    def two() -> None:
+        return None
+
+    assert two.serializer == "pickle"
