@@ -199,6 +199,10 @@ def did_you_mean(name: str, names: Any, written: Optional[str] = None) -> str:
     return f"; did you mean {close[0]}?"
 
 
+#: celery-singleton settings already named in a warning by this process
+_WARNED: set[str] = set()
+
+
 def check_app_names(conf: Any) -> None:
     """Refuse a ``singleton_*`` setting no table has (ConfigurationError naming
     it and the closest known name); name celery-singleton's in a warning."""
@@ -206,6 +210,9 @@ def check_app_names(conf: Any) -> None:
         if name in APP_SETTING_NAMES:
             continue
         if name in CELERY_SINGLETON_SETTINGS:
+            if written in _WARNED:  # once per process: the settings are read more than once
+                continue
+            _WARNED.add(written)
             logger.warning("celery-singleton-lock: the setting %s belongs to celery-singleton "
                            "and is not read here; use %s", written,
                            CELERY_SINGLETON_SETTINGS[name])
