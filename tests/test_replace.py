@@ -43,8 +43,9 @@ def skipped_by_workers(workers: tuple[Worker, Worker], task_id: str, successor: 
 def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers, events, key,
                                                                scope):
     """Three sends while the first is queued: the last one's arguments run,
-    once; the two before it get, at once, skip results naming it, and their
-    messages are skipped as "replaced" when they reach a worker."""
+    once; the two before it get, at once, skip results naming the send that
+    took each one's place, and their messages are skipped as "replaced" when
+    they reach a worker."""
     t = app.tasks[f"t.{scope}_replace"]
     first = t.apply_async((key, 0.0, "first"), countdown=1.5)
     second = t.apply_async((key, 0.0, "second"), countdown=1.5)
@@ -52,15 +53,16 @@ def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers,
     assert not any(is_deduplicated(x) for x in (first, second, third))
     # stored by the send that replaced them: no worker has had their messages yet
     assert first.ready() and second.ready()
-    for old in (first, second):
+    for old, successor in ((first, second), (second, third)):
         result = old.get(timeout=1)
         assert is_skipped(result), result
         assert (result["reason"], result["holder"], result["state"]) == (
-            "replaced", third.id, "queued")
+            "replaced", successor.id, "queued")
         assert result["key"] == t.singleton_keys(key).base
     assert third.get(timeout=10)["tag"] == "third"
-    wait_for(lambda: all(skipped_by_workers(two_workers, old.id, third.id)
-                         for old in (first, second)), 15, what="the workers to skip both")
+    wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id)
+             and skipped_by_workers(two_workers, second.id, third.id), 15,
+             what="the workers to skip both")
     assert [e["tag"] for e in events.starts()] == ["third"]
 
 
@@ -112,10 +114,10 @@ def test_debounce_runs_the_last_of_a_burst_after_it_goes_quiet(app, events, key)
         time.sleep(0.2)
     last_sent, last = sent[-1]
     assert last.get(timeout=15)["tag"] == "s4"
-    for _, old in sent[:-1]:
+    for (_, old), (_, successor) in zip(sent, sent[1:]):
         result = old.get(timeout=1)
         assert is_skipped(result) and result["reason"] == "replaced"
-        assert result["holder"] == last.id
+        assert result["holder"] == successor.id
     starts = events.starts()
     assert [e["tag"] for e in starts] == ["s4"]
     assert starts[0]["t"] >= last_sent + 1.0, (starts[0]["t"], last_sent)

@@ -20,10 +20,9 @@
 --   {0, task}    queued as that task
 --   {0, task, 1} running as that task (queue_and_run)
 --   {4, task}    done: that task succeeded within done_ttl
---   {2, task, ms, id...}  replaced: that task was queued and had not started;
+--   {2, task, ms, task}  replaced: that task was queued and had not started;
 --                the key is this send's now (send it with countdown ms when
---                debounced); every id listed (that task, and the ones it had
---                replaced) is superseded by this send
+--                debounced); that task is superseded by this send
 local queued, lock, done, replaced = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local task_id = ARGV[1]
 
@@ -44,16 +43,10 @@ if other then
   if replaced and holder ~= task_id and not (
       record and string.sub(record, -#holder - 1) == '\n' .. holder) then
     local now = now_ms()
-    local ids = {}
-    local all = redis.call('HGETALL', replaced)
-    for i = 1, #all, 2 do
-      if all[i] ~= '' and all[i + 1] == holder then
-        redis.call('HSET', replaced, all[i], task_id)
-        ids[#ids + 1] = all[i]
-      end
-    end
+    -- the superseded call names this one, the call that took its place (the
+    -- ones it had replaced keep naming it: each send costs the same however
+    -- long the burst)
     redis.call('HSET', replaced, holder, task_id)
-    ids[#ids + 1] = holder
     -- the hash outlives every superseded message: as long as the longest marker
     local keep = math.max(tonumber(ARGV[3]), redis.call('PTTL', queued),
       redis.call('PTTL', replaced))
@@ -65,7 +58,7 @@ if other then
       local first = tonumber(redis.call('HGET', replaced, '') or now)
       wait = math.max(0, math.min(wait, first + cap - now))
     end
-    return {2, holder, wait, unpack(ids)}
+    return {2, holder, wait, holder}
   end
   return {0, holder}
 end
