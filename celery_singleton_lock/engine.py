@@ -417,6 +417,20 @@ class LockEngine:
             )
         return released
 
+    def clear_dead_slots(self, keys: LockKeys, slots: int) -> bool:
+        """``singleton_limit``: free the slots 2 to ``slots`` whose holder process
+        is provably gone from this host (slot 1's holder comes with a refusal);
+        True when one was freed. Read only when every slot is taken."""
+        cleared = False
+        for slot in keys.slots(slots)[1:]:
+            record = self.owner(slot)
+            if record and self.clear_dead_holder(slot, Holder(
+                    task_id=record.get("task", ""), exec_id=record.get("exec", ""),
+                    host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
+                    hostname=record.get("host", ""))):
+                cleared = True
+        return cleared
+
     def reap(self, keys: LockKeys, task_id: str, wait: float = 3.0, slots: int = 1) -> bool:
         """Free ``task_id``'s lock (in whichever of ``slots`` it holds) once its
         process on this host is gone.

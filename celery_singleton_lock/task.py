@@ -441,7 +441,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         holder = answer.holder
         if holder is not None and answer.status not in (
                 Acquire.DONE, Acquire.THROTTLED, Acquire.REPLACED) and (
-                engine.clear_dead_holder(keys.slot(answer.slot), holder)):
+                engine.clear_dead_holder(keys.slot(answer.slot), holder) or (
+                    answer.status is Acquire.HELD and config.limit > 1
+                    and engine.clear_dead_slots(keys, config.limit))):
             answer = attempt()
         return answer
 

@@ -166,3 +166,22 @@ def test_slots_on_one_server(redis_server):
     assert engine.hand_off(keys.slot(3), "e2", 1, 30_000)
     retried = acquire("t2", "e2-retry", retries=1)
     assert retried.status is Acquire.GRANTED and retried.slot == 3
+
+
+def test_a_slot_whose_holder_died_unseen_is_taken_back(app, redis_server, events, key, r):
+    """Slot 2 held by a process of this host that is gone (its reaper never
+    ran: the record is all that is left), slot 1 by a live run: the next call
+    frees slot 2 and runs in it instead of being skipped for a lease."""
+    from celery_singleton_lock.keys import LockKeys
+    from tests.test_cli import hold_stale
+
+    t = app.tasks["t.limit2"]
+    keys = t.singleton_keys(key)
+    live = t.delay(key, 60.0, "live")
+    wait_for(lambda: events.starts("live"), 15, what="slot 1 taken")
+    scratch = LockKeys("singleton:", uuid.uuid4().hex)
+    hold_stale(redis_server, scratch, "t.limit2")  # a record whose process died
+    r.set(keys.slot(2).lock, r.get(scratch.lock), px=60_000)
+    result = t.delay(key, 0.0, "next").get(timeout=10)
+    assert not is_skipped(result) and result["slot"] == 2
+    app.control.revoke(live.id, terminate=True)
