@@ -114,3 +114,20 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
     # ours: one script call to take and one to free, nothing sent besides
     calls = out.stdout.split(lines["ours"])[1].splitlines()[1]
     assert "evalsha 2 " in calls and "del 1 " in calls, calls
+
+
+def test_the_user_style_run_reports_every_condition(tmp_path):
+    """`python -m benchmarks.userstyle`: both topologies, prefetch 4 and 8,
+    plain Celery, ours and both peers in each (tiny sizes: no timing asserts)."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.userstyle", "--tasks", "20",
+                          "--rounds", "1", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads((tmp_path / "userstyle.json").read_text())
+    assert [(c["topology"], c["prefetch"]) for c in results["conditions"]] == [
+        ("one Redis", 4), ("one Redis", 8), ("own lock Redis", 4), ("own lock Redis", 8)]
+    for cond in results["conditions"]:
+        assert {r["config"] for r in cond["rows"]} == {
+            "plain Celery", "celery-singleton-lock", "celery-singleton", "celery-once"}
+        assert all(r["median_seconds"] > 0 for r in cond["rows"])
+    assert "own lock Redis, prefetch 8:" in out.stdout

@@ -1,0 +1,163 @@
+"""The side-by-side run a user comparing libraries would write: no-op tasks
+that count themselves with one ``INCR``, prefork ``-c 2``, results ignored,
+the sender in the same script, drain time from the first send to the last
+task done. Plain Celery, ours and the peers take turns within each round.
+
+Conditions: broker and locks on one Redis, or locks on a Redis of their own;
+``worker_prefetch_multiplier`` 4 and 8. ::
+
+    python -m benchmarks.userstyle                 # 3000 tasks, 4 rounds
+    python -m benchmarks.userstyle --tasks 300 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from .harness import cpu_model, version
+from .servers import ROOT, Redis
+from .servers import Worker as _BenchWorker
+
+CONFIGS = (("plain Celery", "user.plain", "celery"),
+           ("celery-singleton-lock", "user.ours", "celery-singleton-lock"),
+           ("celery-singleton", "user.celery_singleton", "celery-singleton"),
+           ("celery-once", "user.celery_once", "celery-once"))
+TOPOLOGIES = ("one Redis", "own lock Redis")
+PREFETCH = (4, 8)
+
+
+class Worker(_BenchWorker):
+    """`celery -A benchmarks.userapp worker -c 2`."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__(env, 2, queue=env["USER_QUEUE"])
+        self.cmd[self.cmd.index("benchmarks.benchapp:app")] = "benchmarks.userapp:app"
+
+
+def caller(env: dict[str, str]) -> Any:
+    """The worker's own app and task classes, so the peers lock in the sender;
+    imported once per process (each condition runs in a process of its own)."""
+    os.environ.update(env)
+    from . import userapp
+
+    return userapp.app
+
+
+def drain(app: Any, counter: Any, name: str, base: int, n: int) -> float:
+    """Send ``n`` tasks, wait for the last to count itself; seconds from the first send."""
+    counter.set("done", 0)
+    task = app.tasks[name]
+    started = time.perf_counter()
+    for i in range(n):
+        task.delay(base + i)
+    deadline = time.monotonic() + 600
+    while int(counter.get("done") or 0) < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{name}: only {counter.get('done')} of {n} done")
+        time.sleep(0.002)
+    return time.perf_counter() - started
+
+
+def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, tasks: int,
+              rounds: int) -> dict[str, list[float]]:
+    """One condition, in this process: its worker, a warm-up, then every
+    configuration in a shuffled order each round."""
+    import redis
+
+    queue = f"user-{uuid.uuid4().hex[:6]}"
+    env = dict(os.environ, USER_BROKER_URL=broker_url, USER_LOCK_URL=lock_url,
+               USER_COUNTER_URL=counter_url, USER_PREFETCH=str(prefetch), USER_QUEUE=queue)
+    worker = Worker(env).start()  # the warm-up batch waits for it
+    try:
+        app = caller(env)
+        counter = redis.Redis.from_url(counter_url)
+        configs = [c for c in CONFIGS if c[1] in app.tasks]
+        # warm-up: the worker boots, each library connects and loads its scripts
+        for i, (_, name, _) in enumerate(configs):
+            drain(app, counter, name, -10 * tasks * (i + 1), max(100, tasks // 10))
+        times: dict[str, list[float]] = {c[0]: [] for c in configs}
+        offset = 0
+        for _ in range(rounds):
+            order = list(configs)
+            random.shuffle(order)
+            for label, name, _ in order:
+                times[label].append(drain(app, counter, name, offset, tasks))
+                offset += tasks
+        return times
+    finally:
+        worker.stop()
+
+
+def run(tasks: int, rounds: int) -> dict[str, Any]:
+    broker, own = Redis().start(), Redis().start()
+    results: dict[str, Any] = {"tasks": tasks, "rounds": rounds, "conditions": []}
+    try:
+        for topology in TOPOLOGIES:
+            for prefetch in PREFETCH:
+                lock = broker.url(0) if topology == "one Redis" else own.url(0)
+                out = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.userstyle", "--condition",
+                     json.dumps([broker.url(0), lock, broker.url(3), prefetch, tasks, rounds])],
+                    cwd=ROOT, capture_output=True, text=True, check=True)
+                times = json.loads(out.stdout.strip().splitlines()[-1])
+                rows = []
+                for label, _, dist in CONFIGS:
+                    if label not in times:
+                        continue
+                    ratios = [t / p for t, p in zip(times[label], times["plain Celery"])]
+                    rows.append({"config": label, "version": version(dist),
+                                 "median_seconds": statistics.median(times[label]),
+                                 "seconds": times[label],
+                                 "ratio_to_plain": statistics.median(ratios)})
+                results["conditions"].append({"topology": topology, "prefetch": prefetch,
+                                              "rows": rows})
+    finally:
+        broker.stop()
+        own.stop()
+    return results
+
+
+def render(results: dict[str, Any]) -> str:
+    out = [f"{results['tasks']} no-op tasks a batch, {results['rounds']} rounds, prefork -c 2; "
+           "drain seconds, median (min-max), and the median ratio to plain Celery by round"]
+    for cond in results["conditions"]:
+        out.append(f"\n{cond['topology']}, prefetch {cond['prefetch']}:")
+        for row in sorted(cond["rows"], key=lambda r: r["median_seconds"]):
+            out.append(f"  {row['config']:<24} {row['median_seconds']:.3f} s "
+                       f"({min(row['seconds']):.3f}-{max(row['seconds']):.3f})  "
+                       f"x{row['ratio_to_plain']:.3f}")
+    return "\n".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.userstyle",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--condition", help=argparse.SUPPRESS)  # one condition, as a child
+    args = parser.parse_args(argv)
+    if args.condition:
+        print(json.dumps(condition(*json.loads(args.condition))))
+        return 0
+    results = run(args.tasks, args.rounds)
+    results["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(),
+                          "load": os.getloadavg(), "python": sys.version.split()[0]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "userstyle.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
