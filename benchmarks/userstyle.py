@@ -77,8 +77,9 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
     queue = f"user-{uuid.uuid4().hex[:6]}"
     env = dict(os.environ, USER_BROKER_URL=broker_url, USER_LOCK_URL=lock_url,
                USER_COUNTER_URL=counter_url, USER_PREFETCH=str(prefetch), USER_QUEUE=queue)
-    worker = Worker(env).start()  # the warm-up batch waits for it
+    worker = Worker(env)
     try:
+        worker.start()  # the warm-up batch waits for it
         app = caller(env)
         counter = redis.Redis.from_url(counter_url)
         configs = [c for c in CONFIGS if c[1] in app.tasks]
