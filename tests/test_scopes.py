@@ -211,18 +211,22 @@ def test_retries_keep_the_key_under_queue_scopes(client_app, events, key, scope)
 def test_chord_with_duplicate_members_completes(client_app, events, key, name):
     t = client_app.tasks[name]
     collect = client_app.tasks["t.collect"]
-    # m1 starts first and runs while m2, due 2 s after the send, starts. (Were
-    # m2 to start first under `queue`, m1, which took the key when sent, would
-    # wait for it and run after it: an accepted send runs.)
-    result = chord([t.s(key, 3.0, "m1"), t.s(key, 1.0, "m2").set(countdown=2),
+    result = chord([t.s(key, 1.5, "m1"), t.s(key, 1.0, "m2").set(countdown=1),
                     t.s(key + "x", 0.1, "other")], collect.s()).apply_async()
-    members = result.get(timeout=20)
+    members = result.get(timeout=30)
     assert len(members) == 3
     skipped = [m for m in members if is_skipped(m)]
-    ran = [m for m in members if not is_skipped(m)]
-    assert len(skipped) == 1 and sorted(m["tag"] for m in ran) in (["m1", "other"],
-                                                                   ["m2", "other"])
-    assert len([e for e in events.starts() if e["tag"] in ("m1", "m2")]) == 1
+    ran = sorted(m["tag"] for m in members if not is_skipped(m))
+    dups = [e for e in events.starts() if e["tag"] in ("m1", "m2")]
+    assert all(e["concurrent"] == 1 for e in dups), dups  # never side by side
+    if name == "t.queue" and not skipped:
+        # m2 (a canvas member: sent without the key) started first, m1 being
+        # held back on a busy worker: m1 took the key when it was sent, so it
+        # is an accepted send, which waits for m2 and then runs.
+        assert ran == ["m1", "m2", "other"] and [e["tag"] for e in dups] == ["m2", "m1"]
+        return
+    assert len(skipped) == 1 and ran in (["m1", "other"], ["m2", "other"])
+    assert len(dups) == 1
 
 
 def test_chord_body_whose_key_is_taken_still_answers(client_app, events, key):
