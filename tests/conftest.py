@@ -12,7 +12,6 @@ import redis
 from tests.support import RedisServer, Worker
 from tests.workerapp import make_app
 
-
 _CELERY_BEFORE_5_7 = tuple(int(x) for x in celery.__version__.split(".")[:2]) < (5, 7)
 
 
