@@ -33,17 +33,19 @@ class Sizes:
     capacity_processes: int
     capacity_seconds: float
     capacity_rounds: int
+    user_tasks: int     # tasks per batch of the user-style run
+    user_rounds: int
     concurrency: int = 2
 
 
 FULL = Sizes(tasks=1000, rounds=9, heartbeat=(1, 100, 1000, 10000), storm=4000, storm_keys=4,
              latency=5000, real_io=300, real_cpu=80, real_rounds=9, capacity_processes=6,
-             capacity_seconds=3.0, capacity_rounds=3)
+             capacity_seconds=3.0, capacity_rounds=3, user_tasks=3000, user_rounds=4)
 QUICK = Sizes(tasks=40, rounds=1, heartbeat=(1, 100), storm=60, storm_keys=2, latency=200,
               real_io=10, real_cpu=4, real_rounds=1, capacity_processes=2,
-              capacity_seconds=0.25, capacity_rounds=1)
+              capacity_seconds=0.25, capacity_rounds=1, user_tasks=40, user_rounds=1)
 
-SECTIONS = ("throughput", "storm", "heartbeat", "latency", "real", "capacity")
+SECTIONS = ("throughput", "userstyle", "storm", "heartbeat", "latency", "real", "capacity")
 
 # connection set-up, not part of a task's cost
 SETUP_COMMANDS = {"hello", "client", "ping", "script", "info", "select", "echo", "auth"}

@@ -122,6 +122,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {ops['acquire']['p50_us']:.0f} | "
                          f"{ops['acquire']['p99_us']:.0f} | {ops['release']['p50_us']:.0f} | "
                          f"{ops['release']['p99_us']:.0f} |")
+    if "userstyle" in results:
+        lines += _md_userstyle(results["userstyle"])
     if "capacity" in results:
         lines += _md_capacity(results["capacity"])
     lines += ["", _md_machine(results["machine"])]
@@ -245,6 +247,33 @@ def _real_verdict(ours: dict[str, Any], floor: dict[str, Any], plain: dict[str, 
             f"{mark(cpu_o <= 0.02 and cpu_o <= cpu_f)} | {ours['time_ratio']:.3f}x / "
             f"{ours['floor_ratio']:.3f}x: "
             f"{mark(ours['time_ratio'] <= 1.02 and ours['floor_ratio'] <= 1.0)} |")
+
+
+def _md_userstyle(u: dict[str, Any]) -> list[str]:
+    """The user-style run: each condition a table, fastest first, and ours
+    against the fastest peer."""
+    lines = ["", f"### As a user measures ({u['tasks']} no-op tasks a batch counting themselves "
+             f"with INCR, prefork -c 2, results ignored, {u['rounds']} rounds)", "",
+             "| topology | prefetch | configuration | drain seconds (median) | rounds' range "
+             "| time vs plain Celery (median of rounds) |", "|---|---:|---|---:|---:|---:|"]
+    verdicts = []
+    for cond in u["conditions"]:
+        rows = sorted(cond["rows"], key=lambda r: r["median_seconds"])
+        for row in rows:
+            lines.append(f"| {cond['topology']} | {cond['prefetch']} | {row['config']} | "
+                         f"{row['median_seconds']:.3f} | {_range(row['seconds'])} | "
+                         f"{row['ratio_to_plain']:.3f} |")
+        ours = [r for r in rows if r["config"] == "celery-singleton-lock"]
+        peers = [r for r in rows if r["config"] not in ("plain Celery", "celery-singleton-lock")]
+        if ours and peers:
+            best = min(peers, key=lambda r: r["median_seconds"])
+            verdicts.append(f"{cond['topology']}, prefetch {cond['prefetch']}: ours "
+                            f"{ours[0]['median_seconds'] / best['median_seconds']:.3f}x "
+                            f"the fastest peer ({best['config']})")
+    if verdicts:
+        lines += ["", "Ours against the fastest peer, by median drain time: "
+                  + "; ".join(verdicts) + "."]
+    return lines
 
 
 def _md_capacity(cap: dict[str, Any]) -> list[str]:

@@ -1,6 +1,6 @@
 """Measure celery-singleton-lock beside plain Celery and the libraries users pick today.
 
-    python -m benchmarks.run              # the full run (about 8 minutes on 2 cores)
+    python -m benchmarks.run              # the full run (about 16 minutes on 2 cores)
     python -m benchmarks.run --quick      # tiny sizes: proves it still runs
     python -m benchmarks.run --profile    # where our time goes, with pyinstrument
     python -m benchmarks.run --only real,capacity   # some sections, merged into results.json
@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import heartbeat, latency, real, storm, throughput
+from . import heartbeat, latency, real, storm, throughput, userstyle
 from .harness import FULL, QUICK, SECTIONS, Bench, cpu_model, version
 from .plots import plots
 from .report import markdown
@@ -40,9 +40,16 @@ def measure_capacity(bench: Bench) -> None:
         bench.capacity_redis.proc.pid, bench.sizes.capacity_seconds, bench.sizes.capacity_rounds)
 
 
+def measure_userstyle(bench: Bench) -> None:
+    """The run a user comparing libraries writes (``benchmarks/userstyle.py``):
+    counting inside the task, prefetch 4 and 8, one Redis or a lock Redis of its own."""
+    bench.results["userstyle"] = userstyle.run(bench.sizes.user_tasks, bench.sizes.user_rounds)
+
+
 # what each section runs, by name
 MEASURES: dict[str, Callable[[Bench], None]] = {
     "throughput": throughput.measure,
+    "userstyle": measure_userstyle,
     "storm": storm.measure,
     "heartbeat": heartbeat.measure,
     "latency": latency.measure,
