@@ -309,8 +309,9 @@ def _report(result: dict[str, Any], as_json: bool, action: str, text: str) -> No
 @_guarded
 def purge(ctx: click.Context, task_name: str, yes: bool, force: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
-    done windows. A dry run unless --yes. A lock whose holder may still run is
-    kept unless --force, as with release. Fencing counters stay: tokens only go up."""
+    done and throttle windows. A dry run unless --yes. A lock whose holder may
+    still run is kept unless --force, as with release. Fencing counters stay:
+    tokens only go up; so do replaced calls' records (their callers were told)."""
     from .purging import purge_rows, report
 
     c = _Context(ctx)

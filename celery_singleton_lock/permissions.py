@@ -23,6 +23,7 @@ from . import shapes
 from .calls import (
     SCRIPTS,
     acquire_call,
+    acquire_slots_call,
     enqueue_call,
     handoff_call,
     release_call,
@@ -97,6 +98,12 @@ def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str
         ("renew", *renew_call([(keys.lock, exec_id, 5000)])),
         ("handoff", *handoff_call(keys, exec_id, 1, 5000)),
         ("release", *release_call(keys, exec_id, task_id, True, True, 1.0, 1000)),
+        # singleton_limit's grant (another task id: the one above finished),
+        # freed at once without a finish marker
+        ("acquire_slots", *acquire_slots_call(keys, exec_id, exec_id, 5000,
+                                              socket.gethostname(), 0,
+                                              "celery_singleton_lock.checks", 1000, 2)),
+        ("release", *release_call(keys, exec_id, exec_id, False, False, 0.0, 1000)),
         ("unqueue", *unqueue_call(keys, task_id)),
         ("enqueue", *enqueue_call(other, task_id, "queue", 5000, replace=(1000, 2000))),
         ("enqueue", *enqueue_call(other, exec_id, "queue", 5000, replace=(1000, 2000))),

@@ -81,6 +81,25 @@ def test_the_cli_lists_the_queued_marker_s_new_holder(app, two_workers, events, 
              what="the worker to skip the first")
 
 
+def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key):
+    """`purge --yes` frees the queued marker but not the record that a call was
+    replaced: its caller was told so, and its message, reaching a worker after
+    the purge, is still skipped, not run with the old arguments."""
+    t = app.tasks["t.queue_replace"]
+    first = t.apply_async((key, 0.0, "first"), countdown=2)
+    second = t.apply_async((key, 0.0, "second"), countdown=2)
+    assert first.get(timeout=1)["holder"] == second.id
+    out = run_cli(two_workers[0].env, "purge", "--task", "t.queue_replace", "--yes", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    base = t.singleton_keys(key).base
+    assert [(e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]
+            if e["key"] == base] == [("queued", "deleted")]
+    assert second.get(timeout=15)["tag"] == "second"
+    wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,
+             what="the worker to skip the replaced call after the purge")
+    assert [e["tag"] for e in events.starts()] == ["second"]
+
+
 def test_queue_a_send_after_the_holder_started_is_accepted_and_waits(app, events, key):
     t = app.tasks["t.queue_replace"]
     first = t.delay(key, 1.0, "first")
