@@ -1,6 +1,6 @@
 """Measure celery-singleton-lock beside plain Celery and the libraries users pick today.
 
-    python -m benchmarks.run              # the full run (about 16 minutes on 2 cores)
+    python -m benchmarks.run              # the full run (about 15 minutes on 2 cores)
     python -m benchmarks.run --quick      # tiny sizes: proves it still runs
     python -m benchmarks.run --profile    # where our time goes, with pyinstrument
     python -m benchmarks.run --only real,capacity   # some sections, merged into results.json
