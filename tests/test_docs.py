@@ -5,13 +5,15 @@ A page marks a block that runs with an HTML comment on the line before it
 
     <!-- runs: SCENARIO file NAME -->   the block is the file NAME
     <!-- runs: SCENARIO worker -->      the block is a `celery ... worker` command
+    <!-- runs: SCENARIO beat -->        the block is a `celery ... beat` command
     <!-- runs: SCENARIO run -->         the block is run with Python
     <!-- runs: SCENARIO output -->      what that run prints
 
 Each scenario runs in a fresh directory against a redis-server of its own
 (``localhost:6379`` in the blocks becomes that server) and, when it has a worker
-block, that worker as a subprocess on a queue of its own. Task ids and key
-hashes are compared as shapes, everything else exactly.
+block, that worker as a subprocess on a queue of its own; a beat block starts
+that beat as a subprocess once the worker is ready (it sends to the same queue).
+Task ids and key hashes are compared as shapes, everything else exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +37,7 @@ from tests.support import ROOT
 
 DOCS = ROOT / "docs"
 MARKED = re.compile(
-    r"<!-- runs: (?P<scenario>[\w-]+) (?P<role>file|worker|run|output)(?: (?P<arg>\S+))? -->\n"
+    r"<!-- runs: (?P<scenario>[\w-]+) (?P<role>file|worker|beat|run|output)(?: (?P<arg>\S+))? -->\n"
     r"```[^\n]*\n(?P<body>.*?)\n```",
     re.DOTALL,
 )
@@ -48,6 +51,7 @@ class Scenario:
     name: str
     files: dict[str, str] = field(default_factory=dict)
     worker: Optional[str] = None
+    beat: Optional[str] = None
     runs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
 
@@ -70,6 +74,8 @@ def scenarios() -> list[Scenario]:
                 sc.files[m["arg"]] = body
             elif m["role"] == "worker":
                 sc.worker = body.strip()
+            elif m["role"] == "beat":
+                sc.beat = body.strip()
             elif m["role"] == "run":
                 sc.runs.append(body)
             else:
@@ -110,11 +116,13 @@ def test_every_marked_block_belongs_to_a_complete_scenario():
     """A marked block that no scenario would run (a typo in its marker) fails here."""
     marks = sum(page.read_text().count("<!-- runs: ") for page in DOCS.glob("*.md"))
     found = scenarios()
-    blocks = sum(len(s.files) + bool(s.worker) + len(s.runs) + len(s.outputs) for s in found)
+    blocks = sum(len(s.files) + bool(s.worker) + bool(s.beat) + len(s.runs) + len(s.outputs)
+                 for s in found)
     assert marks == blocks, "a <!-- runs: --> marker is not followed by a code block"
     for sc in found:
         assert sc.runs, f"{sc.id}: nothing to run"
         assert len(sc.outputs) == len(sc.runs), f"{sc.id}: every run block needs its output"
+        assert sc.beat is None or sc.worker, f"{sc.id}: a beat needs a worker to run its ticks"
     assert {"getting-started.md:redis", "getting-started.md:rabbitmq"} <= {s.id for s in found}
 
 
@@ -144,17 +152,47 @@ def test_marked_blocks_run_and_print_what_the_page_says(sc: Scenario, tmp_path: 
                           "--without-gossip", "--without-mingle", "--without-heartbeat",
                           "-f", str(worker.log)]
             worker.start()
+        beat = None
+        if sc.beat is not None:
+            beat = start_beat(sc.beat, tmp_path, env)
         try:
             for code, expected in zip(sc.runs, sc.outputs):
                 out = subprocess.run([sys.executable, "-c", code.replace("localhost:6379", here)],
                                      cwd=tmp_path, env={**os.environ, **env},
                                      capture_output=True, text=True, timeout=60)
                 assert out.returncode == 0, out.stdout + out.stderr + (
-                    worker.logs() if worker else "")
-                assert shape(out.stdout) == shape(expected), out.stdout
+                    worker.logs() if worker else "") + beat_logs(tmp_path)
+                assert shape(out.stdout) == shape(expected), out.stdout + beat_logs(tmp_path)
         finally:
+            if beat is not None:
+                stop(beat)
             if worker is not None:
                 worker.stop()
+
+
+def start_beat(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The page's `celery ... beat` command as a subprocess, its log in ``beat.log``."""
+    argv = shlex.split(command)
+    assert argv[0] == "celery" and "beat" in argv, command
+    return subprocess.Popen(
+        [sys.executable, "-m", *argv, "-s", str(cwd / "beat-schedule"), "--pidfile=",
+         "-f", str(cwd / "beat.log")],
+        cwd=cwd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def beat_logs(cwd: Path) -> str:
+    log = cwd / "beat.log"
+    return log.read_text(errors="replace") if log.exists() else ""
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def test_the_readme_quick_start_is_the_getting_started_code_the_suite_runs():
