@@ -122,3 +122,16 @@ def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
                  ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``handoff.lua``."""
     return [keys.lock], [exec_id, next_retries, lease_ms]
+
+
+def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_ms: int,
+                 hostname: str, retries: int, task_name: str, fin_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``reclaim.lua``: write back a held lock the server forgot."""
+    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    return [keys.lock, keys.fence], [exec_id, lease_ms, token, rest]
+
+
+def fence_call(keys: LockKeys, exec_id: str, token: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``fence.lua``: raise the key's counter to ``token``."""
+    return [keys.lock, keys.fence], [exec_id, token, FENCE_TTL_MS]

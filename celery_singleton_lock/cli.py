@@ -42,7 +42,7 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
 
-STATES = ("run", "queued", "done", "throttled")
+STATES = ("run", "queued", "done", "throttled", "replaced")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -163,13 +163,14 @@ def singleton() -> None:
 @click.option("--state", type=click.Choice(STATES), cls=CeleryOption,
               help_group="Filter Options",
               help="run: a lock held by an execution; queued: taken when sent; "
-                   "done: a success's window; throttled: a start's window.")
+                   "done: a success's window; throttled: a start's window; "
+                   "replaced: calls a later send superseded while queued.")
 @_json_option
 @click.pass_context
 @_guarded
 def list_(ctx: click.Context, task_name: Optional[str], state: Optional[str],
           as_json: bool) -> None:
-    """Every held lock, send-time marker and done window, found with SCAN."""
+    """Every held lock, send-time marker, window and replaced record, found with SCAN."""
     c = _Context(ctx)
     rows = filtered(c.rows(), task_name, state)
     if as_json:
@@ -310,8 +311,9 @@ def _report(result: dict[str, Any], as_json: bool, action: str, text: str) -> No
 def purge(ctx: click.Context, task_name: str, yes: bool, force: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
     done and throttle windows. A dry run unless --yes. A lock whose holder may
-    still run is kept unless --force, as with release. Fencing counters stay:
-    tokens only go up; so do replaced calls' records (their callers were told)."""
+    still run is kept unless --force, as with release; so is the record of
+    replaced calls (their callers were told). Fencing counters stay: tokens
+    only go up."""
     from .purging import purge_rows, report
 
     c = _Context(ctx)
@@ -330,7 +332,8 @@ def _purge_row(c: _Context, row: Row) -> bool:
         return c.engine.release(keys, row.exec, row.holder, finished=False)
     if row.state == "queued":
         return c.engine.unqueue(keys, row.holder)
-    c.delete_everywhere(keys.throttle if row.state == "throttled" else keys.done)
+    c.delete_everywhere({"throttled": keys.throttle, "replaced": keys.replaced}.get(
+        row.state, keys.done))
     return True
 
 

@@ -330,6 +330,14 @@ def check_together(task_name: str, config: SingletonConfig) -> None:
         raise ConfigurationError("singleton_limit", f"{where}{config.limit} per key goes with "
                                  f"singleton_scope='run' only, without a throttle; "
                                  f"not with {other}")
+    if config.redis_url.startswith(("redlock://", "redlocks://")) and (
+            config.limit > 1 or config.on_duplicate == "replace"):
+        # each master would grant its own slot, or keep its own queued call:
+        # no majority agrees on either
+        setting, what = (("singleton_limit", f"{config.limit} per key")
+                         if config.limit > 1 else ("singleton_on_duplicate", "'replace'"))
+        raise ConfigurationError(setting, f"{where}{what} needs one lock Redis (a server, "
+                                          f"Sentinel or Cluster), not redlock://")
     if config.on_duplicate == "replace" and config.scope == "run":
         raise ConfigurationError(
             "singleton_on_duplicate",

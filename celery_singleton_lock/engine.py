@@ -21,14 +21,14 @@ import redis
 
 from . import replies
 from .calls import (
-    FENCE_TTL_MS,
     SCRIPTS,
     acquire_call,
     acquire_slots_call,
     enqueue_call,
+    fence_call,
     handoff_call,
     marker_task,
-    record_rest,
+    reclaim_call,
     release_call,
     renew_call,
     unqueue_call,
@@ -377,17 +377,16 @@ class LockEngine:
         """A renewal found the key of a lock this execution holds gone: write it
         back if the server forgot it (the key's fencing counter is gone too),
         not if someone released it or another execution holds it now."""
-        rest = record_rest(task_id, lease_ms, hostname, retries, task_name, self._fin_ms)
-        reply, _ = self.wire.call(self._reclaim, [keys.lock, keys.fence],
-                                  [exec_id, lease_ms, token, rest])
+        reply, _ = self.wire.call(self._reclaim, *reclaim_call(
+            keys, task_id, exec_id, token, lease_ms, hostname, retries, task_name,
+            self._fin_ms))
         return replies.reclaimed(reply)
 
     def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
         """Raise the key's fencing counter (and the owner record's token) to at
         least ``token``, if ``exec_id`` holds the lock here. Redlock uses it to
         put the token it hands out on a majority of its masters."""
-        reply, _ = self.wire.call(self._fence, [keys.lock, keys.fence],
-                                  [exec_id, token, FENCE_TTL_MS])
+        reply, _ = self.wire.call(self._fence, *fence_call(keys, exec_id, token))
         return replies.flag(reply, "fence")
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:

@@ -1,6 +1,7 @@
 """What the ``celery singleton`` commands show: the things held under each
-key, read from Redis as rows (a running lock, a send-time marker, a done
-window), merged across Redlock masters, and laid out as a table.
+key, read from Redis as rows (a running lock, a send-time marker, a done or
+throttle window, the record of replaced calls), merged across Redlock
+masters, and laid out as a table.
 
 Only key hashes are ever shown, never argument values.
 """
@@ -20,7 +21,8 @@ from .replies import record as owner_record
 
 @dataclass
 class Row:
-    """One thing held under a key: a running lock, a send-time marker, or a done window."""
+    """One thing held under a key: a running lock, a send-time marker, a done or
+    throttle window, or the record of the calls a later send replaced."""
 
     key: str
     state: str
@@ -38,11 +40,14 @@ class Row:
     masters: Optional[tuple[int, int]] = None
     #: a running lock's slot (``singleton_limit``): 1, or 2 to N; None for the others
     slot: Optional[int] = None
+    #: ``replaced``: how many calls later sends superseded; None for the others
+    superseded: Optional[int] = None
 
     def cells(self) -> list[str]:
+        live = self.live if self.superseded is None else f"{self.superseded} superseded"
         cells = [self.key, self.state, self.task or "?", self.holder, self.host,
                  str(self.pid or ""), "" if self.token is None else str(self.token),
-                 seconds(self.ttl), seconds(self.age), self.live]
+                 seconds(self.ttl), seconds(self.age), live]
         return [*cells, "/".join(map(str, self.masters))] if self.masters else cells
 
     def held(self) -> bool:
@@ -85,11 +90,11 @@ def liveness(record: dict[str, str]) -> str:
 
 def key_pattern(prefix: str) -> re.Pattern[str]:
     return re.compile(
-        rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(?:lock(:[0-9]+)?|queued|done|throttle)$")
+        rf"^{re.escape(prefix)}\{{([0-9a-f]{{32}})\}}:(?:lock(:[0-9]+)?|queued|done|throttle|replaced)$")
 
 
 def scan_digests(client: redis.Redis, prefix: str) -> list[str]:
-    """Every key hash with a lock, marker, done or throttle window: SCAN, never
+    """Every key hash with a lock, marker, window or replaced calls: SCAN, never
     KEYS. Slot ``n`` > 1 of a key (``singleton_limit``) comes as ``<hash>:<n>``."""
     glob = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}:*"
     pattern = key_pattern(prefix)
@@ -124,10 +129,12 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
             pipe.pttl(keys.done)
             pipe.get(keys.throttle)
             pipe.pttl(keys.throttle)
+            pipe.hgetall(keys.replaced)
+            pipe.pttl(keys.replaced)
         replies = pipe.execute()
         for i, keys in enumerate(chunk):
             (raw, lock_ttl, queued, queued_ttl, done, done_ttl, throttle,
-             throttle_ttl) = replies[8 * i:8 * i + 8]
+             throttle_ttl, replaced, replaced_ttl) = replies[10 * i:10 * i + 10]
             record = owner_record(raw)
             name = record.get("name", "") if record else ""
             if record:
@@ -145,7 +152,26 @@ def read_rows(client: redis.Redis, prefix: str, digests: Sequence[str]) -> list[
                     "\n") >= 2 else ("", "", str(throttle))
                 rows.append(Row(key=keys.base, state="throttled", task=marked or name,
                                 holder=by, ttl=ttl_of(throttle_ttl)))
+            row = replaced_row(keys.base, replaced, replaced_ttl)
+            if row:
+                rows.append(row)
     return rows
+
+
+def replaced_row(base: str, record: Any, pttl: Any) -> Optional[Row]:
+    """The row of a key's replaced calls (``singleton_on_duplicate="replace"``):
+    the task, the call that runs in their place (the newest send: the one no
+    later send replaced) and how many were superseded."""
+    from .calls import marker_task
+
+    entries = {str(k): marker_task(v) for k, v in (record or {}).items() if str(k)}
+    if not entries:
+        return None
+    successors = [by for _, by in entries.values()]
+    newest = [by for by in successors if by not in entries] or successors
+    name = next((n for n, _ in entries.values() if n), "")
+    return Row(key=base, state="replaced", task=name, holder=newest[-1], ttl=ttl_of(pttl),
+               superseded=len(entries))
 
 
 def run_row(base: str, record: dict[str, str], pttl: Any, now_ms: int, slot: int) -> Row:

@@ -25,7 +25,9 @@ from .calls import (
     acquire_call,
     acquire_slots_call,
     enqueue_call,
+    fence_call,
     handoff_call,
+    reclaim_call,
     release_call,
     renew_call,
     unqueue_call,
@@ -96,6 +98,11 @@ def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str
         ("acquire", *acquire_call(keys, task_id, exec_id, 5000, socket.gethostname(), 0,
                                   "celery_singleton_lock.checks", "queue_and_run", 1000)),
         ("renew", *renew_call([(keys.lock, exec_id, 5000)])),
+        # the heartbeat's write-back and Redlock's counter raise, on the lock
+        # this probe holds: both only renew it and leave its token as it is
+        ("reclaim", *reclaim_call(keys, task_id, exec_id, 1, 5000, socket.gethostname(), 0,
+                                  "celery_singleton_lock.checks", 1000)),
+        ("fence", *fence_call(keys, exec_id, 1)),
         ("handoff", *handoff_call(keys, exec_id, 1, 5000)),
         ("release", *release_call(keys, exec_id, task_id, True, True, 1.0, 1000)),
         # singleton_limit's grant (another task id: the one above finished),
@@ -240,7 +247,7 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
         return [*findings, noperm_command(client, config, exc)]
     if not findings:
         ran = list(dict.fromkeys(n for n, *_ in probes))  # a script probed twice, named once
-        findings.append(Finding(OK, "scripts", f"the {len(ran)} scripts a task calls "
+        findings.append(Finding(OK, "scripts", f"the {len(ran)} scripts a worker calls "
                                                f"({', '.join(ran)}) load and "
                                                f"run as user {user!r}"))
     return findings

@@ -1,7 +1,9 @@
 """What ``celery singleton purge`` does with each key of a task, and what it
 says. A running lock whose holder may still run (alive on this host, or on
 another host) is kept unless ``--force``, as ``release`` keeps it: the rule is
-the one ``release`` uses, a holder not provably dead is left alone.
+the one ``release`` uses, a holder not provably dead is left alone. The record
+of replaced calls is kept unless ``--force`` too: each superseded caller was
+told its call was replaced, so its message must still be skipped.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ WOULD_KEEP = "would keep: may run"
 DELETED = "deleted"
 KEPT_ALIVE = "kept: may run"
 CHANGED = "changed hands: kept"
+WOULD_KEEP_TOLD = "would keep: callers told"
+KEPT_TOLD = "kept: callers told"
 
 
 def needs_force(row: Row) -> bool:
@@ -34,7 +38,9 @@ def purge_rows(rows: Sequence[Row], yes: bool, force: bool,
     outcome: list[dict[str, Any]] = []
     for row in rows:
         keep = needs_force(row) and not force
-        if not yes:
+        if row.state == "replaced" and not force:
+            action = KEPT_TOLD if yes else WOULD_KEEP_TOLD
+        elif not yes:
             action = WOULD_KEEP if keep else WOULD_DELETE
         elif keep:
             action = KEPT_ALIVE
@@ -49,6 +55,7 @@ def report(task_name: str, outcome: list[dict[str, Any]], yes: bool, force: bool
     """Print the outcome; True when a key was kept (exit code 1, as a refused
     ``release``)."""
     alive = [e for e in outcome if e["action"] in (KEPT_ALIVE, WOULD_KEEP)]
+    told = [e for e in outcome if e["action"] in (KEPT_TOLD, WOULD_KEEP_TOLD)]
     kept = any(e["action"] in (KEPT_ALIVE, CHANGED) for e in outcome)
     if as_json:
         echo_json({"task": task_name, "dry_run": not yes, "force": force, "keys": outcome})
@@ -64,8 +71,13 @@ def report(task_name: str, outcome: list[dict[str, Any]], yes: bool, force: bool
                    "still run (alive on this host, or on another host): "
                    + ", ".join(e["key"] for e in alive)
                    + "; pass --force to free them too (their holders then see their locks lost)")
+    if told:
+        click.echo(f"{'kept' if yes else 'would keep'} {len(told)} record(s) of replaced calls "
+                   "until they expire: their callers were told, and a superseded message "
+                   "reaching a worker is still skipped; --force deletes them (such a "
+                   "message then runs with its old arguments)")
     if not yes:
-        deletable = len(outcome) - len(alive)
+        deletable = len(outcome) - len(alive) - len(told)
         click.echo(f"dry run: nothing deleted; pass --yes to delete these "
                    f"{deletable} key(s)")
     return kept

@@ -99,6 +99,35 @@ class VirtualScheduler(SingletonSchedulerMixin, Scheduler):  # type: ignore[misc
         self.sent.append((entry.name, tick, self.beat_id))
 
 
+def one_start_per_throttle_window(app: Any, events: Any, key: str,
+                                  window_exists: LockExists) -> None:
+    """``singleton_throttle``: a failed start still opens the window; the calls
+    in it, sent after it ended, are skipped as "throttled" naming it."""
+    t = app.tasks["t.throttle"]
+    first = t.delay(key, 0.0, "first", True)
+    with pytest.raises(ValueError):
+        first.get(timeout=15)
+    assert window_exists("t.throttle", key)
+    calls = [t.delay(key, 0.0, f"dup{i}") for i in range(4)]
+    results = [c.get(timeout=15) for c in calls]
+    assert all(is_skipped(x) and x["reason"] == "throttled" and x["holder"] == first.id
+               and 0 < x["reopens_in"] <= 3.0 for x in results), results
+    assert [e["tag"] for e in events.starts()] == ["first"]
+
+
+def the_newest_queued_call_wins(app: Any, events: Any, key: str) -> None:
+    """``replace``: two sends while the first is queued; the last one's
+    arguments run, alone, and each superseded call names the one after it."""
+    t = app.tasks["t.queue_replace"]
+    sent = [t.apply_async((key, 0.0, tag), countdown=1.5) for tag in ("first", "second", "third")]
+    for old, new in zip(sent, sent[1:]):
+        result = old.get(timeout=5)
+        assert is_skipped(result) and (result["reason"], result["holder"]) == (
+            "replaced", new.id), result
+    assert sent[-1].get(timeout=15)["tag"] == "third"
+    assert [e["tag"] for e in events.starts()] == ["third"]
+
+
 def two_beats_with_skewed_clocks_send_each_tick_once(redis_url: str) -> None:
     """Two beats whose clocks are 5 s apart (below singleton_beat_max_clock_skew),
     on a virtual clock for 30 s: one send per tick, none missing."""

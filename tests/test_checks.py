@@ -23,6 +23,7 @@ from celery_singleton_lock import (
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
 from celery_singleton_lock.findings import ERROR, OK, WARNING, Finding
+from celery_singleton_lock.keys import LockKeys
 from tests.support import ROOT, RedisServer, Worker, wait_for
 from tests.workerapp import make_app
 
@@ -144,6 +145,29 @@ def test_a_key_pattern_missing_the_prefix_is_named(acl_server):
               if f.level == ERROR]
     assert errors[0].code == "noperm"
     assert "keys under the prefix 'singleton:'" in errors[0].message
+    assert "~singleton:*" in errors[0].action
+
+
+def test_the_probe_runs_every_script_a_worker_calls():
+    """The doctor and the start-up check run each script a worker may call (the
+    heartbeat's write-back and Redlock's counter raise included): a script left
+    out would meet a missing permission only on the bad day it is needed."""
+    keys = LockKeys("singleton:", "a" * 32)
+    other = LockKeys("singleton:", "b" * 32)
+    probed = {name for name, *_ in permissions._probe_calls(keys, other, "t", "e")}
+    assert probed == set(calls.SCRIPTS)
+
+
+def test_a_key_pattern_leaving_out_the_replaced_records_names_the_script(acl_server):
+    """Key patterns per suffix that forget ``:replaced`` (only ``replace`` uses
+    it): the error names the script that needs it and the pattern to allow."""
+    acl_server.client().execute_command(
+        "ACL", "SETUSER", "locks", "resetkeys", "~singleton:*[^d]", "~singleton:*:queued")
+    engine = engine_for_url(locks_url(acl_server))
+    errors = [f for f in checks.run_checks(engine.client, engine.config)
+              if f.level == ERROR]
+    assert errors[0].code == "noperm", errors
+    assert "(script enqueue)" in errors[0].message
     assert "~singleton:*" in errors[0].action
 
 

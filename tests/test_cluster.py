@@ -189,6 +189,19 @@ def test_queue_scopes_on_a_cluster_refuse_while_queued_and_while_running(app, ev
     promises.queue_scopes_refuse_while_queued_and_while_running(app, events, key)
 
 
+@pytest.mark.worker
+def test_throttle_on_a_cluster_gives_one_start_per_window(cluster, app, events, key):
+    def window(task: str, key: str) -> bool:
+        name = app.tasks[task].singleton_keys(key).throttle
+        return bool(cluster.node_of(name).client().exists(name))
+    promises.one_start_per_throttle_window(app, events, key, window)
+
+
+@pytest.mark.worker
+def test_replace_on_a_cluster_runs_the_newest_queued_call(app, events, key):
+    promises.the_newest_queued_call_wins(app, events, key)
+
+
 def test_a_primary_restarted_empty_gets_its_held_locks_back_at_once(cluster, engine):
     """The renewer watches every primary, not only one: a primary other than
     slot 0's restarts empty under two held locks; they are written back at once

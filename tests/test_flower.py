@@ -133,6 +133,49 @@ def test_skipped_duplicate_is_skipped_in_flower_with_holder_and_reason_and_get_r
     assert flower.task(dup.id)["state"] == "SKIPPED"
 
 
+def test_throttled_and_replaced_skips_show_in_flower_and_the_metrics_by_reason(
+        setup, events, key):
+    """A call inside a throttle window and a call a later send replaced are
+    SKIPPED in Flower, each result naming its reason and the call it yields
+    to, and counted in /metrics under reason="throttled" and "replaced"."""
+    _worker, flower, app, hostname = setup
+    labels = f'hostname="{hostname}"'
+    throttled = f'celery_singleton_skips_total{{{labels},name="t.throttle",reason="throttled"}}'
+    replaced = (f'celery_singleton_skips_total{{{labels},name="t.queue_replace",'
+                f'reason="replaced"}}')
+    before = scrape(flower)
+
+    opener = app.tasks["t.throttle"].delay(key, 0.0, "opener")
+    opener.get(timeout=10)
+    inside = app.tasks["t.throttle"].delay(key, 0.0, "inside")
+    value = inside.get(timeout=10)
+    assert is_skipped(value) and value["reason"] == "throttled", value
+
+    t = app.tasks["t.queue_replace"]
+    first = t.apply_async((f"{key}-r", 0.0, "first"), countdown=1)
+    second = t.apply_async((f"{key}-r", 0.0, "second"), countdown=1)
+    assert first.get(timeout=5)["holder"] == second.id
+    assert second.get(timeout=15)["tag"] == "second"
+
+    def skipped(task_id: str) -> Any:
+        rows = flower.try_get("/api/tasks?state=SKIPPED") or {}
+        return rows.get(task_id)
+
+    row = wait_for(lambda: skipped(inside.id), 15, what="the throttled call in Flower")
+    assert row["result"] == f"throttled by {opener.id} ({value['key']})"
+    row = wait_for(lambda: skipped(first.id), 15, what="the replaced call in Flower")
+    assert row["result"].startswith(f"replaced by {second.id} (")
+
+    def counted() -> Any:
+        now = scrape(flower)
+        return now if (now.get(throttled, 0) > before.get(throttled, 0)
+                       and now.get(replaced, 0) > before.get(replaced, 0)) else None
+
+    after = wait_for(counted, 15, what="both reasons counted in /metrics")
+    assert after[throttled] - before.get(throttled, 0) == 1
+    assert after[replaced] - before.get(replaced, 0) == 1
+
+
 def test_chord_with_a_skipped_member_completes(setup, events, key):
     """A chord member skipped as a duplicate still counts as done: the body runs
     with the skip result in its place."""

@@ -419,6 +419,41 @@ def test_child_killed_with_redlock_is_freed_by_the_main_process(worker_masters, 
                                                        on_a_majority(worker_masters, app))
 
 
+@pytest.mark.worker
+def test_throttle_with_redlock_opens_its_window_on_a_majority(worker_masters, app, events, key):
+    def window(task: str, key: str) -> bool:
+        name = app.tasks[task].singleton_keys(key).throttle
+        return sum(bool(s.client(2).exists(name)) for s in worker_masters) * 2 > len(
+            worker_masters)
+    promises.one_start_per_throttle_window(app, events, key, window)
+
+
+@pytest.mark.worker
+@pytest.mark.parametrize("options,setting", [
+    ({"singleton_limit": 2}, "singleton_limit"),
+    ({"singleton_scope": "queue", "singleton_on_duplicate": "replace"},
+     "singleton_on_duplicate"),
+])
+def test_limit_and_replace_stop_a_redlock_worker_at_start(worker_masters, redis_server,
+                                                          options, setting):
+    """Each master would grant its own slot or keep its own queued call: no
+    majority agrees, so a task asking for either stops the worker at start,
+    named, instead of failing at its first call."""
+    w = Worker(redis_server.url(), f"rl-{uuid.uuid4().hex[:8]}", pool="solo",
+               lock_url=redlock_url(worker_masters))
+    w.env["SLT_TASK_OPTIONS"] = json.dumps(options)
+    w.start(wait=False)
+    assert w.proc is not None
+    try:
+        assert w.proc.wait(30) != 0
+        output = w.output()
+    finally:
+        w.stop()
+    assert (f"celery-singleton-lock configuration error: {setting}: task 't.options': "
+            in output), output
+    assert "not redlock://" in output
+
+
 def run_cli(worker: Worker, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.workerapp:app",
                            "singleton", *args], env=worker.env, cwd=ROOT,

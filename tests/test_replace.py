@@ -75,13 +75,24 @@ def test_the_cli_lists_the_queued_marker_s_new_holder(app, two_workers, events, 
     base = t.singleton_keys(key).base
     rows = [row for row in json.loads(out.stdout)["locks"] if row["key"] == base]
     assert [(row["holder"], row["task"]) for row in rows] == [(second.id, "t.queue_replace")]
+    # the record of the replaced call: its task, the call in its place, how many
+    out = run_cli(two_workers[0].env, "list", "--state", "replaced", "--task",
+                  "t.queue_replace", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [row for row in json.loads(out.stdout)["locks"] if row["key"] == base]
+    assert [(row["state"], row["holder"], row["superseded"]) for row in rows] == [
+        ("replaced", second.id, 1)]
+    assert rows[0]["ttl"] > 0
+    table = run_cli(two_workers[0].env, "list", "--state", "replaced").stdout
+    assert any(base in line and second.id in line and "1 superseded" in line
+               for line in table.splitlines()), table
     assert first.get(timeout=1)["holder"] == second.id
     assert second.get(timeout=10)["tag"] == "second"
     wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,
              what="the worker to skip the first")
 
 
-def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key):
+def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key, r):
     """`purge --yes` frees the queued marker but not the record that a call was
     replaced: its caller was told so, and its message, reaching a worker after
     the purge, is still skipped, not run with the old arguments."""
@@ -93,11 +104,19 @@ def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key
     assert out.returncode == 0, out.stdout + out.stderr
     base = t.singleton_keys(key).base
     assert [(e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]
-            if e["key"] == base] == [("queued", "deleted")]
+            if e["key"] == base] == [("queued", "deleted"), ("replaced", "kept: callers told")]
+    assert r.exists(t.singleton_keys(key).replaced)
     assert second.get(timeout=15)["tag"] == "second"
     wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,
              what="the worker to skip the replaced call after the purge")
     assert [e["tag"] for e in events.starts()] == ["second"]
+    # --force deletes the record too, when its superseded messages are known gone
+    out = run_cli(two_workers[0].env, "purge", "--task", "t.queue_replace", "--yes", "--force",
+                  "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [(e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]
+            if e["key"] == base] == [("replaced", "deleted")]
+    assert not r.exists(t.singleton_keys(key).replaced)
 
 
 def test_queue_a_send_after_the_holder_started_is_accepted_and_waits(app, events, key):

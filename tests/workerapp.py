@@ -41,6 +41,7 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
     app.conf.update(conf or {})
     rec = recorder(redis_url)
     task = functools.partial(app.task, shared=False)
+    one_server = not str(app.conf.singleton_redis_url).startswith("redlock")
 
     def body(task: Any, key: str, seconds: float, tag: str, fail: bool = False) -> Any:
         n = rec.incr(f"active:{key}")
@@ -162,20 +163,21 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         return body(self, key, seconds, tag)
 
     # -- at most N per key --------------------------------------------------------
-    @task(base=SingletonTask, bind=True, name="t.limit3", singleton_key=("key",),
-          singleton_limit=3)
-    def limit3(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
-        return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
+    if one_server:  # slots are not on Redlock (refused at start)
+        @task(base=SingletonTask, bind=True, name="t.limit3", singleton_key=("key",),
+              singleton_limit=3)
+        def limit3(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+            return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
 
-    @task(base=SingletonTask, bind=True, name="t.limit2_retry", singleton_key=("key",),
-          singleton_limit=2, singleton_on_duplicate="retry")
-    def limit2_retry(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
-        return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
+        @task(base=SingletonTask, bind=True, name="t.limit2_retry", singleton_key=("key",),
+              singleton_limit=2, singleton_on_duplicate="retry")
+        def limit2_retry(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+            return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
 
-    @task(base=SingletonTask, bind=True, name="t.limit2", singleton_key=("key",),
-          singleton_limit=2)
-    def limit2(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
-        return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
+        @task(base=SingletonTask, bind=True, name="t.limit2", singleton_key=("key",),
+              singleton_limit=2)
+        def limit2(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+            return {**body(self, key, seconds, tag), "slot": self.singleton.slot}
 
     # -- the throttle window -----------------------------------------------------
     @task(base=SingletonTask, bind=True, name="t.throttle", singleton_key=("key",),
@@ -198,22 +200,23 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         return result
 
     # -- replace, and debounce -----------------------------------------------------
-    for scope in ("queue", "queue_and_run"):
-        @task(base=SingletonTask, bind=True, name=f"t.{scope}_replace", singleton_key=("key",),
-              singleton_scope=scope, singleton_on_duplicate="replace")
-        def replacing(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+    if one_server:  # 'replace' is not on Redlock (refused at start)
+        for scope in ("queue", "queue_and_run"):
+            @task(base=SingletonTask, bind=True, name=f"t.{scope}_replace", singleton_key=("key",),
+                  singleton_scope=scope, singleton_on_duplicate="replace")
+            def replacing(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+                return body(self, key, seconds, tag)
+
+        @task(base=SingletonTask, bind=True, name="t.debounce", singleton_key=("key",),
+              singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=1.0)
+        def debounce(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
             return body(self, key, seconds, tag)
 
-    @task(base=SingletonTask, bind=True, name="t.debounce", singleton_key=("key",),
-          singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=1.0)
-    def debounce(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
-        return body(self, key, seconds, tag)
-
-    @task(base=SingletonTask, bind=True, name="t.debounce_max", singleton_key=("key",),
-          singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=1.0,
-          singleton_debounce_max=2.5)
-    def debounce_max(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
-        return body(self, key, seconds, tag)
+        @task(base=SingletonTask, bind=True, name="t.debounce_max", singleton_key=("key",),
+              singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=1.0,
+              singleton_debounce_max=2.5)
+        def debounce_max(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+            return body(self, key, seconds, tag)
 
     @task(base=SingletonTask, bind=True, name="t.collect", singleton_scope="queue_and_run")
     def collect(self: Any, results: list[Any]) -> Any:

@@ -14,7 +14,8 @@
 --                 window's end (server ms), its id, joined by newlines
 --                 (singleton_throttle only; KEYS[5] and ARGV[5] are then passed too)
 -- ARGV[6] the throttle window in ms   ARGV[7] the task's name (with KEYS[6])
--- KEYS[7] replaced hash: superseded task id -> the task that replaced it
+-- KEYS[7] replaced hash: superseded task id -> the task's name, a newline and
+--                 the id of the task that replaced it (enqueue.lua)
 --                 (singleton_on_duplicate 'replace' only; KEYS[6] and ARGV[5]
 --                 to ARGV[7] are then passed too, ARGV[6] '0' when not throttled)
 --
@@ -79,7 +80,8 @@ end
 
 if replaced and not own_queued then
   local by = redis.call('HGET', replaced, task_id)
-  if by then return {6, by} end
+  -- the id after the name (a record written before names were kept: the id alone)
+  if by then return {6, string.match(by, '\n(.*)$') or by} end
 end
 
 local record = redis.call('GET', lock)

@@ -3,7 +3,8 @@
 -- KEYS[1] queued  KEYS[2] lock  KEYS[3] done
 -- ARGV[1] task id   ARGV[2] scope   ARGV[3] marker TTL ms   ARGV[4] task name
 -- With singleton_on_duplicate 'replace' only:
--- KEYS[4] replaced  hash: superseded task id -> the one that replaced it;
+-- KEYS[4] replaced  hash: superseded task id -> the task's name, a newline and
+--                   the id of the one that replaced it;
 --                   field '' -> when the burst's first send took the key (ms)
 -- ARGV[5] debounce ms (0: off)   ARGV[6] debounce_max ms (0: off)
 --
@@ -46,7 +47,7 @@ if other then
     -- the superseded call names this one, the call that took its place (the
     -- ones it had replaced keep naming it: each send costs the same however
     -- long the burst)
-    redis.call('HSET', replaced, holder, task_id)
+    redis.call('HSET', replaced, holder, ARGV[4] .. '\n' .. task_id)
     -- the hash outlives every superseded message: as long as the longest marker
     local keep = math.max(tonumber(ARGV[3]), redis.call('PTTL', queued),
       redis.call('PTTL', replaced))
