@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from typing import Any, Iterator
 
@@ -13,7 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, is_skipped
-from tests.support import Worker, wait_for
+from tests.support import ROOT, Worker, wait_for
 from tests.test_cli import run_cli
 from tests.workerapp import make_app
 
@@ -41,13 +43,38 @@ def test_at_most_n_run_at_once_each_in_its_own_slot(app, events, key, two_worker
     while three run are skipped naming a holder. While three run, `celery
     singleton key` shows 3/3 slots used."""
     t = app.tasks["t.limit3"]
-    calls = [t.delay(key, 5.0, f"c{i}") for i in range(8)]
+    calls = [t.delay(key, 8.0, f"c{i}") for i in range(8)]
     wait_for(lambda: len(events.starts()) >= 3, 15, what="three starts")
     out = run_cli(two_workers[0].env, "key", "t.limit3", "--args", json.dumps([key]), "--json")
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
     assert (shown["limit"], shown["slots_used"]) == (3, 3)
     assert sorted(r["slot"] for r in shown["locks"] if r["state"] == "run") == [1, 2, 3]
+    # the workers say which slot each of their held locks is in: `celery
+    # inspect singleton_locks`, and the stats rows Flower's worker page shows
+    lockkey = events.starts()[0]["lockkey"].split(":lock")[0]
+
+    def stats_rows() -> Any:
+        stats = app.control.inspect(timeout=5, limit=len(two_workers)).stats() or {}
+        rows = [v for node in stats.values() for k, v in node.items()
+                if k.startswith("singleton lock ") and lockkey in v]
+        return rows if len(rows) == 3 else None
+
+    rows = wait_for(stats_rows, 15, what="three held slots in the workers' stats")
+    assert sorted(row.split("  slot=")[1].split()[0] for row in rows if "  slot=" in row) == [
+        "2", "3"], rows
+
+    def inspected() -> Any:
+        out = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "inspect",
+             "singleton_locks", "--json", "--timeout", "5"],
+            env=two_workers[0].env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        held = [lock for reply in json.loads(out.stdout or "{}").values()
+                for lock in (reply.get("locks") or ()) if lock["key"].startswith(lockkey)]
+        return held if len(held) == 3 else None
+
+    held = wait_for(inspected, 15, what="three held slots in celery inspect")
+    assert sorted(lock["slot"] for lock in held) == [1, 2, 3]
     results = [c.get(timeout=30) for c in calls]
     ran = [r for r in results if not is_skipped(r)]
     skipped = [r for r in results if is_skipped(r)]
