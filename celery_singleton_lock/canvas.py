@@ -1,13 +1,35 @@
-"""What a SingletonTask's messages carry on: a skipped member's links and chain,
-sent as Celery sends them after a success, and when a message may start.
+"""A SingletonTask's messages in a canvas: whether a send is a canvas member,
+a skipped member's links and chain, sent as Celery sends them after a
+success, and when a message may start.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, Mapping, Optional
 
 from celery import Task
+
+#: send options that make a message a member of a canvas (a chord, a group, a link)
+_CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
+
+
+def in_a_canvas(task_id: Optional[str], options: Mapping[str, Any]) -> bool:
+    """A send that is part of a canvas: a chain's or group's member, a link,
+    or the body of the chord of the task running here."""
+    return ("chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
+            or _is_chord_body(task_id))
+
+
+def _is_chord_body(task_id: Optional[str]) -> bool:
+    """This send is the body of the chord of the task running here: Celery 5.3
+    sends it with no canvas option at all (later ones add its group id)."""
+    from celery import current_task
+
+    body = getattr(getattr(current_task, "request", None), "chord", None)
+    options = body.get("options") if isinstance(body, Mapping) else None
+    return task_id is not None and isinstance(options, Mapping) and (
+        options.get("task_id") == task_id)
 
 
 def send_on(task: Task, result: Any, req: Any) -> None:

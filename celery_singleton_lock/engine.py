@@ -7,8 +7,8 @@ names their answers, :mod:`.process` says who holds a key and whether it lives.
 :mod:`.calls` builds each script's arguments; :mod:`.engines` makes one
 engine per app and process, anew after fork.
 
-Over 400 lines: one class, every lock operation on one server or Cluster beside
-the others; the scripts' arguments are in :mod:`.calls`.
+The scripts' arguments are in :mod:`.calls`; a Cluster's renewal rounds, one
+call per slot, in :mod:`.clusterrenew`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from .calls import (
     renew_call,
     unqueue_call,
 )
-from .cluster import ClusterWire, LazyCluster, slot_of
+from .cluster import ClusterWire, LazyCluster
+from .clusterrenew import renew_per_slot
 from .config import SingletonConfig
 from .exceptions import TooFewReplicasError
 from .keys import LockKeys
@@ -273,7 +274,9 @@ class LockEngine:
         if not entries:
             return []
         if isinstance(self.wire, ClusterWire):
-            return self._renew_per_slot(entries)
+            return renew_per_slot(self.wire, self._renew, entries, wait=self._wait,
+                                  wait_replicas=self.config.wait_replicas,
+                                  chunk=self.renew_chunk)
         chunk = self.renew_chunk
         calls: list[tuple[list[str], list[Any]]] = []
         for start in range(0, len(entries), chunk):
@@ -290,87 +293,6 @@ class LockEngine:
         for (keys, _), reply in zip(calls, answers):
             out.extend(replies.renewed(reply, len(keys)))
         return out
-
-    def _renew_per_slot(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
-        """Renew on a Cluster: one call per slot (a script may touch one slot
-        only), all sent before any reply is read, so a round costs about one
-        round trip per node. With ``WAIT`` on, see :meth:`_renew_per_node`."""
-        assert isinstance(self.wire, ClusterWire)
-        groups: dict[int, list[int]] = {}
-        for i, entry in enumerate(entries):
-            groups.setdefault(slot_of(entry[0]), []).append(i)
-        if self._wait:
-            return self._renew_per_node(entries, groups)
-        out: list[Optional[Renew]] = [None] * len(entries)
-        errors: list[Exception] = []
-
-        def answer(indexes: list[int]) -> Any:
-            def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
-                if error is not None:
-                    errors.append(error)
-                    return
-                for i, result in zip(indexes, replies.renewed(reply, len(indexes))):
-                    out[i] = result
-            return done
-
-        for indexes in groups.values():
-            try:
-                self.wire.call_later(self._renew, *renew_call([entries[i] for i in indexes]),
-                                     answer(indexes))
-            except redis.RedisError as exc:
-                errors.append(exc)
-        self.wire.settle()
-        return _renew_answers(out, errors)
-
-    def _renew_per_node(self, entries: Sequence[tuple[str, str, int]],
-                        groups: dict[int, list[int]]) -> list[Renew]:
-        """Renew on a Cluster with ``WAIT``: the calls of every slot a node
-        serves in one write with ``WAIT`` after them, on the same connection,
-        so WAIT counts that node's replicas for exactly these writes. Nodes are
-        asked one after another (each may wait up to ``singleton_wait_timeout``)."""
-        assert isinstance(self.wire, ClusterWire)
-        by_node: dict[int, tuple[Wire, list[list[int]]]] = {}
-        out: list[Optional[Renew]] = [None] * len(entries)
-        errors: list[Exception] = []
-        for indexes in groups.values():
-            try:
-                wire = self.wire.wire_for(entries[indexes[0]][0])
-            except redis.RedisError as exc:
-                errors.append(exc)
-                continue
-            for start in range(0, len(indexes), self.renew_chunk):
-                by_node.setdefault(id(wire), (wire, []))[1].append(
-                    indexes[start:start + self.renew_chunk])
-        short: list[str] = []
-        for wire, parts in by_node.values():
-            calls = [renew_call([entries[i] for i in part]) for part in parts]
-            try:
-                answers, acked = wire.call_many(self._renew, calls, after=self._wait)
-            except redis.exceptions.AskError:  # MOVED too: the slot map changed
-                self.wire.refresh()
-                answers, acked = [], None
-                for keys, args in calls:  # once more, to the new owners, without WAIT
-                    try:
-                        answers.append(self.wire.call(self._renew, keys, args)[0])
-                    except redis.RedisError as exc:
-                        errors.append(exc)
-                        answers.append(None)
-            except redis.RedisError as exc:
-                if isinstance(exc, BROKEN):
-                    self.wire.stale()  # the node is gone: its replica may serve next round
-                errors.append(exc)
-                continue
-            for part, reply in zip(parts, answers):
-                if reply is not None:
-                    for i, result in zip(part, replies.renewed(reply, len(part))):
-                        out[i] = result
-            if not isinstance(acked, int) or acked < self.config.wait_replicas:
-                short.append(f"{acked} on {wire.name}")
-        if short:
-            # renewed on the primaries all the same: only a failover now could cost them
-            logger.warning("Renewed singleton locks but fewer than %d replicas acknowledged "
-                           "(%s)", self.config.wait_replicas, ", ".join(short))
-        return _renew_answers(out, errors)
 
     def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
                 hostname: str, retries: int, task_name: str) -> Reclaimed:
@@ -460,12 +382,3 @@ class LockEngine:
             time.sleep(0.05)
         forget_seen(holder.pid)  # seen gone just now: no remembered answer
         return self.clear_dead_holder(keys, holder)
-
-
-def _renew_answers(out: list[Optional[Renew]], errors: list[Exception]) -> list[Renew]:
-    """A round's answers; the first error when no lock was answered at all. A
-    slot whose node failed this round leaves its locks alone, as on any Redis
-    error: their own deadlines make them lost if it lasts."""
-    if errors and all(result is None for result in out):
-        raise errors[0]
-    return [Renew.UNANSWERED if result is None else result for result in out]

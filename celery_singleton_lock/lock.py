@@ -20,6 +20,9 @@ logger = logging.getLogger("celery_singleton_lock")
 #: the clock leases are counted on; a test may hand a lock another
 Clock = Callable[[], float]
 
+#: the attribute of a task's request that holds its execution's lock
+REQUEST_ATTR = "_singleton_lock"
+
 
 class SingletonLock:
     """What a running task sees as ``self.singleton``.

@@ -1,10 +1,7 @@
 """SingletonTask: take the key's lock before the body runs, hold it while it runs.
 
 Orchestration only: the engine does the Redis work, :mod:`.policies` decides
-what a conflict gets, and this module carries the decision out with Celery.
-
-Over 400 lines: one class, a task's whole path in order (send, run, skip,
-release, retry); decisions are in :mod:`.policies`.
+what a conflict gets, and :mod:`.outcomes` carries the decision out with Celery.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import redis
 from celery import Task
@@ -22,51 +19,25 @@ from kombu.utils.uuid import uuid
 
 from . import monitor, policies
 from .bootsteps import SingletonStep
-from .canvas import delay_of, send_delay, send_on
+from .canvas import delay_of, in_a_canvas, send_delay
 from .config import TASK_OPTIONS, SingletonConfig, check_task_names, get_config
 from .engine import LockEngine
 from .engines import engine_for
-from .exceptions import LockBackendError, WaitingForKey
+from .exceptions import LockBackendError
 from .heartbeat import heartbeat_for
 from .keys import KeyBuilder, KeySpec, LockKeys
-from .lock import SingletonLock
+from .lock import REQUEST_ATTR, SingletonLock
+from .outcomes import IGNORE, carry_out
 from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
 from .replacing import debounced, replace_args, supersede
 from .replies import Acquire, Acquired, Release, Released
-from .results import DeduplicatedResult, skip_result
-from .skiplog import log_skip
+from .results import DeduplicatedResult
 from .ticks import claim_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
 
-_LOCK_ATTR = "_singleton_lock"
 _ENTERED_ATTR = "_singleton_entered"
-#: header counting how often a request was sent again to wait for its key
-WAITS_HEADER = "singleton_waits"
-_CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error")
-#: how Flower's result of a skip names the holder, by the skip's reason
-_RESULT_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by"}
-
-
-def _is_chord_body(task_id: Optional[str]) -> bool:
-    """This send is the body of the chord of the task running here: Celery 5.3
-    sends it with no canvas option at all (later ones add its group id)."""
-    from celery import current_task
-
-    body = getattr(getattr(current_task, "request", None), "chord", None)
-    options = body.get("options") if isinstance(body, Mapping) else None
-    return task_id is not None and isinstance(options, Mapping) and (
-        options.get("task_id") == task_id)
-
-
-class _Ended:
-    """Returned up to ``__call__`` by a skip that ends with ``Ignore``."""
-
-
-#: Celery formats the traceback of an ``Ignore`` twice, each frame's source
-#: line parsed again: raised in ``__call__``, it has the fewest frames to format
-_IGNORE = _Ended()
 
 
 @dataclass(frozen=True)
@@ -159,11 +130,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     def singleton(self) -> SingletonLock:
         """This execution's lock: ``.key``, ``.token``, ``.lost``, ``.check()``."""
         req = self.request
-        lock: Optional[SingletonLock] = getattr(req, _LOCK_ATTR, None)
+        lock: Optional[SingletonLock] = getattr(req, REQUEST_ATTR, None)
         if lock is None:
             keys = self.singleton_keys(*(req.args or ()), **(req.kwargs or {}))
             lock = SingletonLock(keys, task_id=req.id or "", task_name=self.name)
-            setattr(req, _LOCK_ATTR, lock)
+            setattr(req, REQUEST_ATTR, lock)
         return lock
 
     # -- sending ----------------------------------------------------------------
@@ -186,8 +157,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         task_id = task_id or uuid()
         keys = self.singleton_settings().builder.keys(args or (), kwargs or {})
         engine = engine_for(self.app)
-        in_canvas = ("chain" in options or any(options.get(o) for o in _CANVAS_OPTIONS)
-                     or _is_chord_body(task_id))
+        in_canvas = in_a_canvas(task_id, options)
         replace = None if in_canvas else replace_args(config)
         marker_ms = int((send_delay(self, options) + config.queue_ttl + config.debounce) * 1000)
         try:
@@ -247,12 +217,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         setattr(req, _ENTERED_ATTR, True)
         if req.is_eager:
-            setattr(req, _LOCK_ATTR, SingletonLock(
+            setattr(req, REQUEST_ATTR, SingletonLock(
                 self.singleton_keys(*args, **kwargs), task_id=req.id or "", task_name=self.name
             ))
             return self.run(*args, **kwargs)
         result = self._run_locked(req, args, kwargs)
-        if result is _IGNORE:
+        if result is IGNORE:
             raise Ignore()
         return result
 
@@ -274,12 +244,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             monitor.count(engine, "backend_errors", self.name, "run")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
                                                  key=keys.base, error=exc)
-            return self._carry_out(decision, config, keys, args, kwargs, backend_error=exc)
+            return carry_out(self, decision, config, keys, args, kwargs, backend_error=exc)
 
         if answer.status is not Acquire.GRANTED:
             decision = policies.at_run(answer, on_duplicate=config.on_duplicate,
                                        task_name=self.name, key=keys.base)
-            return self._carry_out(decision, config, keys, args, kwargs)
+            return carry_out(self, decision, config, keys, args, kwargs)
 
         lock = SingletonLock(
             keys.slot(answer.slot), task_id=req.id, task_name=self.name, exec_id=exec_id,
@@ -294,8 +264,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             stale = LockBackendError(keys.base, "the grant arrived after its lease ran out")
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
                                                  key=keys.base, error=stale)
-            return self._carry_out(decision, config, keys, args, kwargs, backend_error=stale)
-        setattr(req, _LOCK_ATTR, lock)
+            return carry_out(self, decision, config, keys, args, kwargs, backend_error=stale)
+        setattr(req, REQUEST_ATTR, lock)
         logger.debug("Acquired singleton lock %s for %s[%s] token=%s",
                      keys.base, self.name, req.id, lock.token)
         heartbeat = heartbeat_for(engine)
@@ -323,109 +293,6 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._release(engine, lock, config.done_ttl if succeeded else 0.0,
                               finished=not interrupted)
             monitor.observe_hold(engine, self.name, time.monotonic() - started)
-
-    def _carry_out(self, decision: Decision, config: SingletonConfig, keys: LockKeys,
-                   args: Sequence[Any], kwargs: Mapping[str, Any],
-                   backend_error: Optional[Exception] = None) -> Any:
-        """Do what :mod:`.policies` decided for an execution that did not get its lock."""
-        req = self.request
-        name, task_id, do = self.name, req.id, decision.do
-        if do is Do.SKIP:
-            skipped = skip_result(keys.base, decision.holder, decision.reason, decision.state,
-                                  decision.reopens_in)
-            log_skip(logger, name, task_id, skipped)  # and not as Celery's "succeeded"
-            monitor.count(engine_for(self.app), "skipped", name, decision.reason)
-            return self._end_skipped(req, skipped)
-        if do is Do.DROP:
-            logger.info("Dropped redelivered %s[%s]: %s", name, task_id, decision.reason)
-            raise Ignore()
-        if do is Do.WAIT_QUIETLY:
-            logger.info("Redelivered %s[%s] waits for %s (%s)", name, task_id, decision.reason,
-                        decision.holder)
-            self._send_again(config, args, kwargs)
-            raise Ignore()
-        if do is Do.WAIT:
-            if backend_error is not None:
-                logger.warning("Lock backend unavailable for %s[%s] (%r): retrying later",
-                               name, task_id, backend_error)
-            else:
-                logger.info("Duplicate %s[%s] waits: %s is held by %s (%s)", name, task_id,
-                            keys.base, decision.holder, decision.reason)
-            try:
-                sig, countdown = self._send_again(config, args, kwargs,
-                                                  backend_error=backend_error is not None,
-                                                  at=decision.reopens_in)
-            except Exception as publish_exc:
-                if backend_error is None:
-                    raise
-                # Neither Redis nor the broker took it: fail loudly, never drop silently.
-                raise LockBackendError(keys.base, f"{backend_error!r}; retry not sent: "
-                                                  f"{publish_exc!r}") from backend_error
-            why = decision.reason if backend_error is not None else (
-                f"{keys.base} is held by {decision.holder}")
-            if backend_error is not None:
-                raise Retry(why, when=countdown, sig=sig)
-            monitor.count(engine_for(self.app), "waited", name)
-            # The reason Celery records for the RETRY (Flower's "exception"):
-            # that it waits, and for whom.
-            raise Retry(why, exc=WaitingForKey(name, keys.base, decision.holder),
-                        when=countdown, sig=sig)
-        if do is Do.RUN_UNLOCKED:
-            logger.warning("Lock backend unavailable for %s[%s] (%r): running WITHOUT the lock",
-                           name, task_id, backend_error)
-            setattr(self.request, _LOCK_ATTR, SingletonLock(keys, task_id=task_id,
-                                                            task_name=name))
-            return self.run(*args, **kwargs)
-        assert do is Do.FAIL and decision.error is not None, decision
-        raise decision.error
-
-    def _end_skipped(self, req: Any, result: dict[str, Any]) -> Any:
-        """End a skipped duplicate so that Flower shows it as SKIPPED while its
-        caller, its chain and its chord see an ordinary success.
-
-        The result is stored here (``.get()`` returns it at once; a chord
-        counts the member done), the chain and links it belongs to are sent on
-        with it, a ``task-skipped`` event carries holder, reason and key, and
-        ``Ignore`` ends the run: a ``task-succeeded`` would outrank SKIPPED.
-
-        Only when the worker sends task events (``-E``): with none, no monitor
-        can show a state, and Celery's handling of ``Ignore`` (it formats the
-        traceback twice) costs about 4 ms of CPU per skip, where returning the
-        result costs a tenth of that. Without a worker (``apply()``) the result
-        is simply returned too.
-        """
-        if req.is_eager or req.called_directly or not req.id or not (
-                monitor.worker_events_on(self)):
-            return result
-        ignored = getattr(req, "ignore_result", None)
-        if ignored is None:
-            ignored = self.ignore_result
-        if req.callbacks or req.chain:
-            send_on(self, result, req)
-        self.backend.mark_as_done(req.id, result, request=req, store_result=not ignored)
-        # "result" is the field Flower shows on the task row and page
-        verb = _RESULT_VERBS.get(result["reason"], "duplicate of")
-        monitor.send_task_event(self, "task-skipped", holder=result["holder"],
-                                reason=result["reason"], key=result["key"],
-                                result=f"{verb} {result['holder']} ({result['key']})")
-        return _IGNORE  # raised as Ignore by __call__
-
-    def _send_again(self, config: SingletonConfig, args: Sequence[Any],
-                    kwargs: Mapping[str, Any], backend_error: bool = False,
-                    at: Optional[float] = None) -> tuple[Any, float]:
-        """Send this very request again (same task id, same retries) after a
-        backoff, or ``at`` seconds from now (a throttle window reopens then)."""
-        req = self.request
-        waits = int(getattr(req, WAITS_HEADER, None) or 0)
-        countdown = policies.backoff(config, waits, backend_error=backend_error) if (
-            at is None) else at + policies.THROTTLE_SLACK
-        headers = dict(req.headers or {}) if isinstance(req.headers, dict) else {}
-        headers[WAITS_HEADER] = waits + 1
-        sig = self.signature_from_request(
-            req, list(args), dict(kwargs), countdown=countdown, retries=req.retries,
-            headers=headers)
-        sig.apply_async()
-        return sig, countdown
 
     def _acquire(self, engine: LockEngine, config: SingletonConfig, keys: LockKeys, req: Any,
                  exec_id: str) -> Acquired:
@@ -494,7 +361,7 @@ class SingletonTask(Task):  # type: ignore[misc]
               eta: Any = None, countdown: Any = None, max_retries: Any = None,
               **options: Any) -> Any:
         """Celery's retry; the key stays held for the retried execution."""
-        lock: Optional[SingletonLock] = getattr(self.request, _LOCK_ATTR, None)
+        lock: Optional[SingletonLock] = getattr(self.request, REQUEST_ATTR, None)
         handing_off = lock is not None and lock.held and not lock.handed_off
         if handing_off:
             assert lock is not None
