@@ -80,9 +80,9 @@ class Heartbeat:
         self._owed = False
 
     def add(self, lock: SingletonLock) -> None:
-        with self._mutex:
+        with self._mutex.lock:
             self._held[id(lock)] = lock
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:  # set back to None if the renewer ever ends
                 self._thread = threading.Thread(
                     target=self._run, name="singleton-heartbeat", daemon=True
                 )
@@ -92,7 +92,7 @@ class Heartbeat:
                 os.write(self._wake_w, b"x")
 
     def discard(self, lock: SingletonLock) -> None:
-        with self._mutex:
+        with self._mutex.lock:
             self._held.pop(id(lock), None)
 
     def held(self) -> list[SingletonLock]:
@@ -105,15 +105,19 @@ class Heartbeat:
         return min(lock.lease for lock in self._held.values()) / RENEW_FRACTION
 
     def _run(self) -> None:
-        with self._mutex:
-            self._sleeping = self._interval_locked()
-        next_round = time.monotonic() + self._sleeping
-        while True:
-            try:
-                next_round = self._step(next_round)
-            except Exception:  # never let the renewer die
-                logger.exception("Singleton heartbeat round failed")
-                time.sleep(RECONNECT_MAX)
+        try:
+            with self._mutex:
+                self._sleeping = self._interval_locked()
+            next_round = time.monotonic() + self._sleeping
+            while True:
+                try:
+                    next_round = self._step(next_round)
+                except Exception:  # never let the renewer die
+                    logger.exception("Singleton heartbeat round failed")
+                    time.sleep(RECONNECT_MAX)
+        finally:  # only a BaseException ends it: the next add starts another
+            with self._mutex:
+                self._thread = None
 
     def _step(self, next_round: float) -> float:
         """Wait for the round, a wake-up or the server going away; act; the next

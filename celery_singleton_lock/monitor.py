@@ -26,6 +26,7 @@ lost; a Redis that cannot be reached keeps them for the next round.
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import json
 import logging
@@ -137,33 +138,38 @@ class Publisher:
         """After fork: the parent's pending counts are the parent's to write."""
         self.__init__()  # type: ignore[misc]
 
-    def add(self, engine: Optional[Any], field: str, amount: float = 1) -> None:
-        with self._mutex:
-            self._counts[field] = self._counts.get(field, 0) + amount
-            self._start_locked(engine)
-
-    def watch(self, engine: Any) -> None:
-        """Publish this process's held locks (called when it takes one)."""
-        if self._thread is None or not self._thread.is_alive():
-            with self._mutex:
+    def add(self, engine: Optional[Any], field: str, amount: float = 1,
+            field2: Optional[str] = None, amount2: float = 0) -> None:
+        """Add ``amount`` to ``field`` (and ``amount2`` to ``field2``), in one
+        hold of the mutex: this runs for every task."""
+        with self._mutex.lock:
+            counts = self._counts  # flush swaps it, under the mutex
+            counts[field] = counts.get(field, 0) + amount
+            if field2 is not None:
+                counts[field2] = counts.get(field2, 0) + amount2
+            if self._thread is None:
                 self._start_locked(engine)
 
     def _start_locked(self, engine: Optional[Any]) -> None:
         if self._engine is None and engine is not None:
             self._engine = engine
-        if self._engine is None or (self._thread is not None and self._thread.is_alive()):
+        if self._engine is None or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="singleton-stats", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait(PUBLISH_INTERVAL)
-            self._wake.clear()
-            try:
-                self.flush()
-            except Exception:  # never let the publisher die
-                logger.exception("Publishing singleton lock stats failed")
+        try:
+            while True:
+                self._wake.wait(PUBLISH_INTERVAL)
+                self._wake.clear()
+                try:
+                    self.flush()
+                except Exception:  # never let the publisher die
+                    logger.exception("Publishing singleton lock stats failed")
+        finally:  # only a BaseException ends it: the next add starts another
+            with self._mutex:
+                self._thread = None
 
     def flush(self, quiet: bool = False) -> None:
         """Write the pending counts and the held locks now (one pipeline)."""
@@ -221,6 +227,10 @@ def _field(counter: str, task_name: str, reason: str = "") -> str:
     return _SEP.join((counter, task_name, NODE.hostname, reason))
 
 
+#: (task name, hostname) -> the hold time fields: each bucket's and the sum's
+_hold_fields: dict[tuple[str, str], tuple[list[str], str]] = {}
+
+
 def count(engine: Optional[Any], counter: str, task_name: str, reason: str = "") -> None:
     """Add one to ``counter`` of ``task_name`` (written within a publish interval)."""
     PUBLISHER.add(engine, _field(counter, task_name, reason))
@@ -228,11 +238,14 @@ def count(engine: Optional[Any], counter: str, task_name: str, reason: str = "")
 
 def observe_hold(engine: Any, task_name: str, seconds: float) -> None:
     """A lock of ``task_name`` was held ``seconds``: the hold time histogram."""
-    for bound in HOLD_BUCKETS:
-        if seconds <= bound:
-            PUBLISHER.add(engine, _field("hold_bucket", task_name, _bound(bound)))
-            break
-    PUBLISHER.add(engine, _field("hold_sum", task_name), seconds)
+    fields = _hold_fields.get((task_name, NODE.hostname))
+    if fields is None:
+        fields = _hold_fields[(task_name, NODE.hostname)] = (
+            [_field("hold_bucket", task_name, _bound(b)) for b in HOLD_BUCKETS],
+            _field("hold_sum", task_name))
+    buckets, total = fields
+    index = bisect.bisect_left(HOLD_BUCKETS, seconds)  # the first bound >= seconds
+    PUBLISHER.add(engine, buckets[index], 1, total, seconds)
 
 
 def _bound(bound: float) -> str:

@@ -48,28 +48,30 @@ class ForkSafeLock:
     fresh one in the child (which runs one thread at that point).
     """
 
-    __slots__ = ("__weakref__", "_lock")
+    __slots__ = ("__weakref__", "lock")
 
     _all: ClassVar[weakref.WeakSet[ForkSafeLock]] = weakref.WeakSet()
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        #: the current ``threading.Lock`` (a fresh one in a forked child): on a
+        #: path run for every task, ``with mutex.lock:`` calls no Python method
+        self.lock = threading.Lock()
         ForkSafeLock._all.add(self)
 
     def __enter__(self) -> bool:
-        return self._lock.acquire()
+        return self.lock.acquire()
 
     def __exit__(self, exc_type: Optional[type[BaseException]],
                  exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
-        self._lock.release()
+        self.lock.release()
 
     def locked(self) -> bool:
-        return self._lock.locked()
+        return self.lock.locked()
 
     @classmethod
     def _renew_all(cls) -> None:
         for lock in list(cls._all):
-            lock._lock = threading.Lock()
+            lock.lock = threading.Lock()
 
 
 at_fork_in_child(ForkSafeLock._renew_all)

@@ -227,8 +227,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         return result
 
     def _run_locked(self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        config = self.singleton_settings().config
-        keys = self.singleton_settings().builder.keys(args, kwargs)
+        settings = self.singleton_settings()
+        config = settings.config
+        keys = settings.builder.keys(args, kwargs)
         engine = engine_for(self.app)
         # Sent by a singleton beat: one run per (entry, tick) even if two beats
         # sent it (a claim lost in a failover). Checked before the lock, so the

@@ -59,15 +59,27 @@ class Script:
 
 def pack(parts: Sequence[Any]) -> bytes:
     """One RESP command; our arguments are only str and int."""
-    out = [b"*%d\r\n" % len(parts)]
+    return b"*%d\r\n%s" % (len(parts), _bulks(parts))
+
+
+def _bulks(parts: Sequence[Any]) -> bytes:
+    out = []
     for part in parts:
         data = part.encode() if isinstance(part, str) else b"%d" % part
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
 
 
+#: ``$7 EVALSHA $40 <sha>`` of each script, packed once
+_EVALSHA_HEADS: dict[str, bytes] = {}
+
+
 def evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
-    return pack(["EVALSHA", script.sha, len(keys), *keys, *args])
+    head = _EVALSHA_HEADS.get(script.sha)
+    if head is None:
+        head = _EVALSHA_HEADS[script.sha] = _bulks(["EVALSHA", script.sha])
+    return b"*%d\r\n%s%s" % (len(keys) + len(args) + 3, head,
+                               _bulks([len(keys), *keys, *args]))
 
 
 class _Pending:

@@ -125,3 +125,19 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
     # ours: one script call to take and one to free, nothing sent besides
     calls = out.stdout.split(lines["ours"])[1].splitlines()[1]
     assert "evalsha 2 " in calls and "del 1 " in calls, calls
+
+
+def test_task_process_tool_runs_each_kind_under_the_lock(redis_server):
+    """benchmarks.taskcpu's child (what callgrind counts) runs plain and ours;
+    ours proves the lock was taken by printing a fencing token."""
+    from benchmarks.taskcpu import CHILD
+
+    for kind in ("plain", "ours"):
+        out = subprocess.run([sys.executable, "-c", CHILD, kind, "5", redis_server.url(0)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert ("token " in out.stdout) == (kind == "ours"), out.stdout
+    # and callgrind reads a total for a child (the smallest one: no calls)
+    from benchmarks.taskcpu import instructions
+
+    assert instructions("plain", 0, redis_server.url(0), None) > 0

@@ -175,6 +175,37 @@ def test_heartbeat_keeps_a_short_lease_alive_for_many_leases(engine, r):
         hb.discard(lock)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_renewer_that_ended_is_started_again_by_the_next_lock(engine, r):
+    """Taking a lock checks no thread's liveness (it runs for every task): a
+    renewer ended by a BaseException says so, and the next add starts another."""
+    hb = Heartbeat(engine)
+    ended = []
+
+    def fatal_round(next_round: float) -> float:
+        ended.append(True)
+        raise SystemExit("a round raised what 'except Exception' does not catch")
+
+    hb._step = fatal_round  # type: ignore[method-assign]
+    first = SingletonLock(new_keys(), task_id="t0", exec_id="e0", token=1, lease=3.0,
+                          started=time.monotonic(), held=True)
+    hb.add(first)
+    wait_for(lambda: ended and hb._thread is None, 10, what="the renewer to end")
+    del hb._step  # rounds as usual from now on
+    hb.discard(first)
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=1000)
+    lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=got.token,
+                         lease=1.0, started=time.monotonic(), held=True)
+    hb.add(lock)
+    try:
+        assert hb._thread is not None
+        wait_for(lambda: hb.rounds >= 3, 15, what="three rounds of the new renewer")
+        assert owner_field(r, keys.lock, "exec") == "exec-a" and not lock.lost
+    finally:
+        hb.discard(lock)
+
+
 def test_heartbeat_marks_a_taken_over_lock_lost(engine, r):
     keys = new_keys()
     got = take(engine, keys, "task-a", "exec-a", lease_ms=3000)

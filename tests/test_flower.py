@@ -333,6 +333,16 @@ def test_metrics_scrape_after_a_duplicate_storm_counts_skips_and_acquisitions(
     final = scrape(flower)
     assert final[taken] - before.get(taken, 0) == 1
 
+    def bucket(scraped: dict[str, float], le: str) -> float:
+        # the cumulative count of t.hold's holds of at most `le` seconds here
+        return sum(v for k, v in scraped.items() if k.startswith(
+            "celery_singleton_hold_seconds_bucket{") and f'le="{le}"' in k
+            and 'name="t.hold"' in k and f'hostname="{hostname}"' in k)
+
+    # the 3 s hold is in the 5 s bucket, not in the 1 s one
+    assert bucket(final, "5.0") - bucket(before, "5.0") == 1
+    assert bucket(final, "1.0") - bucket(before, "1.0") == 0
+
 
 IMG = ROOT / "docs" / "img"
 
