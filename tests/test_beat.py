@@ -199,7 +199,7 @@ def beat_worker(redis_server: RedisServer) -> Iterator[Worker]:
     worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.beatapp:app"
     worker.start()
     yield worker
-    worker.stop()
+    worker.stop(timeout=5)  # the module's tests are over: a long run still running is killed
 
 
 @pytest.fixture

@@ -167,7 +167,7 @@ def test_marked_blocks_run_and_print_what_the_page_says(sc: Scenario, tmp_path: 
             if beat is not None:
                 stop(beat)
             if worker is not None:
-                worker.stop()
+                worker.stop(timeout=5)  # checked already: a task still running is killed
 
 
 def start_beat(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -22,7 +22,7 @@ from celery_singleton_lock.engines import connect, engine_for
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.process import ForkSafeLock
 from celery_singleton_lock.replies import Acquire
-from tests.support import RedisServer
+from tests.support import RedisServer, wait_for
 
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str) -> Any:
@@ -91,6 +91,9 @@ def test_a_long_outage_leaves_no_connection_behind(own_redis: RedisServer):
         with pytest.raises(redis.ConnectionError):
             take(engine, keys, f"down-{i}")
     own_redis.start()
+    # calls fail at once until the wire's probe has seen the server answer
+    # (its retries back off to 0.25 s): then the first call goes through
+    wait_for(lambda: not engine.wire.outage.down, 10, what="the probe to see Redis back")
     assert take(engine, keys, "back").status is Acquire.GRANTED
     assert engine.wire.connections <= 2
 
