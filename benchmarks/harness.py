@@ -161,9 +161,11 @@ class Bench:
             self.clients.stop()
         if self.capacity_redis is not None:
             self.capacity_redis.stop()
-        if self.threads is not None:
-            self.threads.stop()
-        self.worker.stop()
+        # every section measured already: no warm shutdown to wait for
+        for worker in (self.threads, self.worker):
+            if worker is not None:
+                worker.kill_all()
+                worker.stop()
         self.broker.stop()
         self.locks.stop()
 

@@ -85,7 +85,7 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
         configs = [c for c in CONFIGS if c[1] in app.tasks]
         # warm-up: the worker boots, each library connects and loads its scripts
         for i, (_, name, _) in enumerate(configs):
-            drain(app, counter, name, -10 * tasks * (i + 1), max(100, tasks // 10))
+            drain(app, counter, name, -10 * tasks * (i + 1), max(10, tasks // 10))
         times: dict[str, list[float]] = {c[0]: [] for c in configs}
         offset = 0
         for _ in range(rounds):
@@ -96,6 +96,7 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
                 offset += tasks
         return times
     finally:
+        worker.kill_all()  # measured already: no warm shutdown to wait for
         worker.stop()
 
 
