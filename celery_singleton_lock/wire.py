@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Iterable, Optional, Sequence
 
@@ -50,6 +50,11 @@ class Script:
     name: str
     source: str
     sha: str
+    #: ``$7 EVALSHA $40 <sha>``, packed once: every call starts with it
+    head: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head", _bulks(["EVALSHA", self.sha]))
 
     @classmethod
     def load(cls, name: str) -> Script:
@@ -70,15 +75,8 @@ def _bulks(parts: Sequence[Any]) -> bytes:
     return b"".join(out)
 
 
-#: ``$7 EVALSHA $40 <sha>`` of each script, packed once
-_EVALSHA_HEADS: dict[str, bytes] = {}
-
-
 def evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
-    head = _EVALSHA_HEADS.get(script.sha)
-    if head is None:
-        head = _EVALSHA_HEADS[script.sha] = _bulks(["EVALSHA", script.sha])
-    return b"*%d\r\n%s%s" % (len(keys) + len(args) + 3, head,
+    return b"*%d\r\n%s%s" % (len(keys) + len(args) + 3, script.head,
                                _bulks([len(keys), *keys, *args]))
 
 
