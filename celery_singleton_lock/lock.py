@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from . import monitor
 from .exceptions import LockLostError
 from .keys import LockKeys
+from .replies import Release, Released
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -124,6 +125,27 @@ class SingletonLock:
                 "Lost singleton lock %s (token %s) of %s[%s]: %s",
                 self.key, self.token, self.task_name, self.task_id, reason,
             )
+
+    def released(self, reply: Optional[Released], error: Optional[Exception]) -> None:
+        """What the release's reply says about this lock (read after the task
+        returned, on this process's next call to the lock Redis)."""
+        if error is not None or reply is None:
+            logger.error("Could not release singleton lock %s of %s[%s] (%r): it frees "
+                         "within %ss", self.key, self.task_name, self.task_id, error, self.lease)
+        elif reply.status is Release.FREE and reply.repeated:
+            # The reply of the first attempt was lost with its connection;
+            # finding the key free, the repeat most likely sees that attempt's work.
+            logger.info("Released singleton lock %s of %s[%s] (the release was repeated "
+                        "after a lost reply and found the key free)",
+                        self.key, self.task_name, self.task_id)
+        elif reply.status is Release.FREE:
+            self.mark_lost("at release the lease had run out (the key was free)")
+        elif reply.status is Release.TAKEN:
+            self.mark_lost(
+                "at release another execution held the key" + (
+                    " (the release was repeated after a lost reply: the first attempt "
+                    "may have freed it before that execution took it)"
+                    if reply.repeated else ""))
 
     def __repr__(self) -> str:
         state = "lost" if self._lost_reason else ("held" if self.held else "unlocked")

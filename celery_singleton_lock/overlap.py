@@ -128,7 +128,6 @@ class OverlapMixin:
     def _overlap_init(self) -> None:
         self._buffered: dict[str, Any] = {}  # entries this beat polls a buffered tick of
         self._queued: dict[str, Any] = {}  # buffer_all entries this beat polls the queue of
-        self._ready: dict[str, str] = {}  # buffer_all: last tick sent, seen ended once
         self._stopped: dict[str, str] = {}  # task id this beat last cancelled/terminated
         self._adopt_at = 0.0  # monotonic time of the next look for others' buffers
 
@@ -305,19 +304,20 @@ class OverlapMixin:
     def _queue_gate(self, name: str, keys: Any) -> tuple[str, bool]:
         """(the last tick sent, as stored; whether the run before the next one ended).
 
-        Ended: the lock is free and the last tick sent has started (its run
-        marker exists), or no tick sent is remembered (none, or it did not
-        start within the claim TTL: a beat that died between taking and sending it).
+        Ended: the last tick sent has started (its run marker, which the worker
+        writes once the tick's lock is granted, exists) and, looked at after
+        that, the lock is free; or no tick sent is remembered (none, or it did
+        not start within the claim TTL: a beat that died between taking and
+        sending it). The marker is read first: a lock seen free before its
+        tick's grant would read as "ended" once the marker appears.
         """
         client = engine_for(self.app).client
         prefix = get_config(self.app).key_prefix
         raw = client.get(last_sent_key(prefix, name))
         last = _text(raw) if raw is not None else ""
-        if engine_for(self.app).owner(keys):
+        if last and not client.exists(run_key(prefix, name, from_ms(int(last)))):
             return last, False
-        if not last:
-            return last, True
-        return last, bool(client.exists(run_key(prefix, name, from_ms(int(last)))))
+        return last, not engine_for(self.app).owner(keys)
 
     def _arrive_queued(self, entry: Any, tick: dt.datetime, keys: Any) -> bool:
         """buffer_all: True to send the tick now; else it waits (or the queue is full)."""
@@ -343,27 +343,20 @@ class OverlapMixin:
         return False
 
     def _send_queued(self) -> None:
-        """Send the oldest waiting tick of each queue whose previous run ended.
-
-        Ended is seen on two looks in a row (BUFFER_POLL apart): the worker
-        writes a tick's run marker a moment before it takes the lock, and one
-        look could fall in between.
-        """
+        """Send the oldest waiting tick of each queue whose previous run ended."""
         client = engine_for(self.app).client
         prefix = get_config(self.app).key_prefix
         for name, entry in list(self._queued.items()):
             keys = self._task_keys(entry)
             try:
                 last, ended = self._queue_gate(name, keys)
-                if not ended or self._ready.get(name) != last:
-                    self._ready[name] = last if ended else "\0"
+                if not ended:
                     continue
                 taken = client.eval(_TAKE, 2, queue_key(prefix, name),
                                     last_sent_key(prefix, name), last,
                                     self.singleton_beat.claim_ttl_ms)
             except redis.RedisError:
                 continue
-            self._ready.pop(name, None)
             if taken == -1:
                 del self._queued[name]  # nothing waits
                 continue
@@ -372,4 +365,3 @@ class OverlapMixin:
             tick = from_ms(int(taken))
             logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
             self._send(entry, tick, self.producer)
-

@@ -31,7 +31,7 @@ from .outcomes import IGNORE, carry_out
 from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
 from .replacing import debounced, replace_args, supersede
-from .replies import Acquire, Acquired, Release, Released
+from .replies import Acquire, Acquired
 from .results import DeduplicatedResult
 from .ticks import claim_tick_run
 
@@ -232,10 +232,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         keys = settings.builder.keys(args, kwargs)
         engine = engine_for(self.app)
         # Sent by a singleton beat: one run per (entry, tick) even if two beats
-        # sent it (a claim lost in a failover). Checked before the lock, so the
-        # extra copy neither takes the key nor waits for it (docs/beat.md).
-        if getattr(req, "singleton_beat_tick", None) and not claim_tick_run(
-                engine, config.key_prefix, req):
+        # sent it (a claim lost in a failover). Looked at before the lock, so the
+        # extra copy neither takes the key nor waits for it; claimed once the
+        # lock is granted, so buffer_all reads "ended" right (docs/beat.md).
+        tick = bool(getattr(req, "singleton_beat_tick", None))
+        if tick and not claim_tick_run(engine, config.key_prefix, req, look_only=True):
             raise Ignore()
         exec_id = PROCESS.new_exec_id()
         started = time.monotonic()
@@ -250,6 +251,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         if answer.status is not Acquire.GRANTED:
             decision = policies.at_run(answer, on_duplicate=config.on_duplicate,
                                        task_name=self.name, key=keys.base)
+            if tick and decision.do not in (Do.WAIT, Do.WAIT_QUIETLY):
+                claim_tick_run(engine, config.key_prefix, req)  # decided: not run
             return carry_out(self, decision, config, keys, args, kwargs)
 
         lock = SingletonLock(
@@ -266,6 +269,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
                                                  key=keys.base, error=stale)
             return carry_out(self, decision, config, keys, args, kwargs, backend_error=stale)
+        if tick and not claim_tick_run(engine, config.key_prefix, req):
+            self._release(engine, lock)  # another copy of the tick took it meanwhile
+            raise Ignore()
         setattr(req, REQUEST_ATTR, lock)
         logger.debug("Acquired singleton lock %s for %s[%s] token=%s",
                      keys.base, self.name, req.id, lock.token)
@@ -320,32 +326,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Free ``lock``; ``finished``: the body returned or raised (Celery records
         it), so a redelivered copy of this task id is dropped, not run again."""
         lock.held = False
-        name = self.name
-
-        def answered(reply: Optional[Released], error: Optional[Exception]) -> None:
-            if error is not None or reply is None:
-                logger.error(
-                    "Could not release singleton lock %s of %s[%s] (%r): it frees within %ss",
-                    lock.key, name, lock.task_id, error, lock.lease,
-                )
-            elif reply.status is Release.FREE and reply.repeated:
-                # The reply of the first attempt was lost with its connection;
-                # finding the key free, the repeat most likely sees that attempt's work.
-                logger.info("Released singleton lock %s of %s[%s] (the release was repeated "
-                            "after a lost reply and found the key free)",
-                            lock.key, name, lock.task_id)
-            elif reply.status is Release.FREE:
-                lock.mark_lost("at release the lease had run out (the key was free)")
-            elif reply.status is Release.TAKEN:
-                lock.mark_lost(
-                    "at release another execution held the key" + (
-                        " (the release was repeated after a lost reply: the first attempt "
-                        "may have freed it before that execution took it)"
-                        if reply.repeated else ""))
-
         # The command leaves now and Redis frees the key before anything this
         # process sends next; its reply is read on the next call.
-        engine.release_later(lock.keys, lock.exec_id, lock.task_id, answered,
+        engine.release_later(lock.keys, lock.exec_id, lock.task_id, lock.released,
                              always_record=bool(self.acks_late), done_ttl=done_ttl,
                              task_name=lock.task_name, finished=finished)
 

@@ -178,7 +178,8 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
-def claim_tick_run(engine: LockEngine, prefix: str, request: Any) -> bool:
+def claim_tick_run(engine: LockEngine, prefix: str, request: Any, *,
+                   look_only: bool = False) -> bool:
     """True when this execution is the first of its (entry, tick): let it run.
 
     ``request`` is the task's request (or a mapping of its headers). A message
@@ -188,6 +189,12 @@ def claim_tick_run(engine: LockEngine, prefix: str, request: Any) -> bool:
     answer, True: the task's own lock and its backend-error policy decide.
     ``engine``: the app's lock engine (with Redlock, the marker goes on a
     majority of the masters).
+
+    The task writes the marker once its lock is granted (or its run was
+    decided against), so a marker beside a free lock means that tick's run
+    ended: beat's ``buffer_all`` sends the next tick on it. ``look_only``: a
+    ``GET`` before the lock, so a copy of a tick that already ran neither
+    takes the key nor waits for it.
     """
     entry = _header(request, ENTRY_HEADER)
     tick = _header(request, TICK_HEADER)
@@ -196,7 +203,12 @@ def claim_tick_run(engine: LockEngine, prefix: str, request: Any) -> bool:
     task_id = str(_header(request, "id") or "")
     try:
         key = run_key(prefix, str(entry), _aware(dt.datetime.fromisoformat(str(tick))))
-        first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
+        if look_only:
+            raw = engine.client.get(key)
+            holder = "" if raw is None else str(raw)
+            first = not holder
+        else:
+            first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
     except ValueError:
         logger.warning("Beat tick header %r of entry %r is not a time: not checked", tick, entry)
         return True

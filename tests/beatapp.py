@@ -46,16 +46,24 @@ def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
     def tick(self: Any, tag: str = "") -> None:
         record(self, "tick", tag=tag)
 
-    @app.task(base=SingletonTask, bind=True, name="t.tick_hold", shared=False,
-              singleton_key=("key",))
-    def tick_hold(self: Any, key: str, seconds: float = 0.0) -> None:
+    def hold(task: Any, key: str, seconds: float) -> None:
         n = rec.incr(f"active:{key}")
-        record(self, "start", key=key, concurrent=n)
+        record(task, "start", key=key, concurrent=n)
         try:
             time.sleep(seconds)
         finally:
             rec.decr(f"active:{key}")
-            record(self, "end", key=key)
+            record(task, "end", key=key)
+
+    @app.task(base=SingletonTask, bind=True, name="t.tick_hold", shared=False,
+              singleton_key=("key",))
+    def tick_hold(self: Any, key: str, seconds: float = 0.0) -> None:
+        hold(self, key, seconds)
+
+    @app.task(base=SingletonTask, bind=True, name="t.tick_wait", shared=False,
+              singleton_key=("key",), singleton_on_duplicate="retry")
+    def tick_wait(self: Any, key: str, seconds: float = 0.0) -> None:
+        hold(self, key, seconds)
 
     @app.task(base=SingletonTask, bind=True, name="t.tick_cancellable", shared=False,
               singleton_key=("key",))

@@ -160,3 +160,64 @@ def test_cancel_other_asks_the_running_task_to_stop_then_sends_the_tick(
     assert counted(events)["overlap_cancelled"] >= 1
     logs = "".join(b.logs() for b in beats)
     assert f"the previous run {first['id']} still runs, asked to cancel" in logs
+
+
+def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
+        redis_server, beat_worker, events, r):
+    """buffer_all sends the next tick when the last one's run marker exists and,
+    read after it, the lock is free. So the worker writes the marker once the
+    tick's lock is granted: a copy of a tick waiting for the lock (a run held
+    it; singleton_on_duplicate "retry") has no marker yet, or a beat could read
+    "ended" while that tick has not even started. A tick refused for good
+    (skip) writes it: decided. A second copy of a tick that ran is dropped
+    before it asks for the lock."""
+    from celery_singleton_lock.engines import engine_for
+    from celery_singleton_lock.ticks import run_key
+    from tests.beatapp import make_beat_app
+
+    key = uuid.uuid4().hex[:8]
+    app = make_beat_app(redis_server.url(), beat_worker.queue)
+    engine = engine_for(app)
+    keys = app.tasks["t.tick_wait"].singleton_keys(key)
+    ticks = [dt.datetime(2030, 1, 1, 0, 0, s, tzinfo=dt.timezone.utc) for s in (1, 2)]
+
+    def send(task: str, tick: dt.datetime) -> str:
+        headers = {"singleton_beat_entry": "marked", "singleton_beat_tick": tick_name(tick)}
+        return str(app.tasks[task].apply_async(kwargs={"key": key}, headers=headers).id)
+
+    def waits(task_id: str) -> bool:
+        return f"[{task_id}] waits" in beat_worker.logs()
+
+    engine.acquire(keys, task_id="earlier-run", exec_id="earlier-exec", lease_ms=60_000,
+                   hostname="test@host", retries=0, task_name="t.tick_wait")
+    waiting = send("t.tick_wait", ticks[0])
+    wait_for(lambda: beat_worker.logs().count(f"[{waiting}] waits") >= 2, 30,
+             what="the tick's copy refused twice while the lock is held")
+    assert r.get(run_key("singleton:", "marked", ticks[0])) is None, (
+        "a run marker while its tick waits for the lock")
+    assert engine.release(keys, "earlier-exec", "earlier-run", finished=False)
+    started = wait_for(lambda: [e for e in tick_events(events, "marked", "start")
+                                if e["id"] == waiting], 30, what="the tick's run")
+    assert started[0]["singleton_beat_tick"] == tick_name(ticks[0])
+    assert r.get(run_key("singleton:", "marked", ticks[0])) == waiting
+
+    # a second copy of that tick: dropped on the marker, the lock untouched
+    engine.acquire(keys, task_id="other-run", exec_id="other-exec", lease_ms=60_000,
+                   hostname="test@host", retries=0, task_name="t.tick_wait")
+    copy = send("t.tick_wait", ticks[0])
+    wait_for(lambda: f"Dropped {copy} of beat entry 'marked'" in beat_worker.logs(), 30,
+             what="the second copy dropped")
+    assert not waits(copy)
+
+    assert engine.release(keys, "other-exec", "other-run", finished=False)
+
+    # refused for good (t.tick_hold skips a duplicate): the tick is decided
+    held = app.tasks["t.tick_hold"].singleton_keys(key)
+    engine.acquire(held, task_id="held-run", exec_id="held-exec", lease_ms=60_000,
+                   hostname="test@host", retries=0, task_name="t.tick_hold")
+    skipped = send("t.tick_hold", ticks[1])
+    wait_for(lambda: r.get(run_key("singleton:", "marked", ticks[1])), 30,
+             what="the skipped tick's marker")
+    assert r.get(run_key("singleton:", "marked", ticks[1])) == skipped
+    assert not [e for e in tick_events(events, "marked", "start") if e["id"] == skipped]
+    assert engine.release(held, "held-exec", "held-run", finished=False)
