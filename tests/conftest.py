@@ -9,7 +9,7 @@ import celery
 import pytest
 import redis
 
-from tests.support import RedisServer, Worker
+from tests.support import RedisServer, Worker, discard
 from tests.workerapp import make_app
 
 _CELERY_BEFORE_5_7 = tuple(int(x) for x in celery.__version__.split(".")[:2]) < (5, 7)
@@ -91,7 +91,7 @@ def prefork_worker(redis_server: RedisServer) -> Iterator[Worker]:
     queue = f"q-{uuid.uuid4().hex[:8]}"
     worker = Worker(redis_server.url(), queue, concurrency=3).start()
     yield worker
-    worker.stop()
+    discard(worker)
 
 
 @pytest.fixture(scope="module")

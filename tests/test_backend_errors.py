@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import LockBackendError
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -42,7 +42,7 @@ def setup_for(redis_server: RedisServer, own_redis: RedisServer) -> Iterator[Any
 
     yield make
     for s in made:
-        s.worker.stop()
+        discard(s.worker)
 
 
 def test_retry_policy_waits_for_redis_then_runs_locked(setup_for, events, key):

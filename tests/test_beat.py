@@ -39,7 +39,7 @@ from celery_singleton_lock.ticks import (
     ticks_around,
 )
 from tests import promises
-from tests.support import ROOT, RedisServer, Worker, wait_for
+from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -199,7 +199,7 @@ def beat_worker(redis_server: RedisServer) -> Iterator[Worker]:
     worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.beatapp:app"
     worker.start()
     yield worker
-    worker.stop(timeout=5)  # the module's tests are over: a long run still running is killed
+    discard(worker)  # the module's tests are over: a run still running is killed
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
 from celery_singleton_lock.findings import ERROR, OK, WARNING, Finding
 from celery_singleton_lock.keys import LockKeys
-from tests.support import ROOT, RedisServer, Worker, wait_for
+from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 DOCS = ROOT / "docs" / "redis-acl.md"
@@ -97,7 +97,7 @@ def test_documented_acl_rule_runs_a_real_worker_and_every_check_passes(acl_serve
         assert "Could not publish" not in worker.logs()
         assert acl_server.client(2).exists(app.tasks["t.hold"].singleton_keys(key).lock) == 0
     finally:
-        worker.stop()
+        discard(worker)
 
 
 @pytest.mark.parametrize("command", sorted(set(permissions.PUBLISH_COMMANDS)

@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import LockKeys
-from tests.support import ROOT, RedisServer, Worker, free_port, marker, wait_for
+from tests.support import ROOT, RedisServer, Worker, discard, free_port, marker, wait_for
 from tests.workerapp import make_app
 
 #: an argument value that must never be printed by any command
@@ -423,7 +423,7 @@ def secret_worker() -> Iterator[tuple[Worker, RedisServer]]:
     try:
         yield worker, locks
     finally:
-        worker.stop()
+        discard(worker)
         locks.cleanup()
         broker.cleanup()
 

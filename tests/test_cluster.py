@@ -26,7 +26,15 @@ from celery_singleton_lock.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_ru
 from celery_singleton_lock.watch import ClusterWatch
 from tests import promises
 from tests.deployments import Cluster
-from tests.support import RedisServer, Worker, owner_field, owner_record, wait_for, write_owner
+from tests.support import (
+    RedisServer,
+    Worker,
+    discard,
+    owner_field,
+    owner_record,
+    wait_for,
+    write_owner,
+)
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 30.0}
@@ -152,7 +160,7 @@ def worker(cluster: Cluster, redis_server: RedisServer) -> Iterator[Worker]:
     w = Worker(redis_server.url(), f"cl-{uuid.uuid4().hex[:8]}", concurrency=3,
                lock_url=cluster.url(), conf=CONF).start()
     yield w
-    w.stop()
+    discard(w)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -51,6 +51,10 @@ def test_a_cold_shutdown_loses_no_acks_late_task(redis_server: RedisServer, r: A
         assert not r.exists(lock_keys.fin)
     second = Worker(redis_server.url(), queue, concurrency=2, conf=CONF).start()
     try:
+        wait_for(lambda: len(events.starts(f"cold{round_}-")) == 4, 60,
+                 what="both redeliveries running")
+        for k in keys:  # the bodies' 10 s were for the shutdown; end the reruns now
+            events.client.set(f"finish:{k}", 1)
         for i, res in enumerate(sent):
             assert res.get(timeout=60)["tag"] == f"cold{round_}-{i}"
         assert "already finished" not in second.logs()
@@ -58,4 +62,4 @@ def test_a_cold_shutdown_loses_no_acks_late_task(redis_server: RedisServer, r: A
             runs = [e for e in events.starts(f"cold{round_}-{i}") if e["id"] == res.id]
             assert len(runs) == 2, runs  # interrupted once, then run to the end
     finally:
-        second.stop()
+        discard(second)

@@ -33,7 +33,7 @@ from typing import Optional
 import pytest
 
 from celery_singleton_lock.testing import CeleryWorker, RedisServer
-from tests.support import ROOT
+from tests.support import ROOT, discard
 
 DOCS = ROOT / "docs"
 MARKED = re.compile(
@@ -167,7 +167,7 @@ def test_marked_blocks_run_and_print_what_the_page_says(sc: Scenario, tmp_path: 
             if beat is not None:
                 stop(beat)
             if worker is not None:
-                worker.stop(timeout=5)  # checked already: a task still running is killed
+                discard(worker)
 
 
 def start_beat(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -20,7 +20,7 @@ from celery import Celery
 
 from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
 from tests.pg import own_database
-from tests.support import ROOT, owner_record
+from tests.support import ROOT, discard, owner_record
 
 pytestmark = pytest.mark.worker
 
@@ -131,7 +131,7 @@ def test_a_holder_paused_past_its_lease_has_its_charge_refused_by_postgresql():
                 os.kill(paused, signal.SIGCONT)
             web.terminate()
             web.wait(10)
-            worker.stop()
+            discard(worker)
 
 
 def _up(port: int) -> bool:

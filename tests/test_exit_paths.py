@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
-from tests.support import RedisServer, Worker, wait_for, write_owner
+from tests.support import RedisServer, Worker, discard, wait_for, write_owner
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -29,7 +29,7 @@ def worker(redis_server: RedisServer) -> Iterator[Worker]:
     w = Worker(redis_server.url(), f"exit-{uuid.uuid4().hex[:8]}", concurrency=3,
                conf=LONG_TTL).start()
     yield w
-    w.stop()
+    discard(w)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def own_worker(redis_server: RedisServer, prefix: str, concurrency: int,
     try:
         yield w, make_app(redis_server.url(), w.queue, conf=conf)
     finally:
-        w.stop()
+        discard(w)
 
 
 def lock_exists(app: Any, r: Any, task: str, key: str) -> bool:

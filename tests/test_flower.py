@@ -25,7 +25,7 @@ from celery import chain, chord
 
 from celery_singleton_lock import is_deduplicated, is_skipped
 from celery_singleton_lock.testing import free_port
-from tests.support import ROOT, RedisServer, Worker, wait_for
+from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -98,7 +98,7 @@ def setup(redis_server: RedisServer) -> Iterator[tuple[Worker, Flower, Any, str]
         yield worker, flower, app, hostname
     finally:
         flower.stop()
-        worker.stop()
+        discard(worker)
 
 
 def started(events: Any, tag: str) -> bool:

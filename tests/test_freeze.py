@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import is_skipped
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -45,7 +45,7 @@ def frozen_setup(redis_server: RedisServer, own_redis: RedisServer
     finally:
         if own_redis.proc is not None:
             own_redis.resume()
-        worker.stop()
+        discard(worker)
 
 
 def test_an_acquire_whose_reply_never_came_is_undone_when_redis_thaws(

@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, is_skipped
-from tests.support import ROOT, Worker, wait_for
+from tests.support import ROOT, Worker, discard, wait_for
 from tests.test_cli import run_cli
 from tests.workerapp import make_app
 
@@ -29,7 +29,7 @@ def two_workers(redis_server: Any) -> Iterator[tuple[Worker, Worker]]:
                Worker(redis_server.url(), queue, concurrency=3, name="b").start())
     yield workers
     for w in workers:
-        w.stop()
+        discard(w)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,7 @@ def test_at_most_n_run_at_once_each_in_its_own_slot(app, events, key, two_worker
 
     held = wait_for(inspected, 15, what="three held slots in celery inspect")
     assert sorted(lock["slot"] for lock in held) == [1, 2, 3]
+    events.client.set(f"finish:{key}", 1)  # seen while three run: end their 8 s now
     results = [c.get(timeout=30) for c in calls]
     ran = [r for r in results if not is_skipped(r)]
     skipped = [r for r in results if is_skipped(r)]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import SingletonTask, is_skipped
-from tests.support import RedisServer, Worker, free_port, wait_for, write_owner
+from tests.support import RedisServer, Worker, discard, free_port, wait_for, write_owner
 from tests.workerapp import make_app
 
 
@@ -42,7 +42,7 @@ def test_pool_runs_one_per_key_and_releases(pool, concurrency, redis_server, r, 
         assert max(e["concurrent"] for e in events.starts()) == 1
         assert not r.exists(hold.singleton_keys(key).lock)
     finally:
-        w.stop()
+        discard(w)
 
 
 class Opaque:

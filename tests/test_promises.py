@@ -14,7 +14,7 @@ import pytest
 
 from tests import promises
 from tests.conftest import Events
-from tests.support import RedisServer, Worker
+from tests.support import RedisServer, Worker, discard
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 30.0}
@@ -25,7 +25,7 @@ def worker(redis_server: RedisServer) -> Iterator[Worker]:
     w = Worker(redis_server.url(), f"pr-{uuid.uuid4().hex[:8]}", concurrency=3,
                conf=CONF).start()
     yield w
-    w.stop()
+    discard(w)
 
 
 @pytest.fixture(scope="module")

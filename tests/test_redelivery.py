@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 from kombu.transport import redis as kombu_redis
 
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -33,7 +33,7 @@ def worker(redis_server: RedisServer) -> Iterator[Worker]:
     w = Worker(redis_server.url(), f"redeliver-{uuid.uuid4().hex[:8]}", concurrency=3,
                conf=FAST_REDELIVERY).start()
     yield w
-    w.stop()
+    discard(w)
 
 
 @pytest.fixture(scope="module")

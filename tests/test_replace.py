@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, is_deduplicated, is_skipped
-from tests.support import Worker, wait_for
+from tests.support import Worker, discard, wait_for
 from tests.test_cli import run_cli
 from tests.workerapp import make_app
 
@@ -26,7 +26,7 @@ def two_workers(redis_server: Any) -> Iterator[tuple[Worker, Worker]]:
                Worker(redis_server.url(), queue, concurrency=2, name="b").start())
     yield workers
     for w in workers:
-        w.stop()
+        discard(w)
 
 
 @pytest.fixture(scope="module")

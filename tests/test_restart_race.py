@@ -21,7 +21,7 @@ import redis
 
 from celery_singleton_lock import is_skipped
 from celery_singleton_lock.checks import acl_rule
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -98,7 +98,7 @@ def test_a_restart_anywhere_in_the_renewal_cycle_never_lets_a_duplicate_run(
         task = app.tasks["t.hold"]
         key = uuid.uuid4().hex[:8]
         lock_key = task.singleton_keys(key).lock
-        holder = task.delay(key, 25.0, "holder")
+        holder = task.delay(key, 60.0, "holder")  # until finish:<key> is set
         wait_for(lambda: events.starts("holder"), 15, what="the holder to start")
         admin = lock_server.client(2)
         written: list[float] = []
@@ -119,6 +119,7 @@ def test_a_restart_anywhere_in_the_renewal_cycle_never_lets_a_duplicate_run(
             wait_for_renewal(admin, lock_key)
             wait_for_renewal(admin, lock_key)
             assert denials(admin) == before, admin.acl_log(16)
+        events.client.set(f"finish:{key}", 1)
         assert holder.get(timeout=40)["lost"] is False
         logs = worker.logs()
         assert "Lost singleton lock" not in logs
@@ -129,5 +130,5 @@ def test_a_restart_anywhere_in_the_renewal_cycle_never_lets_a_duplicate_run(
         print(f"\n{user}: written back {ms[0]:.0f} / {ms[len(ms) // 2]:.0f} / {ms[-1]:.0f} ms "
               "(min / median / max) after the restarted server first answered")
     finally:
-        worker.stop()
+        discard(worker)
         lock_server.cleanup()

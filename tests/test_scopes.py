@@ -17,7 +17,7 @@ from celery_singleton_lock import (
     is_deduplicated,
     is_skipped,
 )
-from tests.support import Worker, marker, wait_for
+from tests.support import Worker, discard, marker, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -304,7 +304,7 @@ def test_done_window_survives_a_worker_restart(redis_server, events, key):
     try:
         result = t.delay(key, 0.0, "after-restart").get(timeout=10)
     finally:
-        w2.stop()
+        discard(w2)
     assert is_skipped(result) and result["holder"] == work.id and result["reason"] == "done"
     assert [e["tag"] for e in events.starts()] == ["work"]
 

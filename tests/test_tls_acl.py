@@ -14,7 +14,7 @@ import pytest
 
 from celery_singleton_lock.checks import acl_rule
 from tests.deployments import TlsServer, make_certificates
-from tests.support import Worker, owner_field, wait_for
+from tests.support import Worker, discard, owner_field, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -50,7 +50,7 @@ def test_a_worker_locks_over_tls_as_the_minimal_acl_user(tls_server, redis_serve
         assert not tls_server.client(2).exists(lock)
         assert "may not" not in worker.logs()
     finally:
-        worker.stop()
+        discard(worker)
 
 
 def test_a_wrong_password_over_tls_stops_the_worker_naming_it(tls_server, redis_server):
@@ -64,4 +64,4 @@ def test_a_wrong_password_over_tls_stops_the_worker_naming_it(tls_server, redis_
         assert "refused the credentials of user 'locks'" in text
         assert "wrong" not in text.replace("wrong password", "")
     finally:
-        worker.stop()
+        discard(worker)

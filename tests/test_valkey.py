@@ -23,7 +23,7 @@ from celery_singleton_lock.replies import Acquire, Release, Renew
 from tests import promises
 from tests.conftest import Events
 from tests.deployments import valkey_server_binary
-from tests.support import RedisServer, Worker
+from tests.support import RedisServer, Worker, discard
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 30.0}
@@ -93,7 +93,7 @@ def test_grant_renew_release_and_tokens_that_only_go_up(engine):
 def worker(valkey: RedisServer) -> Iterator[Worker]:
     w = Worker(valkey.url(), f"vk-{uuid.uuid4().hex[:8]}", concurrency=3, conf=CONF).start()
     yield w
-    w.stop()
+    discard(w)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from celery_singleton_lock.exceptions import TooFewReplicasError
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire, Renew
 from tests.conftest import Events
-from tests.support import RedisServer, Worker, owner_field, wait_for
+from tests.support import RedisServer, Worker, discard, owner_field, wait_for
 from tests.workerapp import make_app
 
 
@@ -122,4 +122,4 @@ def test_a_worker_retries_a_grant_too_few_replicas_saw_and_runs_it_once_they_do(
         assert not primary.client(2).exists(hold.singleton_keys(key).lock)
     finally:
         replica.resume()
-        worker.stop()
+        discard(worker)
