@@ -23,6 +23,9 @@ Two references bound what any lock can cost, next to ours and the floor:
   counter + 1, floored at the server clock, as ours): the least a lock pays
   that keeps its fencing tokens.
 
+And, asked for by name (``--workloads ours,fcall``): fcall, ours' two scripts
+as Redis Functions (Redis 7.0+) called with ``FCALL`` instead of ``EVALSHA``.
+
 Both are written the same way on one connection (one round trip per command),
 so the client's own work does not enter: only the server's. The redis-server is
 started here, on a free loopback port, and emptied between workloads. Reported
@@ -54,6 +57,7 @@ from typing import Any, Callable, Optional
 
 import redis
 
+from celery_singleton_lock.calls import SCRIPTS, acquire_call, release_call
 from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
@@ -238,6 +242,36 @@ def ours_workload(server: Server, tasks: int) -> Callable[[], None]:
     return run
 
 
+def fcall_workload(server: Server, tasks: int) -> Callable[[], None]:
+    """Ours' acquire.lua and release.lua unchanged, each the body of a Redis
+    Function (``FUNCTION LOAD``, Redis 7.0+) called with ``FCALL`` instead of
+    ``EVALSHA``, with the same KEYS and ARGV: what Functions would save."""
+    library = "#!lua name=singleton_bench\n" + "".join(
+        f"redis.register_function('singleton_{name}', function(KEYS, ARGV)\n"
+        f"{SCRIPTS[name].source}\nend)\n" for name in ("acquire", "release"))
+    server.client.function_load(library, replace=True)
+    fin_ms = int(SingletonConfig.defaults("redis://").finished_ttl * 1000)  # as the engine's
+    conn = Connection(port=server.port)
+    conn.connect()
+    calls = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex, f"w1:{i}")
+             for i in range(tasks)]
+
+    def fcall(name: str, keys: list[str], argv: list[Any]) -> Any:
+        conn.send_packed_command([pack(["FCALL", f"singleton_{name}", len(keys), *keys,
+                                        *argv])], check_health=False)
+        return conn.read_response()
+
+    def run() -> None:
+        for keys, task_id, exec_id in calls:
+            token = fcall("acquire", *acquire_call(
+                keys, task_id, exec_id, LEASE_MS, "celery@bench", 0, "bench.trivial", "run",
+                fin_ms))
+            if not (isinstance(token, bytes) and token.isdigit()):
+                raise RuntimeError(f"the FCALL acquire was refused a free key: {token!r}")
+            fcall("release", *release_call(keys, exec_id, task_id, True, False, 0.0, fin_ms))
+    return run
+
+
 def skip_workload(server: Server, tasks: int) -> Callable[[], None]:
     """Acquires that find the key held by another task: the skipped duplicates."""
     engine = _engine(server)
@@ -270,6 +304,7 @@ WORKLOADS: dict[str, Callable[[Server, int], Callable[[], None]]] = {
     "floor": floor_workload, "ours": ours_workload, "skip": skip_workload, "get": get_workload,
     "redispy": redispy_workload, "scripts": bare_scripts_workload,
     "fenced": lambda server, tasks: bare_scripts_workload(server, tasks, fenced=True),
+    "fcall": fcall_workload,
 }
 
 

@@ -125,6 +125,14 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
     # ours: one script call to take and one to free, nothing sent besides
     calls = out.stdout.split(lines["ours"])[1].splitlines()[1]
     assert "evalsha 2 " in calls and "del 1 " in calls, calls
+    # ours' scripts as Redis Functions: two FCALLs, each granted (else it raises)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.lockcpu", "--tasks", "200",
+                          "--rounds", "1", "--workloads", "ours,fcall"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("fcall "))
+    calls = out.stdout.split(line)[1].splitlines()[1]
+    assert "fcall 2 " in calls and "evalsha" not in calls, calls
 
 
 def test_task_process_tool_runs_each_kind_under_the_lock(redis_server):
