@@ -22,23 +22,20 @@ where lock logic lives.
   fewer answers leave it alone (its deadline makes it lost, as a lapsed lease),
   a majority that no longer has it makes it lost at once. A master that says
   it no longer has a lock a majority renewed (restarted empty) gets it written
-  back (:meth:`RedlockEngine.refill`, from the renewer).
-- **Claims** (beat's tick claims, the worker's tick-run markers): won on a
-  majority; claimants that split the masters give back and try again.
+  back (:meth:`RedlockEngine.refill`, from the renewer): :mod:`.redlockrenew`.
+- **Claims** (beat's tick claims, the worker's tick-run markers) and the
+  queue scopes' send-time key: won on a majority; claimants that split the
+  masters give back and try again: :mod:`.redlockclaims`.
 - **Release** on every master; one that does not answer is left to its TTL.
 
 Calls to the masters go out concurrently (:mod:`.quorum`): a call waits until
 the answer is decided or every master answered, never longer than
 :attr:`RedlockEngine.call_timeout`.
-
-Over 400 lines: one class, each lock operation's quorum rule beside the
-others'; the per-master threads are in :mod:`.quorum`.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import Counter
@@ -50,17 +47,14 @@ from .config import SingletonConfig
 from .engine import LockEngine
 from .exceptions import ConfigurationError, QuorumError
 from .keys import LockKeys
-from .quorum import MISSING, Master, Masters, _settled_by
+from .quorum import MISSING, Master, _settled_by
+from .redlockclaims import ClaimOnMajority, no_replace
+from .redlockrenew import RenewOnMajority
 from .replies import (
     Acquire,
     Acquired,
-    Enqueue,
-    Enqueued,
-    Reclaim,
-    Reclaimed,
     Release,
     Released,
-    Renew,
 )
 from .servers import CLIENT_DEFAULTS, make_clients
 
@@ -73,20 +67,12 @@ REDLOCK_CLIENT_DEFAULTS: dict[str, Any] = {
     "socket_connect_timeout": 0.5,
 }
 
-#: rounds a claim tries when its claimants split the masters between them
-CLAIM_ROUNDS = 6
-
 #: clock drift allowed per lease (the Redlock rule: 1 % of it plus 2 ms)
 DRIFT_FACTOR = 0.01
 DRIFT_MS = 2
 
 
-def _no_replace() -> ConfigurationError:
-    return ConfigurationError("singleton_on_duplicate", "'replace' needs one lock Redis "
-                              "(a server, Sentinel or Cluster), not redlock://")
-
-
-class RedlockEngine(Masters, LockEngine):
+class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
     """All Redis work of one process for one app, on a majority of masters."""
 
     def __init__(self, masters: Sequence[tuple[str, redis.Redis]],
@@ -148,7 +134,7 @@ class RedlockEngine(Masters, LockEngine):
             raise ConfigurationError("singleton_limit", f"{slots} slots per key: not on "
                                      "Redlock (one server, Sentinel or Cluster only)")
         if replace:
-            raise _no_replace()
+            raise no_replace()
         started = time.monotonic()
         validity = lease_ms / 1000.0 - self.lease_margin(lease_ms / 1000.0)
         quorum, total = self.quorum, len(self.masters)
@@ -304,205 +290,10 @@ class RedlockEngine(Masters, LockEngine):
         for i, master in enumerate(self.masters):
             master.submit(send(i))
 
-    def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
-        """Renew on every master; per lock: RENEWED while a majority renewed it,
-        UNANSWERED when too few masters answered (left alone, like an error),
-        else lost (ABSENT or NOT_OURS, whichever more masters said)."""
-        return self.renew_detail(entries)[0]
-
-    def renew_detail(self, entries: Sequence[tuple[str, str, int]], *, every: bool = False
-                     ) -> tuple[list[Renew], list[list[int]]]:
-        """:meth:`renew`, and per lock the masters that answered that they no
-        longer have it while a majority renewed it (a master restarted empty,
-        or one that evicted the key): :meth:`refill` writes it back there.
-
-        Only masters that answered before the outcome was decided are heard;
-        ``every``: wait for every master (up to :attr:`call_timeout`), as after
-        a master came back, which reconnects and answers last.
-        """
-        if not entries:
-            return [], []
-        quorum = self.quorum
-
-        def all_renewed(results: list[Any]) -> bool:
-            answers = [r for r in results if isinstance(r, list)]
-            return len(answers) >= quorum and all(
-                sum(1 for a in answers if a[i] is Renew.RENEWED) >= quorum
-                for i in range(len(entries)))
-
-        results = self.each(lambda e: e.renew(entries),
-                            decided=None if every else all_renewed)
-        answers = [r for r in results if isinstance(r, list)]
-        if not answers:
-            raise QuorumError(f"renewal of {len(entries)} lock(s)", self._failed(
-                results, lambda r: isinstance(r, list)), 0, quorum)
-        out: list[Renew] = []
-        gaps: list[list[int]] = []
-        for i in range(len(entries)):
-            said = Counter(a[i] for a in answers)
-            gaps.append([])
-            if said[Renew.RENEWED] >= quorum:
-                out.append(Renew.RENEWED)
-                gaps[i] = [m for m, r in enumerate(results)
-                           if isinstance(r, list) and r[i] is Renew.ABSENT]
-            elif said[Renew.HANDED_OFF] and said[Renew.RENEWED] + said[Renew.HANDED_OFF] >= quorum:
-                out.append(Renew.HANDED_OFF)
-            elif len(answers) - said[Renew.RENEWED] - said[Renew.HANDED_OFF] < quorum:
-                out.append(Renew.UNANSWERED)  # a majority may still have it
-            else:
-                out.append(Renew.NOT_OURS if said[Renew.NOT_OURS] > said[Renew.ABSENT]
-                           else Renew.ABSENT)
-        return out, gaps
-
-    def refill(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int,
-               lease_ms: int, hostname: str, retries: int, task_name: str,
-               only: Sequence[int], still_held: Callable[[], bool]) -> None:
-        """Write a lock held on a majority back on the masters at ``only``,
-        which lost it, with a fencing counter of at least ``token`` there.
-
-        Without it a lock held through one master's empty restart stands on
-        one master fewer until released: a second such restart during a long
-        task could hand a majority to another execution. Not waited for: each
-        master's queue runs it in order, after asking ``still_held`` (a
-        release sent meanwhile comes after it in the same queue and frees the
-        key again). A master where the key is taken, or done, is left alone.
-        """
-        def write_back(engine: LockEngine) -> bool:
-            if not still_held():
-                return False
-            got = engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
-                                 hostname=hostname, retries=retries, task_name=task_name,
-                                 scope="run")
-            if got.status is not Acquire.GRANTED:
-                return False
-            if got.token < token:
-                engine.raise_fence(keys, exec_id, token)
-            return True
-
-        def job(i: int) -> Callable[[LockEngine], bool]:
-            def run(engine: LockEngine) -> bool:
-                try:
-                    done = write_back(engine)
-                except redis.RedisError as exc:
-                    logger.warning("Could not write singleton lock %s back on %s: %r",
-                                   keys.base, self.masters[i].name, exc)
-                    return False
-                if done:
-                    with self._counting:
-                        self.refilled += 1
-                    logger.warning("Wrote singleton lock %s of %s[%s] back on %s: that "
-                                   "master had lost it (restarted empty?)", keys.base,
-                                   task_name, task_id, self.masters[i].name)
-                return done
-            return run
-
-        for i in only:
-            self.each(job(i), only=[i], timeout=0.0)
-
-    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
-                hostname: str, retries: int, task_name: str) -> Reclaimed:
-        """:meth:`LockEngine.reclaim` on every master: held again when a majority
-        wrote it back (or had it); otherwise what was written is given back
-        and the answer is the refusal most masters gave."""
-        def kept(r: Any) -> bool:
-            return isinstance(r, Reclaimed) and r.status in (Reclaim.WRITTEN_BACK, Reclaim.OURS)
-
-        results = self.each(
-            lambda e: e.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
-                                lease_ms=lease_ms, hostname=hostname, retries=retries,
-                                task_name=task_name),
-            decided=_settled_by(self.quorum, Reclaimed, kept))
-        held = [i for i, r in enumerate(results) if kept(r)]
-        if len(held) >= self.quorum:
-            written = any(results[i].status is Reclaim.WRITTEN_BACK for i in held)
-            return Reclaimed(Reclaim.WRITTEN_BACK if written else Reclaim.OURS,
-                             token=max(results[i].token for i in held))
-        if held:  # not waited for: each master's queue sends it after the write-back
-            self.each(lambda e: e.release(keys, exec_id, task_id, finished=False), only=held,
-                      timeout=0.0, skip_stale=False)
-        refusals = [r for r in results if isinstance(r, Reclaimed) and not kept(r)]
-        if not refusals:
-            raise QuorumError(f"write-back of {keys.base}", self._failed(
-                results, lambda r: isinstance(r, Reclaimed)), len(held), self.quorum)
-        counts = Counter(r.status for r in refusals)
-        return next(r for r in refusals if counts[r.status] == max(counts.values()))
-
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
         results = self.each(lambda e: e.hand_off(keys, exec_id, next_retries, lease_ms),
                             decided=lambda rs: sum(r is True for r in rs) >= self.quorum)
         return sum(1 for r in results if r is True) >= self.quorum
-
-    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
-                task_name: str = "", replace: Optional[tuple[int, int]] = None) -> Enqueued:
-        """Take the key at send time on a majority, or say who has it."""
-        if replace is not None:
-            raise _no_replace()
-        quorum, total = self.quorum, len(self.masters)
-
-        def taken(r: Any) -> bool:
-            return isinstance(r, Enqueued) and r.status is Enqueue.TAKEN
-
-        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms, task_name),
-                            decided=_settled_by(quorum, Enqueued, taken))
-        if sum(1 for r in results if taken(r)) >= quorum:
-            return Enqueued(Enqueue.TAKEN)
-        mine = [i for i, r in enumerate(results)
-                if not (isinstance(r, Enqueued) and not taken(r))]
-        if mine:
-            self.each(lambda e: e.unqueue(keys, task_id), only=mine, timeout=0.0,
-                      skip_stale=False)
-        refusals = [r for r in results if isinstance(r, Enqueued) and not taken(r)]
-        if len(refusals) + quorum > total:
-            counts = Counter((r.status, r.holder.task_id if r.holder else "") for r in refusals)
-            best = max(counts.values())
-            return next(r for r in refusals
-                        if counts[(r.status, r.holder.task_id if r.holder else "")] == best)
-        raise QuorumError(f"send-time key {keys.base} not decided", self._failed(
-            results, lambda r: isinstance(r, Enqueued)), len(refusals), quorum)
-
-    def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str]:
-        """Won when a majority of the masters hold ``value`` at ``key``.
-
-        Claimants racing for one key (beats at one tick, workers given two
-        copies of one tick) can split the masters so that none has a
-        majority: each gives back what it took and tries again after a random
-        pause, until one has a majority (the others then see it and lose).
-        Raises :class:`QuorumError` when failures, not a rival, leave the
-        claim undecided.
-        """
-        quorum = self.quorum
-        results: list[Any] = []
-        for round_ in range(CLAIM_ROUNDS):
-            results = self.each(lambda e: e.claim(key, value, ttl_ms),
-                                decided=_settled_by(quorum, tuple, lambda r: isinstance(
-                                    r, tuple) and r[1] == value))
-            ours = [i for i, r in enumerate(results) if isinstance(r, tuple) and r[1] == value]
-            if len(ours) >= quorum:
-                return True, value
-            rivals = Counter(r[1] for r in results if isinstance(r, tuple) and r[1] != value)
-            if ours:  # give back what this round took, before anyone tries again
-                self.each(lambda e: e.unclaim(key, value), only=ours, skip_stale=False)
-            late = [i for i, r in enumerate(results) if r is MISSING]
-            if late:  # queued after the claim still going on there
-                self.each(lambda e: e.unclaim(key, value), only=late, timeout=0.0,
-                          skip_stale=False)
-            if rivals and rivals.most_common(1)[0][1] >= quorum:
-                return False, rivals.most_common(1)[0][0]
-            if sum(1 for r in results if isinstance(r, Exception)) >= quorum:
-                break
-            time.sleep(random.uniform(0.005, 0.03) * (round_ + 1))
-        raise QuorumError(f"claim of {key} not decided", self._failed(
-            results, lambda r: isinstance(r, tuple)), sum(
-                1 for r in results if isinstance(r, tuple)), quorum)
-
-    def unqueue(self, keys: LockKeys, task_id: str) -> bool:
-        results = self.each(lambda e: e.unqueue(keys, task_id),
-                            decided=lambda rs: sum(r is True for r in rs) >= self.quorum,
-                            skip_stale=False)
-        if all(isinstance(r, Exception) or r is MISSING for r in results):
-            raise QuorumError(f"freeing the send-time key {keys.base}", self._failed(
-                results, lambda r: isinstance(r, bool)), 0, self.quorum)
-        return any(r is True for r in results)
 
     def owner(self, keys: LockKeys) -> dict[str, str]:
         """The owner record most masters hold (empty when none holds one)."""
@@ -517,15 +308,6 @@ class RedlockEngine(Masters, LockEngine):
         top = held.most_common(1)[0][0]
         chosen: dict[str, str] = next(r for r in records if r.get("exec") == top)
         return chosen
-
-    def queued_by(self, keys: LockKeys) -> str:
-        results = self.each(lambda e: e.queued_by(keys))
-        ids = [r for r in results if isinstance(r, str)]
-        if len(ids) < self.quorum:
-            raise QuorumError(f"reading the send-time key {keys.base}", self._failed(
-                results, lambda r: isinstance(r, str)), len(ids), self.quorum)
-        held = Counter(i for i in ids if i)
-        return held.most_common(1)[0][0] if held else ""
 
     def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
         return self._carry(keys, exec_id, token, [
