@@ -62,8 +62,8 @@ from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.scripts import pack
 from celery_singleton_lock.testing import free_port, redis_server_binary, wait_for
-from celery_singleton_lock.wire import pack
 
 LEASE_MS = 30_000
 

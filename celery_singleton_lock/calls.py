@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from .keys import LockKeys
 from .process import HOST_KEY, PROCESS
-from .wire import Script
+from .scripts import Script
 
 #: how long a key's fencing counter outlives its last grant (written in acquire.lua)
 FENCE_TTL_MS = 24 * 3600 * 1000

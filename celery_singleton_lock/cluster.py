@@ -24,7 +24,8 @@ from redis.exceptions import AskError, MovedError
 
 from .outage import Answered
 from .process import ForkSafeLock
-from .wire import BROKEN, Script, Wire
+from .scripts import Script
+from .wire import BROKEN, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -15,7 +15,8 @@ from . import replies
 from .calls import renew_call
 from .cluster import ClusterWire, slot_of
 from .replies import Renew
-from .wire import BROKEN, Script, Wire
+from .scripts import Script
+from .wire import BROKEN, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
 

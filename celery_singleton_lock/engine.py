@@ -41,8 +41,9 @@ from .keys import LockKeys
 from .outage import RedisUnanswered
 from .process import HOST_KEY, Holder, forget_seen, pid_alive
 from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
+from .scripts import Script
 from .servers import CLIENT_DEFAULTS, make_client, mode_of
-from .wire import BROKEN, Script, Wire
+from .wire import BROKEN, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
 

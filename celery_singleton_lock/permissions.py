@@ -35,7 +35,7 @@ from .calls import (
 from .config import SingletonConfig
 from .findings import ERROR, OK, WARNING, Finding, command, db_of, server_text, user_of
 from .keys import LockKeys
-from .wire import Script
+from .scripts import Script
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -17,17 +17,13 @@ with the command in its buffers. The wire's :class:`~.outage.Outage` makes
 every later call fail at once until the server answers again, then sends what
 is owed first (see :mod:`.outage`).
 
-Over 400 lines: one transport, its sends, late reads and repeats, which share
-one connection discipline.
+How a script call is written in RESP is in :mod:`.scripts`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any, Iterable, Optional, Sequence
 
 import redis
@@ -35,49 +31,13 @@ from redis.exceptions import NoScriptError
 
 from .outage import PROBE_READ, Answered, Outage, Owed
 from .process import ForkSafeLock
+from .scripts import Script, evalsha, pack
 
 logger = logging.getLogger("celery_singleton_lock")
 
 #: the errors after which a command may or may not have run, and the
 #: connection is no longer in step: disconnect, and repeat the command once
 BROKEN = (redis.ConnectionError, redis.TimeoutError)
-
-
-@dataclass(frozen=True)
-class Script:
-    """One of the ``lua/*.lua`` scripts, called by its SHA."""
-
-    name: str
-    source: str
-    sha: str
-    #: ``$7 EVALSHA $40 <sha>``, packed once: every call starts with it
-    head: bytes = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "head", _bulks(["EVALSHA", self.sha]))
-
-    @classmethod
-    def load(cls, name: str) -> Script:
-        source = resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
-        return cls(name, source, hashlib.sha1(source.encode()).hexdigest())
-
-
-def pack(parts: Sequence[Any]) -> bytes:
-    """One RESP command; our arguments are only str and int."""
-    return b"*%d\r\n%s" % (len(parts), _bulks(parts))
-
-
-def _bulks(parts: Sequence[Any]) -> bytes:
-    out = []
-    for part in parts:
-        data = part.encode() if isinstance(part, str) else b"%d" % part
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
-
-
-def evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
-    return b"*%d\r\n%s%s" % (len(keys) + len(args) + 3, script.head,
-                               _bulks([len(keys), *keys, *args]))
 
 
 class _Pending:
