@@ -17,7 +17,8 @@ with the command in its buffers. The wire's :class:`~.outage.Outage` makes
 every later call fail at once until the server answers again, then sends what
 is owed first (see :mod:`.outage`).
 
-How a script call is written in RESP is in :mod:`.scripts`.
+How a script call is written in RESP is in :mod:`.scripts`; each connection
+is written and its replies read by a :class:`~.link.Link`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Iterable, Optional, Sequence
 import redis
 from redis.exceptions import NoScriptError
 
+from .link import Link
 from .outage import PROBE_READ, Answered, Outage, Owed
 from .process import ForkSafeLock
 from .scripts import Script, evalsha, pack
@@ -71,12 +73,9 @@ class Wire:
         pool = client.connection_pool
         self._connection_class = pool.connection_class
         self._connection_kwargs = dict(pool.connection_kwargs)
-        # a Sentinel-managed connection learns the primary's address in
-        # connect(); a reconnect on send would go to the address it had
-        self._resolving = hasattr(self._connection_class, "connect_to")
-        self._idle: list[Any] = []
+        self._idle: list[Link] = []
         # connections owing the reply of a command sent without waiting
-        self._unsettled: list[tuple[Any, _Pending]] = []
+        self._unsettled: list[tuple[Link, _Pending]] = []
         self._made = 0
         self._making = ForkSafeLock()
         self.outage = Outage(lambda: self.name, self._probe_connection, self._call_owed)
@@ -104,7 +103,7 @@ class Wire:
         """Commands sent whose reply has not been read yet."""
         return len(self._unsettled)
 
-    def _take(self, force: bool = False) -> Any:
+    def _take(self, force: bool = False) -> Link:
         """A connection in step: every reply owed on this wire read first.
         Raises :class:`~.outage.RedisUnanswered` while the server does not
         answer (``force``: the outage's own owed calls)."""
@@ -119,14 +118,7 @@ class Wire:
             conn = self._connection_class(**self._connection_kwargs)
             if self._scripts:
                 conn.register_connect_callback(self._load_scripts)
-            return conn
-
-    def _send(self, conn: Any, packed: bytes) -> None:
-        """Write ``packed`` on ``conn``; a Sentinel-managed connection asks for
-        the primary's address first (a reconnect on send would not)."""
-        if self._resolving and conn._sock is None:
-            conn.connect()
-        conn.send_packed_command([packed], check_health=False)
+            return Link(conn)
 
     def _probe_connection(self) -> Any:
         """The outage probe's connection: its PING waits longer than a lock
@@ -153,7 +145,8 @@ class Wire:
         return self._connection_class(**self._connection_kwargs)
 
     def _load_scripts(self, conn: Any) -> None:
-        """SCRIPT LOAD of every script, pipelined: one round trip per connect."""
+        """SCRIPT LOAD of every script, pipelined: one round trip per connect
+        (redis-py reads the replies: its connect reads all it sent)."""
         for script in self._scripts:
             conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
         for _ in self._scripts:
@@ -161,10 +154,10 @@ class Wire:
             with contextlib.suppress(redis.ResponseError):
                 conn.read_response()
 
-    def _give(self, conn: Any, broken: bool = False) -> None:
+    def _give(self, link: Link, broken: bool = False) -> None:
         if broken:
-            conn.disconnect()  # it reconnects when next used
-        self._idle.append(conn)
+            link.disconnect()  # it reconnects when next used
+        self._idle.append(link)
 
     def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, bool]:
         """EVALSHA ``script`` in one round trip: (reply, whether it was sent twice).
@@ -188,35 +181,35 @@ class Wire:
         if after:
             packed += pack(after)
         for attempt in (1, 2):
-            conn = self._take()
+            link = self._take()
             try:
-                self._send(conn, packed)
+                link.send(packed)
                 answers: list[Any] = []
                 for _ in calls:  # every reply read, errors included: stay in step
                     try:
-                        answers.append(conn.read_response())
+                        answers.append(link.read())
                     except redis.ResponseError as exc:
                         answers.append(exc)
-                late = _read_late(conn) if after else None
+                late = _read_late(link) if after else None
             except BROKEN as exc:
-                self._give(conn, broken=True)
+                self._give(link, broken=True)
                 if attempt == 2 or isinstance(exc, redis.TimeoutError):
                     self.outage.begin(exc)
                     raise
                 continue
             except BaseException:
-                self._give(conn, broken=True)
+                self._give(link, broken=True)
                 raise
             if any(isinstance(a, NoScriptError) for a in answers):
                 try:
-                    conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
-                    conn.read_response()
+                    link.send(pack(["SCRIPT", "LOAD", script.source]))
+                    link.read()
                 except BaseException:
-                    self._give(conn, broken=True)
+                    self._give(link, broken=True)
                     raise
-                self._give(conn)
+                self._give(link)
                 continue  # the server lost its scripts: send them all again
-            self._give(conn)
+            self._give(link)
             for answer in answers:
                 if isinstance(answer, redis.ResponseError):
                     raise answer
@@ -239,41 +232,41 @@ class Wire:
         tail = pack(after) if after else b""
         packed = head + evalsha(script, keys, args) + tail
         for attempt in (1, 2):
-            conn = self._take(force)
+            link = self._take(force)
             try:
-                self._send(conn, packed)
+                link.send(packed)
                 if before:
-                    conn.read_response()
+                    link.read()
                 try:
-                    reply = conn.read_response()
+                    reply = link.read()
                 except NoScriptError:
                     if after:
-                        conn.read_response()
-                    conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
-                    conn.read_response()
-                    conn.send_packed_command([packed], check_health=False)
+                        link.read()
+                    link.send(pack(["SCRIPT", "LOAD", script.source]))
+                    link.read()
+                    link.send(packed)
                     if before:
-                        conn.read_response()
-                    reply = conn.read_response()
+                        link.read()
+                    reply = link.read()
                 except redis.ResponseError:
                     if after:
-                        conn.read_response()  # keep the connection in step
+                        link.read()  # keep the connection in step
                     raise
-                late = _read_late(conn) if after else None
+                late = _read_late(link) if after else None
             except BROKEN as exc:
-                self._give(conn, broken=True)
+                self._give(link, broken=True)
                 if attempt == 2 or isinstance(exc, redis.TimeoutError):
                     if not force:
                         self.outage.begin(exc)
                     raise
                 continue
             except redis.RedisError:
-                self._give(conn)
+                self._give(link)
                 raise
             except BaseException:
-                self._give(conn, broken=True)
+                self._give(link, broken=True)
                 raise
-            self._give(conn)
+            self._give(link)
             return reply, attempt == 2, late
         raise AssertionError("unreachable")
 
@@ -300,26 +293,26 @@ class Wire:
             return  # sent when the server answers again
         packed = evalsha(script, keys, args)
         try:
-            conn = self._take()
+            link = self._take()
             try:
-                self._send(conn, packed)
+                link.send(packed)
             except BaseException:
-                self._give(conn, broken=True)
+                self._give(link, broken=True)
                 raise
         except BROKEN:
             self._redo(pending, repeated=True)  # some of it may have left
             return
-        self._unsettled.append((conn, pending))
+        self._unsettled.append((link, pending))
 
-    def _settle(self, conn: Any, pending: _Pending) -> None:
+    def _settle(self, link: Link, pending: _Pending) -> None:
         try:
-            reply = conn.read_response()
+            reply = link.read()
         except NoScriptError:
-            self._give(conn)
+            self._give(link)
             self._redo(pending, repeated=False)  # it never ran; loads the script again
             return
         except redis.TimeoutError as exc:
-            self._give(conn, broken=True)
+            self._give(link, broken=True)
             if pending.owe:  # no reply: it may run yet; sent again once the server answers
                 self.outage.begin(exc, Owed(pending.script, pending.keys, pending.args,
                                             pending.answer))
@@ -328,17 +321,17 @@ class Wire:
                 pending.answer(None, exc, True)
             return
         except BROKEN:
-            self._give(conn, broken=True)
+            self._give(link, broken=True)
             self._redo(pending, repeated=True)  # it may have run
             return
         except redis.RedisError as exc:
-            self._give(conn)
+            self._give(link)
             pending.answer(None, exc)
             return
         except BaseException:
-            self._give(conn, broken=True)
+            self._give(link, broken=True)
             raise
-        self._give(conn)
+        self._give(link)
         pending.answer(reply, None)
 
     def _redo(self, pending: _Pending, repeated: bool) -> None:
@@ -359,10 +352,10 @@ class Wire:
         # every call starts here: nothing raised when none is owed
         while unsettled and not self.outage.down:
             try:
-                conn, pending = unsettled.pop()
+                link, pending = unsettled.pop()
             except IndexError:  # another thread read the last one
                 return
-            self._settle(conn, pending)
+            self._settle(link, pending)
 
     def close(self) -> None:
         """Read what is owed, then close every connection."""
@@ -373,10 +366,10 @@ class Wire:
                 self._idle.pop().disconnect()
 
 
-def _read_late(conn: Any) -> Any:
+def _read_late(link: Link) -> Any:
     """The reply of a command sent after the script (``WAIT``): an error reply
     comes back as the reply, since the script's own reply is what counts."""
     try:
-        return conn.read_response()
+        return link.read()
     except redis.ResponseError as exc:
         return exc

@@ -132,13 +132,14 @@ def test_hand_off_keeps_the_key_for_the_retry_only(engine, r):
 def test_renewal_of_n_locks_is_one_round_trip_of_short_calls(engine, r, n):
     """One write per round; at most RENEW_CHUNK locks per script call."""
     from celery_singleton_lock.engine import RENEW_CHUNK
+    from celery_singleton_lock.link import Link
 
     writes = []
-    real_send = engine.wire._connection_class.send_packed_command
+    real_send = Link.send
 
-    def counting(conn, *args, **kwargs):
+    def counting(link, *args, **kwargs):
         writes.append(1)
-        return real_send(conn, *args, **kwargs)
+        return real_send(link, *args, **kwargs)
 
     held = []
     for i in range(n):
@@ -148,11 +149,11 @@ def test_renewal_of_n_locks_is_one_round_trip_of_short_calls(engine, r, n):
     stranger = new_keys()
     take(engine, stranger, "other", "e-other", lease_ms=1000)
     before = evalsha_calls(r)
-    engine.wire._connection_class.send_packed_command = counting
+    Link.send = counting
     try:
         results = engine.renew([*held, (stranger.lock, "e-not-mine", 60_000)])
     finally:
-        engine.wire._connection_class.send_packed_command = real_send
+        Link.send = real_send
     assert len(writes) == 1
     assert evalsha_calls(r) - before == -(-(n + 1) // RENEW_CHUNK)
     assert results == [1] * n + [0]

@@ -1,0 +1,189 @@
+"""One connection of the wire: commands written on its socket, replies read
+off it and parsed here.
+
+A lock call is two small replies a task; redis-py's reader reaches each one
+through its connection's wrapping, a socket buffer and a parser written for
+every kind of reply, and that costs more CPU than parsing our few kinds in
+one place. What comes out is what redis-py would give: bulk strings decoded
+as the client says (``decode_responses``), an error reply parsed by the
+connection's own parser (so NOSCRIPT, READONLY, MOVED and ASK are redis-py's
+classes), a timeout as :class:`redis.TimeoutError` and a lost connection as
+:class:`redis.ConnectionError`, the connection disconnected on both, as
+redis-py does.
+
+Both protocols are read (RESP2, and RESP3, redis-py's default since 8.0: a
+push message goes to the parser's push handlers, as redis-py's reader would
+send it). redis-py still connects (handshake, AUTH, our scripts loaded in the
+connect callback: every reply read before the first command here), and reads
+for a connection whose class reads replies its own way (Sentinel's turns
+READONLY into a failover).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import redis
+import redis.connection
+import redis.exceptions
+
+#: how much one read off the socket takes at most (as redis-py's reader)
+READ_SIZE = 65536
+
+_CRLF = b"\r\n"
+
+
+def _parses_here(conn: Any) -> bool:
+    """Whether this connection's replies can be read here: redis-py's own
+    reading and writing (a subclass may watch its replies)."""
+    base = redis.connection.Connection
+    kind = type(conn)
+    return (str(getattr(conn, "protocol", None) or 2) in ("2", "3")
+            and kind.read_response is base.read_response
+            and kind.send_packed_command is base.send_packed_command)
+
+
+class Link:
+    """A redis-py connection written and read by the wire."""
+
+    __slots__ = ("_buf", "_decode", "_encoding", "_errors", "_pos", "_sock", "conn", "here")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        #: read here (else by redis-py: see the module's text)
+        self.here = _parses_here(conn)
+        encoder = conn.encoder
+        self._decode = bool(encoder.decode_responses)
+        self._encoding = encoder.encoding
+        self._errors = encoder.encoding_errors
+        self._sock: Any = None
+        self._buf = b""
+        self._pos = 0
+
+    def send(self, packed: bytes) -> None:
+        """Write ``packed``, connecting first when not connected (a
+        Sentinel-managed connection asks for the primary's address then)."""
+        conn = self.conn
+        sock = conn._sock
+        if sock is None:
+            conn.connect()
+            sock = conn._sock
+        if not self.here:
+            conn.send_packed_command([packed], check_health=False)
+            return
+        if sock is not self._sock:  # a new socket: nothing of the old one is owed
+            self._sock = sock
+            self._buf = b""
+            self._pos = 0
+        try:
+            sock.sendall(packed)
+        except socket.timeout:
+            conn.disconnect()
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            conn.disconnect()
+            raise redis.ConnectionError(f"Error while writing to socket: {exc}") from None
+        except BaseException:
+            conn.disconnect()  # part of it may have left
+            raise
+
+    def read(self) -> Any:
+        """The next reply; an error reply raised as redis-py's exception."""
+        if not self.here:
+            return self.conn.read_response()
+        try:
+            reply = self._reply()
+        except socket.timeout:
+            self.conn.disconnect()
+            raise redis.TimeoutError(f"Timeout reading from {self._where()}") from None
+        except OSError as exc:
+            self.conn.disconnect()
+            raise redis.ConnectionError(
+                f"Error while reading from {self._where()}: {exc}") from None
+        except BaseException:
+            self.conn.disconnect()  # out of step with the server
+            raise
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        return reply
+
+    def disconnect(self) -> None:
+        self.conn.disconnect()
+
+    def _where(self) -> str:
+        kw = self.conn.__dict__
+        return str(kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}")
+
+    def _more(self) -> None:
+        sock = self.conn._sock
+        if sock is None or sock is not self._sock:
+            raise redis.ConnectionError("Connection closed before the reply was read")
+        data = sock.recv(READ_SIZE)
+        if not data:
+            raise redis.ConnectionError("Connection closed by server.")
+        self._buf = self._buf[self._pos:] + data
+        self._pos = 0
+
+    def _line(self) -> bytes:
+        end = self._buf.find(_CRLF, self._pos)
+        while end < 0:
+            self._more()
+            end = self._buf.find(_CRLF, self._pos)
+        line = self._buf[self._pos:end]
+        self._pos = end + 2
+        return line
+
+    def _bulk(self, size: int) -> bytes:
+        while len(self._buf) < self._pos + size + 2:
+            self._more()
+        end = self._pos + size
+        data = self._buf[self._pos:end]
+        self._pos = end + 2
+        return data
+
+    def _text(self, data: bytes) -> Any:
+        return data.decode(self._encoding, self._errors) if self._decode else data
+
+    def _reply(self) -> Any:
+        line = self._line()
+        kind = line[:1]
+        if kind == b":":
+            return int(line[1:])
+        if kind == b"$":
+            size = int(line[1:])
+            return None if size < 0 else self._text(self._bulk(size))
+        if kind == b"*" or kind == b"~":  # a set comes back as a list, as from redis-py
+            size = int(line[1:])
+            return None if size < 0 else [self._reply() for _ in range(size)]
+        if kind == b"+":
+            return self._text(line[1:])
+        if kind == b"-" or kind == b"!":
+            text = line[1:] if kind == b"-" else self._bulk(int(line[1:]))
+            error = self.conn._parser.parse_error(text.decode("utf-8", errors="replace"))
+            if isinstance(error, redis.ConnectionError):
+                raise error  # LOADING, too many clients: as redis-py raises them
+            return error
+        if kind == b"_":
+            return None
+        if kind == b"(":
+            return int(line[1:])
+        if kind == b",":
+            return float(line[1:])
+        if kind == b"#":
+            return line[1:] == b"t"
+        if kind == b"=":
+            return self._text(self._bulk(int(line[1:]))[4:])
+        if kind == b"%":
+            table = {}
+            for _ in range(int(line[1:])):
+                key = self._reply()
+                table[key] = self._reply()
+            return table
+        if kind == b">":  # a push message: redis-py's handlers see it, the reply follows
+            push = [self._reply() for _ in range(int(line[1:]))]
+            handle = getattr(self.conn._parser, "handle_push_response", None)
+            if handle is not None:
+                handle(push)
+            return self._reply()
+        raise redis.exceptions.InvalidResponse(f"Protocol Error: {line!r}")
