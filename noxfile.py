@@ -28,6 +28,7 @@ nox.options.sessions = ["oldest", "newest"]
 PROMISES = [
     "tests/test_promises.py",
     "tests/test_engine.py",
+    "tests/test_link.py",
     "tests/test_exit_paths.py",
     "tests/test_duplicates.py",
     "tests/test_scopes.py",

@@ -238,3 +238,31 @@ def test_fast_binding_agrees_with_inspect_on_every_call_form():
             assert builder._bind(args, kwargs) == dict(expected.arguments), (args, kwargs)
     with pytest.raises(KeyEncodingError):
         builder.keys((1,), {"zzz": 1})
+
+
+def pay(order_id: Any, amount: Any, currency: Any = "EUR", meta: Any = None) -> None:
+    return None
+
+
+#: keys as every release so far has written them: a worker on this version and
+#: one on the last must take the same key for one call (a rolling deploy)
+PINNED: list[tuple[Any, tuple[Any, ...], dict[str, Any], str]] = [
+    (None, (7, Decimal("10.50")), {}, "singleton:{37bef946b4033354a3626189c2536c3c}"),
+    (None, ("A-1",), {"amount": 3.5, "meta": {"b": [1, True, None], "a": {"x", "y"}}},
+     "singleton:{68d85caf27584c5ec78b8113f46d4252}"),
+    (None, (uuid.UUID(int=5), b"\x00\xff"),
+     {"currency": dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)},
+     "singleton:{945bc07aaf811b442c89ce15a4b5bb53}"),
+    (None, ("é€😀",), {"amount": (1, 2.0, "3"), "meta": dt.date(2026, 1, 2)},
+     "singleton:{3c81c72b3eba67bfb79ca036419370d9}"),
+    (None, ("\ud800x",), {"amount": -(2**70)}, "singleton:{9a363ff3f85f9df73beec68305f6edf9}"),
+    ("order_id", (7, 1), {}, "singleton:{88dad0382f332ac9d13f334ea111cd5e}"),
+    (lambda *a, **k: ["x", 1], (7, 1), {}, "singleton:{a7055391b66459559141259fab3d8087}"),
+]
+
+
+@pytest.mark.parametrize("spec,args,kwargs,expected", PINNED)
+def test_a_call_takes_the_key_earlier_versions_took(spec: Any, args: tuple[Any, ...],
+                                                    kwargs: dict[str, Any],
+                                                    expected: str) -> None:
+    assert KeyBuilder("shop.pay", pay, spec, PREFIX).keys(args, kwargs).base == expected
