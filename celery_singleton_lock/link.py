@@ -47,12 +47,16 @@ def _parses_here(conn: Any) -> bool:
 class Link:
     """A redis-py connection written and read by the wire."""
 
-    __slots__ = ("_buf", "_decode", "_encoding", "_errors", "_pos", "_sock", "conn", "here")
+    __slots__ = ("_buf", "_decode", "_encoding", "_errors", "_pos", "_resolving", "_sock",
+                 "conn", "here")
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         #: read here (else by redis-py: see the module's text)
         self.here = _parses_here(conn)
+        # a Sentinel-managed connection learns the primary's address in
+        # connect(); a reconnect on send would go to the address it had
+        self._resolving = hasattr(conn, "connect_to")
         encoder = conn.encoder
         self._decode = bool(encoder.decode_responses)
         self._encoding = encoder.encoding
@@ -67,7 +71,7 @@ class Link:
         conn = self.conn
         sock = conn._sock
         if sock is None:
-            conn.connect()
+            self._connect()
             sock = conn._sock
         if not self.here:
             conn.send_packed_command([packed], check_health=False)
@@ -87,6 +91,15 @@ class Link:
         except BaseException:
             conn.disconnect()  # part of it may have left
             raise
+
+    def _connect(self) -> None:
+        """Connect as redis-py's send would (no health check of a connection
+        just made), a Sentinel-managed one through ``connect()``."""
+        conn = self.conn
+        if self._resolving or not hasattr(conn, "connect_check_health"):
+            conn.connect()  # redis-py before 6: what its send calls too
+        else:
+            conn.connect_check_health(check_health=False)
 
     def read(self) -> Any:
         """The next reply; an error reply raised as redis-py's exception."""
