@@ -255,14 +255,15 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
     lines = ["", f"### As a user measures ({u['tasks']} no-op tasks a batch counting themselves "
              f"with INCR, prefork -c 2, results ignored, {u['rounds']} rounds)", "",
              "| topology | prefetch | configuration | drain seconds (median) | rounds' range "
-             "| time vs plain Celery (median of rounds) |", "|---|---:|---|---:|---:|---:|"]
+             "| time vs plain Celery (median of rounds) | CPU µs per task: all processes "
+             "(sender / worker / Redis), medians |", "|---|---:|---|---:|---:|---:|---:|"]
     verdicts = []
     for cond in u["conditions"]:
         rows = sorted(cond["rows"], key=lambda r: r["median_seconds"])
         for row in rows:
             lines.append(f"| {cond['topology']} | {cond['prefetch']} | {row['config']} | "
                          f"{row['median_seconds']:.3f} | {_range(row['seconds'])} | "
-                         f"{row['ratio_to_plain']:.3f} |")
+                         f"{row['ratio_to_plain']:.3f} | {_user_cpu(row)} |")
         ours = [r for r in rows if r["config"] == "celery-singleton-lock"]
         peers = [r for r in rows if r["config"] not in ("plain Celery", "celery-singleton-lock")]
         if ours and peers:
@@ -274,6 +275,14 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
         lines += ["", "Ours against the fastest peer, by median drain time: "
                   + "; ".join(verdicts) + "."]
     return lines
+
+
+def _user_cpu(row: dict[str, Any]) -> str:
+    roles = row.get("cpu_us_per_task_by_role")
+    if not roles:  # a run from before CPU was read
+        return "-"
+    return (f"{row['cpu_us_per_task']:.0f} ({roles['sender']:.0f} / {roles['worker']:.0f} / "
+            f"{roles['Redis']:.0f})")
 
 
 def _md_capacity(cap: dict[str, Any]) -> list[str]:

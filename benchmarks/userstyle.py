@@ -2,6 +2,9 @@
 that count themselves with one ``INCR``, prefork ``-c 2``, results ignored,
 the sender in the same script, drain time from the first send to the last
 task done. Plain Celery, ours and the peers take turns within each round.
+Beside each drain, the CPU every process used during it (``/proc``), per task:
+the sending script, the worker (its main process and pool processes) and the
+Redis servers (broker, counter and locks).
 
 Conditions: broker and locks on one Redis, or locks on a Redis of their own;
 ``worker_prefetch_multiplier`` 4 and 8. ::
@@ -24,9 +27,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from .harness import cpu_model, version
+from .harness import child_pids, cpu_model, cpu_seconds, version
 from .servers import ROOT, Redis
 from .servers import Worker as _BenchWorker
+
+#: whose CPU is read around each drain
+ROLES = ("sender", "worker", "Redis")
 
 CONFIGS = (("plain Celery", "user.plain", "celery"),
            ("celery-singleton-lock", "user.ours", "celery-singleton-lock"),
@@ -69,9 +75,10 @@ def drain(app: Any, counter: Any, name: str, base: int, n: int) -> float:
 
 
 def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, tasks: int,
-              rounds: int) -> dict[str, list[float]]:
+              rounds: int, redis_pids: list[int]) -> dict[str, Any]:
     """One condition, in this process: its worker, a warm-up, then every
-    configuration in a shuffled order each round."""
+    configuration in a shuffled order each round: drain seconds and CPU µs
+    per task by role, per configuration and round."""
     import redis
 
     queue = f"user-{uuid.uuid4().hex[:6]}"
@@ -87,14 +94,20 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
         for i, (_, name, _) in enumerate(configs):
             drain(app, counter, name, -10 * tasks * (i + 1), max(10, tasks // 10))
         times: dict[str, list[float]] = {c[0]: [] for c in configs}
+        cpu: dict[str, list[dict[str, float]]] = {c[0]: [] for c in configs}
         offset = 0
         for _ in range(rounds):
             order = list(configs)
             random.shuffle(order)
             for label, name, _ in order:
+                pids = {"sender": [os.getpid()],
+                        "worker": [worker.pid, *child_pids(worker.pid)], "Redis": redis_pids}
+                before = {role: cpu_seconds(pids[role]) for role in ROLES}
                 times[label].append(drain(app, counter, name, offset, tasks))
+                cpu[label].append({role: (cpu_seconds(pids[role]) - before[role]) / tasks * 1e6
+                                   for role in ROLES})
                 offset += tasks
-        return times
+        return {"times": times, "cpu": cpu}
     finally:
         # a warm shutdown: the peers free a lock after the task's body has
         # counted itself, and the next condition sends the same arguments
@@ -108,20 +121,30 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
         for topology in TOPOLOGIES:
             for prefetch in PREFETCH:
                 lock = broker.url(0) if topology == "one Redis" else own.url(0)
+                servers = [broker] if topology == "one Redis" else [broker, own]
+                redis_pids = [s.proc.pid for s in servers if s.proc is not None]
                 out = subprocess.run(
                     [sys.executable, "-m", "benchmarks.userstyle", "--condition",
-                     json.dumps([broker.url(0), lock, broker.url(3), prefetch, tasks, rounds])],
+                     json.dumps([broker.url(0), lock, broker.url(3), prefetch, tasks, rounds,
+                                 redis_pids])],
                     cwd=ROOT, capture_output=True, text=True, check=True)
-                times = json.loads(out.stdout.strip().splitlines()[-1])
+                measured = json.loads(out.stdout.strip().splitlines()[-1])
+                times, cpu = measured["times"], measured["cpu"]
                 rows = []
                 for label, _, dist in CONFIGS:
                     if label not in times:
                         continue
                     ratios = [t / p for t, p in zip(times[label], times["plain Celery"])]
+                    by_role = {role: statistics.median(c[role] for c in cpu[label])
+                               for role in ROLES}
                     rows.append({"config": label, "version": version(dist),
                                  "median_seconds": statistics.median(times[label]),
                                  "seconds": times[label],
-                                 "ratio_to_plain": statistics.median(ratios)})
+                                 "ratio_to_plain": statistics.median(ratios),
+                                 "cpu_us_per_task": statistics.median(
+                                     sum(c.values()) for c in cpu[label]),
+                                 "cpu_us_per_task_by_role": by_role,
+                                 "cpu_rounds": cpu[label]})
                 results["conditions"].append({"topology": topology, "prefetch": prefetch,
                                               "rows": rows})
     finally:
@@ -132,14 +155,23 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
 
 def render(results: dict[str, Any]) -> str:
     out = [f"{results['tasks']} no-op tasks a batch, {results['rounds']} rounds, prefork -c 2; "
-           "drain seconds, median (min-max), and the median ratio to plain Celery by round"]
+           "drain seconds, median (min-max), the median ratio to plain Celery by round, "
+           "and CPU µs per task (median): all processes = sender + worker + Redis"]
     for cond in results["conditions"]:
         out.append(f"\n{cond['topology']}, prefetch {cond['prefetch']}:")
         for row in sorted(cond["rows"], key=lambda r: r["median_seconds"]):
             out.append(f"  {row['config']:<24} {row['median_seconds']:.3f} s "
                        f"({min(row['seconds']):.3f}-{max(row['seconds']):.3f})  "
-                       f"x{row['ratio_to_plain']:.3f}")
+                       f"x{row['ratio_to_plain']:.3f}  CPU {_cpu(row)}")
     return "\n".join(out)
+
+
+def _cpu(row: dict[str, Any]) -> str:
+    roles = row.get("cpu_us_per_task_by_role")
+    if not roles:  # a run from before CPU was read
+        return "-"
+    return (f"{row['cpu_us_per_task']:.0f} = "
+            + " + ".join(f"{roles[role]:.0f}" for role in ROLES))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
