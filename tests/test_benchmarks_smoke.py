@@ -87,11 +87,13 @@ def test_quick_benchmark_produces_every_result(tmp_path):
         assert {r["config"] for r in cond["rows"]} == {
             "plain Celery", "celery-singleton-lock", "celery-singleton", "celery-once"}
         assert all(r["median_seconds"] > 0 for r in cond["rows"])
-        # each drain's CPU, read from /proc: every role used some
+        # each drain's CPU, read from /proc in clock ticks (a quick batch may
+        # leave a role under one tick), by role and in all
         for row in cond["rows"]:
             assert len(row["cpu_rounds"]) == len(row["seconds"])
-            assert all(v > 0 for v in row["cpu_us_per_task_by_role"].values())
-            assert row["cpu_us_per_task"] >= max(row["cpu_us_per_task_by_role"].values())
+            roles = row["cpu_us_per_task_by_role"]
+            assert set(roles) == {"sender", "worker", "Redis"}
+            assert all(v >= 0 for v in roles.values()) and row["cpu_us_per_task"] > 0
     assert "own lock Redis, prefetch 8: ours" in (tmp_path / "results.md").read_text()
 
     machine = results["machine"]
