@@ -56,14 +56,31 @@ COMMANDS: list[tuple[Any, ...]] = [
 ]
 
 
-def _connection(server: RedisServer, protocol: int, decode: bool, **kw: Any) -> Any:
-    options: dict[str, Any] = {"host": "127.0.0.1", "port": server.port,
+def _connection(server: RedisServer, protocol: int, decode: bool, port: int = 0,
+                connect: bool = True, **kw: Any) -> Any:
+    """A redis-py connection to ``server`` (or to ``port``: a path to it)."""
+    options: dict[str, Any] = {"host": "127.0.0.1", "port": port or server.port,
                                "decode_responses": decode, **kw}
     if REDIS_PY >= (5, 0):
         options["protocol"] = protocol
     conn = redis.connection.Connection(**options)
-    conn.connect()
+    if connect:
+        conn.connect()
     return conn
+
+
+def _assert_every_kind_as_from_redis_py(server: RedisServer, theirs: Any, link: Link) -> None:
+    """Every command of COMMANDS on a fresh server, through redis-py's reader
+    and through ``link``: the same replies and errors."""
+    server.client().flushall()
+    expected = [_redis_py_reply(theirs, command) for command in COMMANDS]
+    server.client().flushall()
+    got = [_link_reply(link, command) for command in COMMANDS]
+    for command, ours, reference in zip(COMMANDS, got, expected):
+        if command[:2] == ("CLIENT", "INFO"):  # names its own connection
+            assert type(ours) is type(reference) and "id=" in str(ours)
+            continue
+        assert _same(ours, reference), (command, ours, reference)
 
 
 def _same(ours: Any, theirs: Any) -> bool:
@@ -98,15 +115,7 @@ def test_every_kind_of_reply_comes_out_as_from_redis_py(own_redis: RedisServer, 
     link = Link(_connection(own_redis, protocol, decode))
     assert link.here
     try:
-        own_redis.client().flushall()
-        expected = [_redis_py_reply(theirs, command) for command in COMMANDS]
-        own_redis.client().flushall()
-        got = [_link_reply(link, command) for command in COMMANDS]
-        for command, ours, reference in zip(COMMANDS, got, expected):
-            if command[:2] == ("CLIENT", "INFO"):  # names its own connection
-                assert type(ours) is type(reference) and "id=" in str(ours)
-                continue
-            assert _same(ours, reference), (command, ours, reference)
+        _assert_every_kind_as_from_redis_py(own_redis, theirs, link)
         # the error replies above left the connection in step
         assert _link_reply(link, ("ECHO", "still in step")) == (
             "still in step" if decode else b"still in step")
@@ -183,23 +192,10 @@ def trickling(own_redis: RedisServer) -> Iterator[_TricklingProxy]:
 def test_replies_arriving_a_byte_at_a_time_are_read_whole(own_redis: RedisServer,
                                                            trickling: _TricklingProxy,
                                                            protocol: int) -> None:
-    options: dict[str, Any] = {"host": "127.0.0.1", "port": trickling.port,
-                               "decode_responses": True}
-    if REDIS_PY >= (5, 0):
-        options["protocol"] = protocol
-    conn = redis.connection.Connection(**options)
     theirs = _connection(own_redis, protocol, True)
-    link = Link(conn)
+    link = Link(_connection(own_redis, protocol, True, port=trickling.port, connect=False))
     try:
-        own_redis.client().flushall()
-        expected = [_redis_py_reply(theirs, command) for command in COMMANDS]
-        own_redis.client().flushall()
-        got = [_link_reply(link, command) for command in COMMANDS]
-        for command, ours, reference in zip(COMMANDS, got, expected):
-            if command[:2] == ("CLIENT", "INFO"):  # names its own connection
-                assert isinstance(ours, str) and "id=" in ours
-                continue
-            assert _same(ours, reference), (command, ours, reference)
+        _assert_every_kind_as_from_redis_py(own_redis, theirs, link)
     finally:
         theirs.disconnect()
         link.disconnect()
