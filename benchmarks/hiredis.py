@@ -8,6 +8,11 @@ pairs through the lock engine (the same calls a worker makes) with one parser,
 then with the other, alternating which goes first; CPU time is this process's
 (``time.process_time``), so the server's work is not counted. Prints the median
 per pair of each parser and their ratio.
+
+The wire parses the lock calls' replies itself (``link.py``): run on a checkout
+from before it (``PYTHONPATH=<checkout>``) to see what the parser changed then;
+on this one the two settings differ only in what redis-py itself reads (the
+connection's handshake).
 """
 
 from __future__ import annotations
