@@ -1,17 +1,17 @@
 """One connection of the wire: commands written on its socket, replies read
 off it and parsed here.
 
-A lock call is two small replies a task; redis-py's reader reaches each one
+A task's lock is two calls with short replies. redis-py reaches each reply
 through its connection's wrapping, a socket buffer and a parser written for
-every kind of reply, and that costs more CPU than parsing our few kinds in
-one place. What comes out is what redis-py would give: bulk strings decoded
-as the client says (``decode_responses``), an error reply parsed by the
-connection's own parser (so NOSCRIPT, READONLY, MOVED and ASK are redis-py's
-classes), a timeout as :class:`redis.TimeoutError` and a lost connection as
-:class:`redis.ConnectionError`, the connection disconnected on both, as
-redis-py does.
+every kind of reply; parsing them here costs less CPU (docs/benchmarks.md,
+the task's own process). What comes out is what redis-py's own reader gives:
+bulk strings decoded as the client says (``decode_responses``), an error
+reply parsed by the connection's own parser (so NOSCRIPT, READONLY, MOVED and
+ASK are redis-py's classes), a timeout as :class:`redis.TimeoutError` and a
+lost connection as :class:`redis.ConnectionError`, the connection
+disconnected on both, as redis-py does.
 
-Both protocols are read (RESP2, and RESP3, redis-py's default since 8.0: a
+Both protocols are read (RESP2, and RESP3, which redis-py 8.1 speaks by default: a
 push message goes to the parser's push handlers, as redis-py's reader would
 send it). redis-py still connects (handshake, AUTH, our scripts loaded in the
 connect callback: every reply read before the first command here), and reads
