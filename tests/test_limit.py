@@ -111,9 +111,10 @@ def test_a_killed_child_frees_its_slot(app, events, key, r):
     full = t.delay(key, 0.0, "full").get(timeout=10)
     assert is_skipped(full)
     keys = t.singleton_keys(key)
-    victim = next(e for e in events.starts("h")
+    starts = events.starts("h")  # each call parses the events anew: compare ids
+    victim = next(e for e in starts
                   if r.get(keys.slot(2).lock) and r.get(keys.slot(2).lock).endswith(e["id"]))
-    other = next(e for e in events.starts("h") if e is not victim)
+    other = next(e for e in starts if e["id"] != victim["id"])
     os.kill(victim["pid"], signal.SIGKILL)
     wait_for(lambda: not r.exists(keys.slot(2).lock), 15, what="slot 2 freed")
     assert r.get(keys.slot(1).lock).endswith(other["id"])
