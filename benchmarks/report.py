@@ -9,6 +9,7 @@ from typing import Any
 from .harness import CPU_ROLES, FLOOR
 from .real import REAL_CONFIGS
 from .throughput import PEERS
+from .userstyle import cpu_cell
 
 
 def _ratio_range(row: dict[str, Any]) -> str:
@@ -263,7 +264,7 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
         for row in rows:
             lines.append(f"| {cond['topology']} | {cond['prefetch']} | {row['config']} | "
                          f"{row['median_seconds']:.3f} | {_range(row['seconds'])} | "
-                         f"{row['ratio_to_plain']:.3f} | {_user_cpu(row)} |")
+                         f"{row['ratio_to_plain']:.3f} | {cpu_cell(row)} |")
         ours = [r for r in rows if r["config"] == "celery-singleton-lock"]
         peers = [r for r in rows if r["config"] not in ("plain Celery", "celery-singleton-lock")]
         if ours and peers:
@@ -275,14 +276,6 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
         lines += ["", "Ours against the fastest peer, by median drain time: "
                   + "; ".join(verdicts) + "."]
     return lines
-
-
-def _user_cpu(row: dict[str, Any]) -> str:
-    roles = row.get("cpu_us_per_task_by_role")
-    if not roles:  # a run from before CPU was read
-        return "-"
-    return (f"{row['cpu_us_per_task']:.0f} ({roles['sender']:.0f} / {roles['worker']:.0f} / "
-            f"{roles['Redis']:.0f})")
 
 
 def _md_capacity(cap: dict[str, Any]) -> list[str]:

@@ -156,22 +156,24 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
 def render(results: dict[str, Any]) -> str:
     out = [f"{results['tasks']} no-op tasks a batch, {results['rounds']} rounds, prefork -c 2; "
            "drain seconds, median (min-max), the median ratio to plain Celery by round, "
-           "and CPU µs per task (median): all processes = sender + worker + Redis"]
+           "and CPU µs per task (medians): all processes (sender / worker / Redis)"]
     for cond in results["conditions"]:
         out.append(f"\n{cond['topology']}, prefetch {cond['prefetch']}:")
         for row in sorted(cond["rows"], key=lambda r: r["median_seconds"]):
             out.append(f"  {row['config']:<24} {row['median_seconds']:.3f} s "
                        f"({min(row['seconds']):.3f}-{max(row['seconds']):.3f})  "
-                       f"x{row['ratio_to_plain']:.3f}  CPU {_cpu(row)}")
+                       f"x{row['ratio_to_plain']:.3f}  CPU {cpu_cell(row)}")
     return "\n".join(out)
 
 
-def _cpu(row: dict[str, Any]) -> str:
+def cpu_cell(row: dict[str, Any]) -> str:
+    """A row's CPU µs per task: all processes, then each role's in brackets
+    (medians of the rounds); "-" for a run from before CPU was read."""
     roles = row.get("cpu_us_per_task_by_role")
-    if not roles:  # a run from before CPU was read
+    if not roles:
         return "-"
-    return (f"{row['cpu_us_per_task']:.0f} = "
-            + " + ".join(f"{roles[role]:.0f}" for role in ROLES))
+    return (f"{row['cpu_us_per_task']:.0f} ("
+            + " / ".join(f"{roles[role]:.0f}" for role in ROLES) + ")")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

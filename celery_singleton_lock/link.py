@@ -39,8 +39,7 @@ def _parses_here(conn: Any) -> bool:
     reading and writing (a subclass may watch its replies)."""
     base = redis.connection.Connection
     kind = type(conn)
-    return (str(getattr(conn, "protocol", None) or 2) in ("2", "3")
-            and kind.read_response is base.read_response
+    return (kind.read_response is base.read_response
             and kind.send_packed_command is base.send_packed_command)
 
 
