@@ -105,7 +105,7 @@ class Link:
         if not self.here:
             return self.conn.read_response()
         try:
-            reply = self._reply()
+            reply = self._short() if self._pos == len(self._buf) else self._reply()
         except socket.timeout:
             self.conn.disconnect()
             raise redis.TimeoutError(f"Timeout reading from {self._where()}") from None
@@ -136,6 +136,29 @@ class Link:
             raise redis.ConnectionError("Connection closed by server.")
         self._buf = self._buf[self._pos:] + data
         self._pos = 0
+
+    def _short(self) -> Any:
+        """The next reply when nothing is buffered (a lock call's, usually): an
+        integer or a bulk string that one read brings whole is parsed here in
+        one go, anything else as :meth:`_reply` parses it."""
+        self._buf = b""
+        self._pos = 0
+        self._more()
+        buf = self._buf
+        end = buf.find(_CRLF)
+        if end > 0:
+            kind = buf[0]
+            if kind == 58:  # b":"
+                self._pos = end + 2
+                return int(buf[1:end])
+            if kind == 36:  # b"$"
+                size = int(buf[1:end])
+                stop = end + 2 + size
+                if size >= 0 and len(buf) >= stop + 2:
+                    self._pos = stop + 2
+                    data = buf[end + 2:stop]
+                    return data.decode(self._encoding, self._errors) if self._decode else data
+        return self._reply()
 
     def _line(self) -> bytes:
         end = self._buf.find(_CRLF, self._pos)

@@ -232,8 +232,14 @@ def enqueued(reply: Any) -> Enqueued:
         raise UnexpectedReplyError("enqueue", reply) from None
 
 
+#: release.lua's replies (a lookup: every task's release is read here)
+_RELEASE = {int(r): r for r in Release}
+
+
 def released(reply: Any, repeated: bool = False) -> Released:
-    status: Release = _enum(Release, reply, "release")
+    status = _RELEASE.get(reply) if reply.__class__ is int else None
+    if status is None:
+        status = _enum(Release, reply, "release")
     return Released(status, repeated)
 
 
