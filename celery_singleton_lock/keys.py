@@ -241,6 +241,8 @@ class KeyBuilder:
             names, defaults, bound_names = plan
             if len(args) <= len(names):
                 bound = dict(zip(names, args))
+                if not kwargs and len(args) == len(names):  # every argument by position
+                    return bound
                 if not any(k in bound or k not in bound_names
                            for k in kwargs):
                     bound.update(kwargs)

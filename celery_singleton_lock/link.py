@@ -127,24 +127,25 @@ class Link:
         kw = self.conn.__dict__
         return str(kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}")
 
-    def _more(self) -> None:
+    def _recv(self) -> bytes:
         sock = self.conn._sock
         if sock is None or sock is not self._sock:
             raise redis.ConnectionError("Connection closed before the reply was read")
-        data = sock.recv(READ_SIZE)
+        data: bytes = sock.recv(READ_SIZE)
         if not data:
             raise redis.ConnectionError("Connection closed by server.")
-        self._buf = self._buf[self._pos:] + data
+        return data
+
+    def _more(self) -> None:
+        self._buf = self._buf[self._pos:] + self._recv()
         self._pos = 0
 
     def _short(self) -> Any:
         """The next reply when nothing is buffered (a lock call's, usually): an
         integer or a bulk string that one read brings whole is parsed here in
         one go, anything else as :meth:`_reply` parses it."""
-        self._buf = b""
+        buf = self._buf = self._recv()
         self._pos = 0
-        self._more()
-        buf = self._buf
         end = buf.find(_CRLF)
         if end > 0:
             kind = buf[0]

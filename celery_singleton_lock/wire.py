@@ -354,7 +354,7 @@ class Wire:
         not answering: they are read once it is)."""
         unsettled = self._unsettled
         # every call starts here: nothing raised when none is owed
-        while unsettled and not self.outage.down:
+        while unsettled and self.outage.since is None:
             try:
                 link, pending = unsettled.pop()
             except IndexError:  # another thread read the last one
