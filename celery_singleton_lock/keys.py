@@ -148,17 +148,28 @@ class LockKeys:
     (``singleton_on_duplicate="replace"``)
     """
 
-    __slots__ = ("base", "done", "fence", "fin", "lock", "queued", "replaced", "throttle")
+    __slots__ = ("base", "done", "fence", "fin", "lock")
 
     def __init__(self, prefix: str, hexdigest: str) -> None:
         self.base = f"{prefix}{{{hexdigest}}}"
         self.lock = f"{self.base}:lock"
         self.fence = f"{self.base}:fence"
         self.fin = f"{self.base}:fin"
-        self.queued = f"{self.base}:queued"
         self.done = f"{self.base}:done"
-        self.throttle = f"{self.base}:throttle"
-        self.replaced = f"{self.base}:replaced"
+
+    # the keys of the queue scopes, singleton_throttle and replace: made when
+    # asked for, not for every task
+    @property
+    def queued(self) -> str:
+        return f"{self.base}:queued"
+
+    @property
+    def throttle(self) -> str:
+        return f"{self.base}:throttle"
+
+    @property
+    def replaced(self) -> str:
+        return f"{self.base}:replaced"
 
     def slot(self, number: int) -> LockKeys:
         """These keys with slot ``number``'s owner record as ``lock``
