@@ -2,6 +2,7 @@
 
     python -m benchmarks.taskcpu                         # this checkout: ours and plain Celery
     python -m benchmarks.taskcpu --tree /tmp/before      # another checkout beside it
+    python -m benchmarks.taskcpu --peers                 # and the peers' worker side
 
 One task is one call of the tracer a worker's pool process runs for each
 message (``celery.app.trace.build_tracer``, not eager) around a no-op task,
@@ -15,6 +16,10 @@ imports, start-up and the warm-up (connecting, loading the scripts) cancel out.
 ``PYTHONHASHSEED`` is fixed, so the counts repeat closely. ``--tree`` puts another checkout's
 ``celery_singleton_lock`` first on the child's path, the way a change is
 measured against the code before it (``git worktree add /tmp/before <commit>``).
+
+``--peers`` measures celery-singleton's and celery-once's tasks the same way:
+their worker side only (the release's ``DEL`` and the Python around it);
+they take their lock when the task is sent, which is not in here.
 
 The waiting on Redis is not counted: instructions are the CPU a worker pays,
 whatever else the machine is doing.
@@ -46,6 +51,15 @@ app.conf.update(singleton_redis_url=url, task_ignore_result=True)
 if kind == "ours":
     from celery_singleton_lock import SingletonTask
     options = {"base": SingletonTask}
+elif kind == "celery-singleton":  # the peers' worker side (their send side is not here)
+    from celery_singleton import Singleton
+    app.conf.singleton_backend_url = url
+    options = {"base": Singleton}
+elif kind == "celery-once":
+    from celery_once import QueueOnce
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis",
+                     "settings": {"url": url, "default_timeout": 3600}}
+    options = {"base": QueueOnce}
 else:
     options = {}
 
@@ -72,6 +86,7 @@ for i in range(-50, 0):
     call(i, ids[i])
 for i in range(calls):
     call(i, ids[i])
+print("base", type(app.tasks[noop.name]).__bases__[0].__name__)
 if kind == "ours":  # the calls above ran under the lock: one more tells its token
     token = call("probe", ids[calls])
     if not token:
@@ -108,9 +123,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--tree", type=Path, action="append", default=[],
                         help="another checkout to measure beside this one (repeatable)")
+    parser.add_argument("--peers", action="store_true",
+                        help="celery-singleton's and celery-once's worker side too "
+                             "(the bench extra)")
     args = parser.parse_args(argv)
     rows = [("plain Celery", "plain", None), ("ours (this checkout)", "ours", None)]
     rows += [(f"ours ({tree})", "ours", tree.resolve()) for tree in args.tree]
+    if args.peers:
+        rows += [(f"{peer} (worker side)", peer, None)
+                 for peer in ("celery-singleton", "celery-once")]
     with RedisServer() as server:
         results = [(label, per_task(kind, args.tasks, server.url(0), tree))
                    for label, kind, tree in rows]

@@ -143,12 +143,16 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
 
 
 def test_task_process_tool_runs_each_kind_under_the_lock(redis_server):
-    """benchmarks.taskcpu's child (what callgrind counts) runs plain and ours;
-    ours proves the lock was taken by printing a fencing token."""
+    """benchmarks.taskcpu's child (what callgrind counts) runs plain, ours and
+    the peers' worker side (--peers); ours proves the lock was taken by
+    printing a fencing token."""
     from benchmarks.taskcpu import CHILD
 
-    for kind in ("plain", "ours"):
+    bases = {"plain": "Task", "ours": "SingletonTask", "celery-singleton": "Singleton",
+             "celery-once": "QueueOnce"}
+    for kind, base in bases.items():
         out = subprocess.run([sys.executable, "-c", CHILD, kind, "5", redis_server.url(0)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
+        assert f"base {base}\n" in out.stdout, out.stdout
         assert ("token " in out.stdout) == (kind == "ours"), out.stdout
