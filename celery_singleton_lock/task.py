@@ -275,7 +275,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         setattr(req, REQUEST_ATTR, lock)
         logger.debug("Acquired singleton lock %s for %s[%s] token=%s",
                      keys.base, self.name, req.id, lock.token)
-        heartbeat = engine.heartbeat or heartbeat_for(engine)
+        heartbeat = heartbeat_for(engine)
         heartbeat.add(lock)
         # counted in memory; a thread of this process publishes it and the held lock
         monitor.count(engine, "acquired", self.name)
