@@ -9,7 +9,7 @@ from typing import Any
 from .harness import CPU_ROLES, FLOOR
 from .real import REAL_CONFIGS
 from .throughput import PEERS
-from .userstyle import cpu_cell
+from .userstyle import ROLES, cpu_cell
 
 
 def _ratio_range(row: dict[str, Any]) -> str:
@@ -257,7 +257,7 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
              f"with INCR, prefork -c 2, results ignored, {u['rounds']} rounds)", "",
              "| topology | prefetch | configuration | drain seconds (median) | rounds' range "
              "| time vs plain Celery (median of rounds) | CPU µs per task: all processes "
-             "(sender / worker / Redis), medians |", "|---|---:|---|---:|---:|---:|---:|"]
+             f"({' / '.join(ROLES)}), medians |", "|---|---:|---|---:|---:|---:|---:|"]
     verdicts = []
     for cond in u["conditions"]:
         rows = sorted(cond["rows"], key=lambda r: r["median_seconds"])

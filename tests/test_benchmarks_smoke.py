@@ -92,7 +92,7 @@ def test_quick_benchmark_produces_every_result(tmp_path):
         for row in cond["rows"]:
             assert len(row["cpu_rounds"]) == len(row["seconds"])
             roles = row["cpu_us_per_task_by_role"]
-            assert set(roles) == {"sender", "worker", "Redis"}
+            assert set(roles) == {"sender", "worker main", "pool", "Redis"}
             assert all(v >= 0 for v in roles.values()) and row["cpu_us_per_task"] > 0
     assert "own lock Redis, prefetch 8: ours" in (tmp_path / "results.md").read_text()
 

@@ -40,35 +40,6 @@ local throttle = KEYS[6]
 if throttle and ARGV[6] == '0' then throttle = nil end
 local replaced = KEYS[7]
 local task_id, exec_id = ARGV[1], ARGV[2]
--- exec, handoff, copies, then nine fields, then the task id
-local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
-  '[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$'
-
-local function grant()
-  local t = redis.call('TIME')
-  local us = t[2]
-  -- the server clock in microseconds, as digits: seconds and six places
-  local now = t[1] .. string.sub('00000', #us) .. us
-  -- Tokens never go down, even when the counter is lost (expired, evicted,
-  -- a failover): the server clock is their floor. One grant takes longer than
-  -- a microsecond, so the counter cannot run ahead of the clock and a lost
-  -- counter restarts above every token already given. Equal lengths of
-  -- digits compare as numbers.
-  local token = now
-  local last = redis.call('GET', fence)
-  if last and (#last > #now or (#last == #now and last >= now)) then
-    token = string.format('%.0f', tonumber(last) + 1)
-  end
-  redis.call('SET', fence, token, 'PX', '86400000')
-  redis.call('SET', lock, exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4],
-    'PX', ARGV[3])
-  if throttle then
-    -- a start opens the window; a retry of the task that opened it keeps it
-    local ends = string.format('%.0f', math.floor(tonumber(now) / 1000) + tonumber(ARGV[6]))
-    redis.call('SET', throttle, ARGV[7] .. '\n' .. ends .. '\n' .. task_id, 'PX', ARGV[6], 'NX')
-  end
-  return token
-end
 
 -- The marker this task left when it was sent: the key passes from it to the
 -- execution in this same script, so no duplicate slips in between.
@@ -85,64 +56,91 @@ if replaced and not own_queued then
 end
 
 local record = redis.call('GET', lock)
+local handed = false
 -- the task id ends the record: only a record that ends with ours is read field by field
 if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
-  local exec, handoff, copies, holder = string.match(record, FIELDS)
+  local exec, handoff, copies, holder = string.match(record,
+    '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$')
   if holder == task_id then
     if handoff == string.match(ARGV[4], '^[^\n]*\n[^\n]*\n([^\n]*)') then
       -- the retried execution takes back the key its earlier attempt kept for it
-      return grant()
-    end
-    if exec == exec_id then
+      handed = true
+    elseif exec == exec_id then
       redis.call('PEXPIRE', lock, ARGV[3])
       return string.match(record, '^[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)')
+    else
+      -- a redelivered copy: the holder must leave a trace when it finishes
+      if copies ~= '1' then
+        redis.call('SET', lock, exec .. '\n' .. handoff .. '\n1' ..
+          string.sub(record, #exec + #handoff + #copies + 3), 'KEEPTTL')
+      end
+      return {2, record}
     end
-    -- a redelivered copy: the holder must leave a trace when it finishes
-    if copies ~= '1' then
-      redis.call('SET', lock, exec .. '\n' .. handoff .. '\n1' ..
-        string.sub(record, #exec + #handoff + #copies + 3), 'KEEPTTL')
-    end
-    return {2, record}
   end
 end
 
-local done_by = redis.call('GET', done)
-if done_by then
-  done_by = string.match(done_by, '\n(.*)$') or done_by  -- the id after the name
-  if own_queued then redis.call('DEL', queued) end
-  if done_by == task_id then return {3, task_id} end
-  return {4, done_by}
-end
-
-if throttle then
-  local window = redis.call('GET', throttle)
-  local ends, by
-  if window then ends, by = string.match(window, '^[^\n]*\n(%d+)\n(.*)$') end
-  if by and by ~= task_id then
-    -- another task started within the window: whatever its outcome, this
-    -- one does not start before the window reopens
+if not handed then
+  local done_by = redis.call('GET', done)
+  if done_by then
+    done_by = string.match(done_by, '\n(.*)$') or done_by  -- the id after the name
     if own_queued then redis.call('DEL', queued) end
-    local t = redis.call('TIME')
-    return {5, by, tonumber(ends) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))}
+    if done_by == task_id then return {3, task_id} end
+    return {4, done_by}
+  end
+
+  if throttle then
+    local window = redis.call('GET', throttle)
+    local ends, by
+    if window then ends, by = string.match(window, '^[^\n]*\n(%d+)\n(.*)$') end
+    if by and by ~= task_id then
+      -- another task started within the window: whatever its outcome, this
+      -- one does not start before the window reopens
+      if own_queued then redis.call('DEL', queued) end
+      local t = redis.call('TIME')
+      return {5, by, tonumber(ends) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))}
+    end
+  end
+
+  if record then
+    return {0, record, own_queued and 1 or 0}
+  end
+  if redis.call('GET', fin) == task_id then
+    if own_queued then redis.call('DEL', queued) end
+    return {3, task_id}
+  end
+  if ARGV[5] == 'queue_and_run' and not own_queued then
+    local other = redis.call('GET', queued)
+    if other then
+      -- sent while another was queued, past the send-time check (a canvas
+      -- member, a plain send_task): the queued one owns the key
+      return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. (string.match(other, '\n(.*)$') or other), 0}
+    end
+  end
+  if own_queued then
+    redis.call('DEL', queued)
   end
 end
 
-if record then
-  return {0, record, own_queued and 1 or 0}
+local t = redis.call('TIME')
+local us = t[2]
+-- the server clock in microseconds, as digits: seconds and six places
+local now = t[1] .. string.sub('00000', #us) .. us
+-- Tokens never go down, even when the counter is lost (expired, evicted,
+-- a failover): the server clock is their floor. One grant takes longer than
+-- a microsecond, so the counter cannot run ahead of the clock and a lost
+-- counter restarts above every token already given. Equal lengths of
+-- digits compare as numbers.
+local token = now
+local last = redis.call('GET', fence)
+if last and (#last > #now or (#last == #now and last >= now)) then
+  token = string.format('%.0f', tonumber(last) + 1)
 end
-if redis.call('GET', fin) == task_id then
-  if own_queued then redis.call('DEL', queued) end
-  return {3, task_id}
+redis.call('SET', fence, token, 'PX', '86400000')
+redis.call('SET', lock, exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4],
+  'PX', ARGV[3])
+if throttle then
+  -- a start opens the window; a retry of the task that opened it keeps it
+  local ends = string.format('%.0f', math.floor(tonumber(now) / 1000) + tonumber(ARGV[6]))
+  redis.call('SET', throttle, ARGV[7] .. '\n' .. ends .. '\n' .. task_id, 'PX', ARGV[6], 'NX')
 end
-if ARGV[5] == 'queue_and_run' and not own_queued then
-  local other = redis.call('GET', queued)
-  if other then
-    -- sent while another was queued, past the send-time check (a canvas
-    -- member, a plain send_task): the queued one owns the key
-    return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. (string.match(other, '\n(.*)$') or other), 0}
-  end
-end
-if own_queued then
-  redis.call('DEL', queued)
-end
-return grant()
+return token
