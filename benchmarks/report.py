@@ -269,9 +269,12 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
         peers = [r for r in rows if r["config"] not in ("plain Celery", "celery-singleton-lock")]
         if ours and peers:
             best = min(peers, key=lambda r: r["median_seconds"])
+            mine = cond.get("ours_by_round")
+            rounds = (f"; by round {mine['median']:.3f}, at or below both peers in "
+                      f"{mine['won']} of {mine['rounds']}" if mine else "")
             verdicts.append(f"{cond['topology']}, prefetch {cond['prefetch']}: ours "
                             f"{ours[0]['median_seconds'] / best['median_seconds']:.3f}x "
-                            f"the fastest peer ({best['config']})")
+                            f"the fastest peer ({best['config']}){rounds}")
     if verdicts:
         lines += ["", "Ours against the fastest peer, by median drain time: "
                   + "; ".join(verdicts) + "."]

@@ -148,11 +148,26 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
                                  "cpu_us_per_task_by_role": by_role,
                                  "cpu_rounds": cpu[label]})
                 results["conditions"].append({"topology": topology, "prefetch": prefetch,
-                                              "rows": rows})
+                                              "rows": rows, "ours_by_round": by_round(times)})
     finally:
         broker.stop()
         own.stop()
     return results
+
+
+def by_round(times: dict[str, list[float]]) -> Optional[dict[str, Any]]:
+    """Ours against the faster peer of each round: the rounds' ratios (ours'
+    drain over that peer's), their median, and in how many rounds ours was at
+    or below both peers. Each round's libraries ran back to back, so a ratio
+    by round leaves out what the machine did between rounds."""
+    ours = times.get("celery-singleton-lock")
+    peers = [times[label] for label, _, _ in CONFIGS
+             if label not in ("plain Celery", "celery-singleton-lock") and label in times]
+    if not ours or not peers:
+        return None
+    ratios = [o / min(p) for o, *p in zip(ours, *peers)]
+    return {"ratios": ratios, "median": statistics.median(ratios),
+            "won": sum(1 for r in ratios if r <= 1.0), "rounds": len(ratios)}
 
 
 def render(results: dict[str, Any]) -> str:
@@ -165,6 +180,10 @@ def render(results: dict[str, Any]) -> str:
             out.append(f"  {row['config']:<24} {row['median_seconds']:.3f} s "
                        f"({min(row['seconds']):.3f}-{max(row['seconds']):.3f})  "
                        f"x{row['ratio_to_plain']:.3f}  CPU {cpu_cell(row)}")
+        mine = cond.get("ours_by_round")
+        if mine:
+            out.append(f"  ours / the faster peer, by round: median {mine['median']:.3f}, "
+                       f"at or below both in {mine['won']} of {mine['rounds']} rounds")
     return "\n".join(out)
 
 

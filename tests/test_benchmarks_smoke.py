@@ -94,7 +94,15 @@ def test_quick_benchmark_produces_every_result(tmp_path):
             roles = row["cpu_us_per_task_by_role"]
             assert set(roles) == {"sender", "worker main", "pool", "Redis"}
             assert all(v >= 0 for v in roles.values()) and row["cpu_us_per_task"] > 0
+        # ours against the faster peer of each round, the way the verdict reads
+        mine = cond["ours_by_round"]
+        rows = {r["config"]: r["seconds"] for r in cond["rows"]}
+        assert mine["ratios"] == [
+            o / min(a, b) for o, a, b in zip(rows["celery-singleton-lock"],
+                                              rows["celery-singleton"], rows["celery-once"])]
+        assert mine["won"] == sum(r <= 1.0 for r in mine["ratios"]) and mine["rounds"] == 1
     assert "own lock Redis, prefetch 8: ours" in (tmp_path / "results.md").read_text()
+    assert "at or below both peers in" in (tmp_path / "results.md").read_text()
 
     machine = results["machine"]
     assert len(machine["load_average_at_start"]) == len(machine["load_average_at_end"]) == 3
