@@ -323,12 +323,16 @@ class CeleryWorker:
         return self.proc.pid
 
     def children(self) -> list[int]:
-        """Pids of the pool processes."""
+        """Pids of the pool processes that are alive: a killed one the main
+        process has not reaped yet (a zombie, for seconds on a busy machine)
+        is left out."""
+        from .process import pid_alive
+
         try:
             text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
         except OSError:
             return []
-        return [int(p) for p in text.split()]
+        return [int(p) for p in text.split() if pid_alive(int(p))]
 
     def signal(self, signum: int) -> None:
         os.kill(self.pid, signum)

@@ -7,8 +7,10 @@ Written as a user would write it; it also proves the helpers themselves.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -122,3 +124,43 @@ def test_a_port_taken_before_the_server_binds_it_moves_a_first_start_only(tmp_pa
                 fixed.start()
         finally:
             fixed.cleanup()
+
+
+# A parent that does not reap: one child killed and left a zombie, one alive.
+_UNREAPED = """
+import os, signal, sys, time
+alive = os.fork()
+if alive == 0:
+    time.sleep(60); os._exit(0)
+dead = os.fork()
+if dead == 0:
+    time.sleep(60); os._exit(0)
+os.kill(dead, signal.SIGKILL)
+print(alive, dead, flush=True)
+time.sleep(60)
+"""
+
+
+def test_worker_children_leave_out_a_killed_child_not_reaped_yet():
+    """A pool process killed and not yet reaped by the worker's main process (a
+    zombie) is not one of its children: a test that kills "a child" picks a live one."""
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", _UNREAPED], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert parent.stdout is not None
+        alive, dead = (int(p) for p in parent.stdout.readline().split())
+        testing.wait_for(lambda: Path(f"/proc/{dead}/stat").read_text()
+                         .rpartition(")")[2].split()[0] == "Z", 10, what="the zombie")
+        worker = testing.CeleryWorker("unused", "unused")
+        worker.proc = parent
+        listed = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        assert sorted(map(int, listed)) == sorted([alive, dead])  # the kernel lists both
+        assert worker.children() == [alive]
+    finally:
+        parent.kill()
+        parent.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(alive, signal.SIGKILL)
