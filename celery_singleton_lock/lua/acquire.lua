@@ -56,9 +56,12 @@ if replaced and not own_queued then
 end
 
 local record = redis.call('GET', lock)
+-- true when this task's retry takes back the key its earlier attempt kept: the
+-- checks below are for everyone else, and the grant at the end follows at once
 local handed = false
 -- the task id ends the record: only a record that ends with ours is read field by field
 if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
+  -- exec, handoff, copies, then nine fields, then the task id
   local exec, handoff, copies, holder = string.match(record,
     '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$')
   if holder == task_id then
@@ -121,6 +124,7 @@ if not handed then
   end
 end
 
+-- Granted: a token, the owner record, and the throttle window if there is one.
 local t = redis.call('TIME')
 local us = t[2]
 -- the server clock in microseconds, as digits: seconds and six places
