@@ -5,6 +5,8 @@ refused by PostgreSQL through the fencing token."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -18,13 +20,22 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
+from celery_singleton_lock.testing import CeleryWorker, RedisServer, wait_for
 from tests.pg import own_database
 from tests.support import ROOT, discard, owner_record
 
 pytestmark = pytest.mark.worker
 
 HERE = ROOT / "examples" / "webhooks"
+
+
+def web_endpoint(env: dict[str, str]) -> contextlib.AbstractContextManager[str]:
+    """web.py started the demo's way: on a port it picks, or an error with its output."""
+    spec = importlib.util.spec_from_file_location("_webhooks_demo", HERE / "run_demo.py")
+    assert spec and spec.loader
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo.web_endpoint(env)  # type: ignore[no-any-return]
 
 
 def run_demo(*args: str) -> str:
@@ -84,59 +95,46 @@ def test_a_holder_paused_past_its_lease_has_its_charge_refused_by_postgresql():
                        cwd=HERE, env={**os.environ, **env}, check=True, timeout=30)
         worker = CeleryWorker("payments", env["WEBHOOKS_QUEUE"], concurrency=2, env=env,
                               cwd=str(HERE)).start()
-        port = free_port()
-        web = subprocess.Popen([sys.executable, "web.py", "--port", str(port)], cwd=HERE,
-                               env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
         locks = redis_server.client(2)
         results = Celery(backend=f"{redis_url}/1")
         paused = 0
         try:
-            url = f"http://127.0.0.1:{port}/webhooks/payment"
-            wait_for(lambda: _up(port), 20, what="the web endpoint")
-            body = {"order_id": 21, "amount_cents": 5000}
-            first = post(url, body)
+            with web_endpoint(env) as base:
+                url = f"{base}/webhooks/payment"
+                body = {"order_id": 21, "amount_cents": 5000}
+                first = post(url, body)
 
-            def fence() -> int:
+                def fence() -> int:
+                    with psycopg.connect(dsn) as conn:
+                        row = conn.execute("SELECT fence FROM orders WHERE id = 21").fetchone()
+                        return int(row[0]) if row else 0
+
+                token_a = wait_for(fence, 20, what="A's claim of the order")
+                lock_key = next(iter(locks.scan_iter("*:lock")))
+                record = owner_record(locks, lock_key)
+                assert record["task"] == first and int(record["token"]) == token_a
+                paused = int(record["pid"])
+                os.kill(paused, signal.SIGSTOP)
+                wait_for(lambda: not locks.exists(lock_key), 10, what="A's lease to run out")
+
+                second = post(url, body)
+                b = results.AsyncResult(second).get(timeout=30)
+                assert b["outcome"] == "charged" and b["token"] > token_a, b
+
+                os.kill(paused, signal.SIGCONT)
+                paused = 0
+                a = results.AsyncResult(first).get(timeout=30)
+                assert a == {"order_id": 21, "outcome": "stale write refused", "token": token_a,
+                             "stored": b["token"]}, a
                 with psycopg.connect(dsn) as conn:
-                    row = conn.execute("SELECT fence FROM orders WHERE id = 21").fetchone()
-                    return int(row[0]) if row else 0
-
-            token_a = wait_for(fence, 20, what="A's claim of the order")
-            lock_key = next(iter(locks.scan_iter("*:lock")))
-            record = owner_record(locks, lock_key)
-            assert record["task"] == first and int(record["token"]) == token_a
-            paused = int(record["pid"])
-            os.kill(paused, signal.SIGSTOP)
-            wait_for(lambda: not locks.exists(lock_key), 10, what="A's lease to run out")
-
-            second = post(url, body)
-            b = results.AsyncResult(second).get(timeout=30)
-            assert b["outcome"] == "charged" and b["token"] > token_a, b
-
-            os.kill(paused, signal.SIGCONT)
-            paused = 0
-            a = results.AsyncResult(first).get(timeout=30)
-            assert a == {"order_id": 21, "outcome": "stale write refused", "token": token_a,
-                         "stored": b["token"]}, a
-            with psycopg.connect(dsn) as conn:
-                charges = conn.execute("SELECT amount_cents, token, task_id FROM charges "
-                                       "WHERE order_id = 21").fetchall()
-                order = conn.execute("SELECT state, fence FROM orders WHERE id = 21").fetchone()
-            assert charges == [(5000, b["token"], second)], "one charge, by the newer holder"
-            assert order == ("paid", b["token"])
-            assert "stale write to orders {'id': 21} refused" in worker.logs()
+                    charges = conn.execute("SELECT amount_cents, token, task_id FROM charges "
+                                           "WHERE order_id = 21").fetchall()
+                    order = conn.execute("SELECT state, fence FROM orders WHERE id = 21").fetchone()
+                assert charges == [(5000, b["token"], second)], "one charge, by the newer holder"
+                assert order == ("paid", b["token"])
+                assert "stale write to orders {'id': 21} refused" in worker.logs()
         finally:
             if paused:
                 os.kill(paused, signal.SIGCONT)
-            web.terminate()
-            web.wait(10)
             discard(worker)
 
-
-def _up(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False

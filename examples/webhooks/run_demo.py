@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
-from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
+from celery_singleton_lock.testing import CeleryWorker, RedisServer
 
 HERE = Path(__file__).resolve().parent
 UNGUARDED = {1: 4200, 2: 1999, 3: 12500}
@@ -77,6 +78,33 @@ def deliver(base: str, path: str, order: int, cents: int) -> list[str]:
                                                 range(DELIVERIES))]
 
 
+@contextlib.contextmanager
+def web_endpoint(env: dict[str, str]) -> Iterator[str]:
+    """``web.py`` on a port of its own choosing; its base URL, stopped at the end.
+
+    Waits for the line the server prints once it listens; if it exits first, the
+    error names what it printed.
+    """
+    with tempfile.TemporaryFile("w+") as errors:
+        web = subprocess.Popen([sys.executable, "web.py", "--port", "0"], cwd=HERE,
+                               env={**os.environ, **env}, stdout=subprocess.PIPE,
+                               stderr=errors, text=True)
+        try:
+            assert web.stdout is not None
+            ready, _, _ = select.select([web.stdout], [], [], 60)
+            line = web.stdout.readline() if ready else ""
+            if not line.startswith("Listening on "):
+                web.kill()
+                web.wait()
+                errors.seek(0)
+                raise RuntimeError("the web endpoint did not start "
+                                   f"(exit {web.returncode}):\n{line}{errors.read()}")
+            yield line.split()[-1]
+        finally:
+            web.terminate()
+            web.wait(10)
+
+
 def run(redis_url: str, db_url: str) -> int:
     env = {"WEBHOOKS_REDIS_URL": redis_url, "WEBHOOKS_DATABASE": db_url,
            "WEBHOOKS_QUEUE": f"webhooks-{uuid.uuid4().hex[:8]}",
@@ -91,25 +119,19 @@ def run(redis_url: str, db_url: str) -> int:
     ledger.create({**UNGUARDED, **GUARDED})
     worker = CeleryWorker("payments", env["WEBHOOKS_QUEUE"], concurrency=4, env=env,
                           cwd=str(HERE))
-    port = free_port()
-    web = subprocess.Popen([sys.executable, "web.py", "--port", str(port)], cwd=HERE,
-                           env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
     try:
         worker.start()
-        wait_for(lambda: _up(base), 20, what="the web endpoint")
-        print(f"Worker ready; endpoint on {base}. Each webhook is delivered {DELIVERIES} "
-              "times at once.\n")
-        results: list[tuple[int, Any]] = []
-        for orders, path in ((UNGUARDED, "/webhooks/payment-unguarded"),
-                             (GUARDED, "/webhooks/payment")):
-            for order, cents in orders.items():
-                ids = deliver(base, path, order, cents)
-                results += [(order, payments.app.AsyncResult(t).get(timeout=60)) for t in ids]
+        with web_endpoint(env) as base:
+            print(f"Worker ready; endpoint on {base}. Each webhook is delivered "
+                  f"{DELIVERIES} times at once.\n")
+            results: list[tuple[int, Any]] = []
+            for orders, path in ((UNGUARDED, "/webhooks/payment-unguarded"),
+                                 (GUARDED, "/webhooks/payment")):
+                for order, cents in orders.items():
+                    ids = deliver(base, path, order, cents)
+                    results += [(order, payments.app.AsyncResult(t).get(timeout=60))
+                                for t in ids]
     finally:
-        web.terminate()
-        web.wait(10)
         worker.stop()
         worker.log.unlink(missing_ok=True)
 
@@ -133,14 +155,6 @@ def run(redis_url: str, db_url: str) -> int:
     print("With the lock: every order charged exactly once." if ok
           else "With the lock: SOME ORDER WAS NOT CHARGED EXACTLY ONCE")
     return 0 if ok else 1
-
-
-def _up(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def main() -> int:

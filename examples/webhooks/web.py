@@ -4,6 +4,8 @@ The provider repeats its call until it gets a 2xx in time (and sometimes after):
 the endpoint only hands the event to Celery and answers 202 at once.
 
     python web.py --port 8000        # or: flask --app web run
+
+``--port 0`` takes any free port; the first line on stdout names the address.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import payments
 from flask import Flask, jsonify, request
+from werkzeug.serving import make_server
 
 web = Flask(__name__)
 
@@ -46,4 +49,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
-    web.run(host="127.0.0.1", port=args.port, threaded=True)
+    server = make_server("127.0.0.1", args.port, web, threaded=True)
+    print(f"Listening on http://127.0.0.1:{server.server_port}", flush=True)
+    server.serve_forever()
