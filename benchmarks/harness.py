@@ -96,6 +96,32 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def sched_us(pids: list[int]) -> tuple[float, float]:
+    """Microseconds the processes' threads ran so far, and waited runnable for a
+    CPU (the kernel's schedstat; (0, 0) where it cannot be read)."""
+    ran = waited = 0
+    for pid in pids:
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    fields = fh.read().split()
+            except OSError:
+                continue
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
+    return ran / 1e3, waited / 1e3
+
+
+def command_us(clients: list[Any]) -> float:
+    """Microseconds the Redis servers spent inside commands so far (``INFO
+    commandstats``: what the commands cost, apart from reading and writing sockets)."""
+    return float(sum(int(v["usec"]) for client in clients
+                     for v in client.info("commandstats").values()))
+
+
 def child_pids(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as fh:

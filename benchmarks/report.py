@@ -9,7 +9,7 @@ from typing import Any
 from .harness import CPU_ROLES, FLOOR
 from .real import REAL_CONFIGS
 from .throughput import PEERS
-from .userstyle import ROLES, cpu_cell
+from .userstyle import ROLES, TIMINGS, cpu_cell, timing_cell
 
 
 def _ratio_range(row: dict[str, Any]) -> str:
@@ -257,14 +257,15 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
              f"with INCR, prefork -c 2, results ignored, {u['rounds']} rounds)", "",
              "| topology | prefetch | configuration | drain seconds (median) | rounds' range "
              "| time vs plain Celery (median of rounds) | CPU µs per task: all processes "
-             f"({' / '.join(ROLES)}), medians |", "|---|---:|---|---:|---:|---:|---:|"]
+             f"({' / '.join(ROLES)}), medians | µs per task: {' / '.join(TIMINGS)}, medians |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     verdicts = []
     for cond in u["conditions"]:
         rows = sorted(cond["rows"], key=lambda r: r["median_seconds"])
         for row in rows:
             lines.append(f"| {cond['topology']} | {cond['prefetch']} | {row['config']} | "
                          f"{row['median_seconds']:.3f} | {_range(row['seconds'])} | "
-                         f"{row['ratio_to_plain']:.3f} | {cpu_cell(row)} |")
+                         f"{row['ratio_to_plain']:.3f} | {cpu_cell(row)} | {timing_cell(row)} |")
         ours = [r for r in rows if r["config"] == "celery-singleton-lock"]
         peers = [r for r in rows if r["config"] not in ("plain Celery", "celery-singleton-lock")]
         if ours and peers:

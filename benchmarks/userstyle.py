@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from .harness import child_pids, cpu_model, cpu_seconds, version
+from .harness import child_pids, command_us, cpu_model, cpu_seconds, sched_us, version
 from .servers import ROOT, Redis
 from .servers import Worker as _BenchWorker
 
@@ -35,6 +35,10 @@ from .servers import Worker as _BenchWorker
 #: the messages from the broker and hands them to the pool) apart from its
 #: pool processes (where the tasks, and ours' lock calls, run)
 ROLES = ("sender", "worker main", "pool", "Redis")
+
+#: read around each drain too, per task: where the drain's time goes when the
+#: worker's main process is the bottleneck (it waits for a CPU, or for the pool)
+TIMINGS = ("Redis commands", "worker main waiting for a CPU")
 
 CONFIGS = (("plain Celery", "user.plain", "celery"),
            ("celery-singleton-lock", "user.ours", "celery-singleton-lock"),
@@ -91,12 +95,14 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
         worker.start()  # the warm-up batch waits for it
         app = caller(env)
         counter = redis.Redis.from_url(counter_url)
+        servers = [redis.Redis.from_url(u) for u in dict.fromkeys((broker_url, lock_url))]
         configs = [c for c in CONFIGS if c[1] in app.tasks]
         # warm-up: the worker boots, each library connects and loads its scripts
         for i, (_, name, _) in enumerate(configs):
             drain(app, counter, name, -10 * tasks * (i + 1), max(10, tasks // 10))
         times: dict[str, list[float]] = {c[0]: [] for c in configs}
         cpu: dict[str, list[dict[str, float]]] = {c[0]: [] for c in configs}
+        timings: dict[str, list[dict[str, float]]] = {c[0]: [] for c in configs}
         offset = 0
         for _ in range(rounds):
             order = list(configs)
@@ -105,11 +111,15 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
                 pids = {"sender": [os.getpid()], "worker main": [worker.pid],
                         "pool": child_pids(worker.pid), "Redis": redis_pids}
                 before = {role: cpu_seconds(pids[role]) for role in ROLES}
+                commands, (_, waited) = command_us(servers), sched_us(pids["worker main"])
                 times[label].append(drain(app, counter, name, offset, tasks))
                 cpu[label].append({role: (cpu_seconds(pids[role]) - before[role]) / tasks * 1e6
                                    for role in ROLES})
+                timings[label].append(dict(zip(TIMINGS, (
+                    (command_us(servers) - commands) / tasks,
+                    (sched_us(pids["worker main"])[1] - waited) / tasks))))
                 offset += tasks
-        return {"times": times, "cpu": cpu}
+        return {"times": times, "cpu": cpu, "timings": timings}
     finally:
         # a warm shutdown: the peers free a lock after the task's body has
         # counted itself, and the next condition sends the same arguments
@@ -131,7 +141,7 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
                                  redis_pids])],
                     cwd=ROOT, capture_output=True, text=True, check=True)
                 measured = json.loads(out.stdout.strip().splitlines()[-1])
-                times, cpu = measured["times"], measured["cpu"]
+                times, cpu, timings = measured["times"], measured["cpu"], measured["timings"]
                 rows = []
                 for label, _, dist in CONFIGS:
                     if label not in times:
@@ -146,7 +156,11 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
                                  "cpu_us_per_task": statistics.median(
                                      sum(c.values()) for c in cpu[label]),
                                  "cpu_us_per_task_by_role": by_role,
-                                 "cpu_rounds": cpu[label]})
+                                 "cpu_rounds": cpu[label],
+                                 "timings_us_per_task": {
+                                     t: statistics.median(r[t] for r in timings[label])
+                                     for t in TIMINGS},
+                                 "timing_rounds": timings[label]})
                 results["conditions"].append({"topology": topology, "prefetch": prefetch,
                                               "rows": rows, "ours_by_round": by_round(times)})
     finally:
@@ -173,13 +187,15 @@ def by_round(times: dict[str, list[float]]) -> Optional[dict[str, Any]]:
 def render(results: dict[str, Any]) -> str:
     out = [f"{results['tasks']} no-op tasks a batch, {results['rounds']} rounds, prefork -c 2; "
            "drain seconds, median (min-max), the median ratio to plain Celery by round, "
-           f"and CPU µs per task (medians): all processes ({' / '.join(ROLES)})"]
+           f"CPU µs per task (medians): all processes ({' / '.join(ROLES)}), and µs per "
+           f"task (medians): {' / '.join(TIMINGS)}"]
     for cond in results["conditions"]:
         out.append(f"\n{cond['topology']}, prefetch {cond['prefetch']}:")
         for row in sorted(cond["rows"], key=lambda r: r["median_seconds"]):
             out.append(f"  {row['config']:<24} {row['median_seconds']:.3f} s "
                        f"({min(row['seconds']):.3f}-{max(row['seconds']):.3f})  "
-                       f"x{row['ratio_to_plain']:.3f}  CPU {cpu_cell(row)}")
+                       f"x{row['ratio_to_plain']:.3f}  CPU {cpu_cell(row)}  "
+                       f"{timing_cell(row)}")
         mine = cond.get("ours_by_round")
         if mine:
             out.append(f"  ours / the faster peer, by round: median {mine['median']:.3f}, "
@@ -195,6 +211,15 @@ def cpu_cell(row: dict[str, Any]) -> str:
         return "-"
     return (f"{row['cpu_us_per_task']:.0f} ("
             + " / ".join(f"{roles[role]:.0f}" for role in ROLES if role in roles) + ")")
+
+
+def timing_cell(row: dict[str, Any]) -> str:
+    """A row's Redis command time and its worker main process's wait for a CPU,
+    µs per task (medians of the rounds); "-" for a run from before they were read."""
+    timings = row.get("timings_us_per_task")
+    if not timings:
+        return "-"
+    return " / ".join(f"{timings[t]:.1f}" for t in TIMINGS)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

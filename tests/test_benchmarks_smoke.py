@@ -94,6 +94,11 @@ def test_quick_benchmark_produces_every_result(tmp_path):
             roles = row["cpu_us_per_task_by_role"]
             assert set(roles) == {"sender", "worker main", "pool", "Redis"}
             assert all(v >= 0 for v in roles.values()) and row["cpu_us_per_task"] > 0
+            # the Redis servers ran the batch's commands (the broker's at least);
+            # the worker's main process may not have waited for a CPU at all
+            timings = row["timings_us_per_task"]
+            assert timings["Redis commands"] > 0, row
+            assert timings["worker main waiting for a CPU"] >= 0
         # ours against the faster peer of each round, the way the verdict reads
         mine = cond["ours_by_round"]
         rows = {r["config"]: r["seconds"] for r in cond["rows"]}
