@@ -10,9 +10,10 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from celery_singleton_lock.calls import marker_task
 from celery_singleton_lock.replies import RECORD_FIELDS, record
@@ -21,7 +22,30 @@ from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, 
 ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "free_port", "marker",
-           "owner_field", "owner_record", "wait_for", "write_owner"]
+           "owner_field", "owner_record", "serve_on_free_port", "wait_for", "write_owner"]
+
+
+def serve_on_free_port(spawn: Callable[[int], subprocess.Popen[Any]], log: Callable[[], str],
+                       ready: Callable[[int], Any], what: str, timeout: float = 30
+                       ) -> tuple[subprocess.Popen[Any], int]:
+    """A server process on a free port, once ``ready(port)``: (the process, its port).
+
+    A port free when picked can be taken before the server binds it (the tests
+    run in parallel, and every client connection takes a port too): a server
+    that exits saying its address is in use starts again on another port; one
+    that exits for another reason fails at once, with what it logged.
+    """
+    for _ in range(3):
+        port = free_port()
+        proc = spawn(port)
+        if wait_for(lambda p=proc, n=port: "exited" if p.poll() is not None else ready(n),
+                    timeout, what=what) != "exited":
+            return proc, port
+        text = log()
+        if "Address already in use" not in text:
+            raise AssertionError(f"{what}: the process exited ({proc.returncode}):\n"
+                                 f"{text[-3000:]}")
+    raise AssertionError(f"{what}: three free ports in a row were taken first")
 
 
 def owner_record(client: Any, lock_key: str) -> dict[str, str]:

@@ -24,8 +24,7 @@ import pytest
 from celery import chain, chord
 
 from celery_singleton_lock import is_deduplicated, is_skipped
-from celery_singleton_lock.testing import free_port
-from tests.support import ROOT, RedisServer, Worker, discard, wait_for
+from tests.support import ROOT, RedisServer, Worker, discard, serve_on_free_port, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -41,7 +40,6 @@ class Flower:
     """`celery -A tests.workerapp:app flower` as a subprocess, its API open."""
 
     def __init__(self, worker: Worker) -> None:
-        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="singleton-flower-")
         lock_url = json.loads(worker.env["SLT_CONF"]).get("singleton_redis_url") or (
             worker.env["SLT_REDIS_URL"].rsplit("/", 1)[0] + "/2")
@@ -49,12 +47,18 @@ class Flower:
         conf.write_text(FLOWER_CONF.format(url=lock_url))
         self.log = Path(self.dir) / "flower.log"
         env = dict(worker.env, FLOWER_UNAUTHENTICATED_API="true")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "flower",
-             f"--port={self.port}", "--address=127.0.0.1", f"--conf={conf}",
-             f"--tasks_columns={COLUMNS}"],
-            env=env, cwd=str(ROOT), stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+
+        def spawn(port: int) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "flower",
+                 f"--port={port}", "--address=127.0.0.1", f"--conf={conf}",
+                 f"--tasks_columns={COLUMNS}"],
+                env=env, cwd=str(ROOT), stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+        self.proc, self.port = serve_on_free_port(
+            spawn, lambda: self.log.read_text(errors="replace"),
+            lambda port: _answers(f"http://127.0.0.1:{port}/healthcheck"), what="Flower")
         self.base = f"http://127.0.0.1:{self.port}"
 
     def get(self, path: str) -> Any:
@@ -451,12 +455,18 @@ def test_celery_singleton_metrics_serves_the_lock_series_on_its_own_port(setup, 
     """`celery -A app singleton metrics --port N` serves the same series as
     Flower's /metrics, without Flower: a lock taken shows in its acquisitions."""
     worker, _flower, app, hostname = setup
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "singleton", "metrics",
-         "--port", str(port), "--address", "127.0.0.1"],
-        env=worker.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
+    log = Path(tempfile.mkdtemp(prefix="singleton-metrics-")) / "metrics.log"
+
+    def spawn(port: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "singleton",
+             "metrics", "--port", str(port), "--address", "127.0.0.1"],
+            env=worker.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log.open("wb"),
+            start_new_session=True)
+
+    proc, port = serve_on_free_port(spawn, lambda: log.read_text(errors="replace"),
+                                    lambda p: _answers(f"http://127.0.0.1:{p}/metrics"),
+                                    what="celery singleton metrics")
     series = f'celery_singleton_acquisitions_total{{hostname="{hostname}",name="t.hold"}}'
 
     def value() -> Any:
@@ -476,6 +486,7 @@ def test_celery_singleton_metrics_serves_the_lock_series_on_its_own_port(setup, 
     finally:
         proc.terminate()
         proc.wait(10)
+        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 def test_held_locks_of_a_process_that_stopped_publishing_are_ignored_and_removed(redis_server):
@@ -498,3 +509,11 @@ def test_held_locks_of_a_process_that_stopped_publishing_are_ignored_and_removed
     assert [(r["id"], r["pid"], r["token"]) for r in rows] == [("x", 1, 7)]
     assert 2.5 < rows[0]["age"] < 10
     assert client.hkeys(monitor.held_key("singleton:")) == ["w1@h|1"]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,39 +25,24 @@ from typing import Any
 
 import redis
 
+from celery_singleton_lock.testing import RedisServer
+
 HERE = Path(__file__).resolve().parent
 SECONDS = 10
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> int:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         print("redis-server is not installed (apt-get install redis-server)")
         return 2
     workdir = tempfile.mkdtemp(prefix="beat-demo-")
-    port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", workdir],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # a free port of its own (another if that one is taken before it starts)
+    server = RedisServer().start()
     try:
+        port = server.port
         url = f"redis://127.0.0.1:{port}"
         log = redis.Redis.from_url(f"{url}/3", decode_responses=True)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                log.ping()
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
         print(f"Started redis-server on port {port}")
         env = dict(os.environ, DEMO_REDIS_URL=url, PYTHONPATH=os.pathsep.join(
             [str(HERE), str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
@@ -84,8 +68,7 @@ def main() -> int:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(20)
-        server.kill()
-        server.wait(10)
+        server.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
 
     counts = Counter(e["tick"] for e in events)

@@ -1,0 +1,65 @@
+"""The suite's own helpers: a server started on a free port survives losing that
+port to another process before it binds it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import serve_on_free_port
+
+SERVE = "import http.server, sys; http.server.test(http.server.SimpleHTTPRequestHandler, " \
+        "http.server.ThreadingHTTPServer, port=int(sys.argv[1]), bind='127.0.0.1')"
+
+
+def _answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def test_a_server_whose_free_port_was_taken_first_starts_again_on_another(tmp_path: Path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    blocked = taken.getsockname()[1]
+    log = tmp_path / "server.log"
+    ports: list[int] = []
+
+    def spawn(port: int) -> subprocess.Popen[Any]:
+        # the first start finds its port taken, as if another test got there first
+        ports.append(blocked if not ports else port)
+        return subprocess.Popen([sys.executable, "-c", SERVE, str(ports[-1])], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+
+    try:
+        proc, port = serve_on_free_port(spawn, log.read_text, _answers, what="http.server")
+        try:
+            assert len(ports) == 2 and port == ports[1] != blocked
+            assert _answers(port)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    finally:
+        taken.close()
+
+
+def test_a_server_that_exits_for_another_reason_fails_at_once_with_its_output():
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "server.log"
+
+        def spawn(port: int) -> subprocess.Popen[Any]:
+            return subprocess.Popen([sys.executable, "-c", "raise SystemExit('no config file')"],
+                                    stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+
+        with pytest.raises(AssertionError, match="no config file"):
+            serve_on_free_port(spawn, log.read_text, _answers, what="the server", timeout=60)
