@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_singleton_lock.testing import RedisServer, free_port, redis_server_binary, wait_for
 
@@ -32,14 +34,16 @@ def valkey_server_binary() -> Optional[str]:
 
 
 class SentinelProcess:
-    """``redis-server <conf> --sentinel`` on a free port."""
+    """``redis-server <conf> --sentinel`` on a free port (another if that one is
+    taken before the sentinel binds it)."""
 
     def __init__(self, master: str, primary_port: int, quorum: int, down_ms: int) -> None:
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="singleton-sentinel-")
         self.conf = Path(self.dir) / "sentinel.conf"
-        self.conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
+        self.log = Path(self.dir) / "sentinel.log"
+        self.settings = (
+            f"bind 127.0.0.1\nprotected-mode no\ndir {self.dir}\nlogfile {self.log}\n"
             f"sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}\n"
             f"sentinel down-after-milliseconds {master} {down_ms}\n"
             f"sentinel failover-timeout {master} {max(down_ms * 3, 3000)}\n"
@@ -52,16 +56,33 @@ class SentinelProcess:
     def start(self) -> SentinelProcess:
         binary = redis_server_binary()
         assert binary is not None
-        self.proc = subprocess.Popen([binary, str(self.conf), "--sentinel"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(self._ping, 10, what=f"sentinel on port {self.port}")
+        restart = self.proc is not None  # keeps its port and what it learned
+        for attempt in range(3):
+            if not restart:
+                self.conf.write_text(f"port {self.port}\n{self.settings}")
+            self.proc = subprocess.Popen([binary, str(self.conf), "--sentinel"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            up = wait_for(lambda: "exited" if self.proc is not None and self.proc.poll()
+                          is not None else self._ping(), 10, what=f"sentinel on port {self.port}")
+            if up != "exited":
+                return self
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            if restart or attempt == 2 or "Address already in use" not in text:
+                raise AssertionError(f"sentinel on port {self.port} exited:\n{text[-2000:]}")
+            self.port = free_port()  # another process took it first
         return self
 
     def _ping(self) -> bool:
+        """Ours answers: not a server another process started on this port meanwhile."""
+        probe = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1,
+                            retry=Retry(NoBackoff(), 0))
         try:
-            return bool(self.client().ping())
+            pid = probe.info("server").get("process_id")
         except redis.RedisError:
             return False
+        finally:
+            probe.connection_pool.disconnect()
+        return self.proc is not None and pid == self.proc.pid
 
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -77,10 +98,10 @@ class SentinelGroup:
                  quorum: int = 2, down_ms: int = 1000) -> None:
         self.master = master
         self.primary = RedisServer(["--repl-diskless-sync-delay", "0"])
-        self.replicas = [RedisServer(["--replicaof", "127.0.0.1", str(self.primary.port)])
-                         for _ in range(replicas)]
-        self.sentinels = [SentinelProcess(master, self.primary.port, quorum, down_ms)
-                          for _ in range(sentinels)]
+        self.layout = (replicas, sentinels, quorum, down_ms)
+        # made once the primary runs: a first start may move it to another port
+        self.replicas: list[RedisServer] = []
+        self.sentinels: list[SentinelProcess] = []
 
     @property
     def servers(self) -> list[RedisServer]:
@@ -92,6 +113,11 @@ class SentinelGroup:
 
     def start(self) -> SentinelGroup:
         self.primary.start()
+        replicas, sentinels, quorum, down_ms = self.layout
+        self.replicas = [RedisServer(["--replicaof", "127.0.0.1", str(self.primary.port)])
+                         for _ in range(replicas)]
+        self.sentinels = [SentinelProcess(self.master, self.primary.port, quorum, down_ms)
+                          for _ in range(sentinels)]
         for replica in self.replicas:
             replica.start()
         wait_for(lambda: all(r.client().info("replication").get("master_link_status") == "up"

@@ -1,5 +1,5 @@
 """The suite's own helpers: a server started on a free port survives losing that
-port to another process before it binds it."""
+port to another process before it binds it (Flower, the metrics server, a sentinel)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import serve_on_free_port
+from tests.support import RedisServer, serve_on_free_port
 
 SERVE = "import http.server, sys; http.server.test(http.server.SimpleHTTPRequestHandler, " \
         "http.server.ThreadingHTTPServer, port=int(sys.argv[1]), bind='127.0.0.1')"
@@ -63,3 +63,20 @@ def test_a_server_that_exits_for_another_reason_fails_at_once_with_its_output():
 
         with pytest.raises(AssertionError, match="no config file"):
             serve_on_free_port(spawn, log.read_text, _answers, what="the server", timeout=60)
+
+
+def test_a_sentinel_whose_free_port_was_taken_first_starts_on_another():
+    """Taken by another test's redis-server, which answers there: the sentinel
+    is not fooled by it, and moves."""
+    from tests.deployments import SentinelProcess
+
+    with RedisServer() as other:
+        sentinel = SentinelProcess("mymaster", 1, 1, 1000)
+        sentinel.port = other.port
+        try:
+            sentinel.start()
+            assert sentinel.port != other.port
+            assert sentinel.client().info("server")["process_id"] == sentinel.proc.pid
+            assert "Address already in use" in sentinel.log.read_text()  # the first try's
+        finally:
+            sentinel.cleanup()
