@@ -36,8 +36,10 @@ from celery.schedules import schedule as interval_schedule
 
 from .config import BEAT_SETTINGS, get_config
 from .engines import engine_for
+from .findings import user_of
 from .overlap import OVERLAP_OPTION as OVERLAP_OPTION
-from .overlap import OverlapMixin
+from .overlap import OverlapMixin, redis_failure
+from .permissions import beat_denied
 from .ticks import (
     BEAT_HEADER,
     BEAT_TASK_HEADER,
@@ -127,6 +129,42 @@ class SingletonSchedulerMixin(OverlapMixin):
         self._sending: dict[str, dt.datetime] = {}  # tick being sent, for apply_async
         self._overlap_init()
         super().__init__(*args, **kwargs)
+
+    def setup_schedule(self) -> None:
+        """The scheduler's, then a check of what the lock Redis user may run
+        (not on the banner's lazy scheduler, which has no schedule)."""
+        super().setup_schedule()  # type: ignore[misc]
+        self._check_permissions()
+
+    def _check_permissions(self) -> None:
+        """Stop the start when the lock Redis user may not run a command this
+        beat needs: every tick would fail the same way, late and quietly. Redis
+        merely down is logged and the start goes on (the ticks then follow
+        ``singleton_beat_on_backend_error``)."""
+        modes = set()
+        for entry in self.schedule.values():
+            try:
+                if self._task_keys(entry) is not None:
+                    modes.add(self.singleton_overlap(entry))
+            except Exception:  # an entry's own error shows when it is due
+                continue
+        client = engine_for(self.app).client
+        try:
+            denied = beat_denied(client, get_config(self.app).key_prefix, sorted(modes))
+        except redis.RedisError as exc:
+            logger.warning("celery-singleton-lock: could not check what the lock Redis user "
+                           "may run (%r); the beat starts", exc)
+            return
+        if denied:
+            user = user_of(client)
+            needs = (f"entries with singleton_overlap {', '.join(sorted(modes))}"
+                     if modes else "claiming ticks")
+            message = (f"the lock Redis user {user!r} may not run {', '.join(denied)}, which "
+                       f"this beat needs ({needs}); grant it: ACL SETUSER {user} "
+                       + " ".join(f"+{name}" for name in denied)
+                       + " (docs/redis-acl.md, Beat)")
+            logger.critical("celery-singleton-lock: %s", message)
+            raise SystemExit(f"celery-singleton-lock configuration error: {message}")
 
     # -- the clock ----------------------------------------------------------------
 
@@ -243,13 +281,13 @@ class SingletonSchedulerMixin(OverlapMixin):
         except redis.RedisError as exc:
             if self.singleton_beat.on_backend_error == "send":
                 self.singleton_stats["sent_unclaimed"] += 1
-                logger.warning("Beat entry %r tick %s sent WITHOUT a claim: Redis unreachable "
-                               "(%r); another beat may send it too", entry.name,
-                               tick_name(tick), exc)
+                logger.warning("Beat entry %r tick %s sent WITHOUT a claim: %s (%r); another "
+                               "beat may send it too", entry.name, tick_name(tick),
+                               redis_failure(exc), exc)
                 return True
             self.singleton_stats["backend_error"] += 1
-            logger.error("Beat entry %r tick %s not sent: Redis unreachable, the tick could "
-                         "not be claimed (%r)", entry.name, tick_name(tick), exc)
+            logger.error("Beat entry %r tick %s not sent: %s, the tick could not be claimed "
+                         "(%r)", entry.name, tick_name(tick), redis_failure(exc), exc)
             return False
         if not won:
             self.singleton_stats["claimed_elsewhere"] += 1

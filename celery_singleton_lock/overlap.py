@@ -27,6 +27,7 @@ from collections import Counter
 from typing import Any, Mapping
 
 import redis
+from redis.exceptions import NoPermissionError
 
 from .config import OVERLAP_MODES, choice, get_config
 from .engines import engine_for
@@ -84,6 +85,13 @@ if #popped == 0 then return -1 end
 redis.call('SET', KEYS[2], popped[1], 'PX', ARGV[2])
 return popped[1]
 """
+
+
+def redis_failure(exc: Exception) -> str:
+    """How a beat's log names a failed Redis call: a refusal is no outage."""
+    if isinstance(exc, (redis.AuthenticationError, NoPermissionError)):
+        return "Redis refused it (see docs/redis-acl.md)"
+    return "Redis unreachable"
 
 
 def _text(value: Any) -> str:
@@ -261,8 +269,8 @@ class OverlapMixin:
             replaced = client.set(key, str(to_ms(tick)), px=RUN_MARKER_TTL_MS, get=True)
         except redis.RedisError as exc:
             self.singleton_stats["backend_error"] += 1
-            logger.error("Beat entry %r tick %s not buffered: Redis unreachable (%r)",
-                         entry.name, tick_name(tick), exc)
+            logger.error("Beat entry %r tick %s not buffered: %s (%r)",
+                         entry.name, tick_name(tick), redis_failure(exc), exc)
             return
         if replaced is not None and _text(replaced) != str(to_ms(tick)):
             self.singleton_stats["buffer_dropped"] += 1

@@ -286,3 +286,65 @@ def publishing_check(client: redis.Redis, config: SingletonConfig) -> list[Findi
         f"{acl_rule(config.key_prefix, db_of(client))}")]
 
 
+
+
+# -- beat --------------------------------------------------------------------------
+
+#: what a beat sends beyond claiming ticks (``SET NX PX``, then ``GET``) and
+#: reading a running task's owner record (``GET``), by the overlap mode of its
+#: SingletonTask entries (:mod:`.overlap`): a waiting tick is looked for with
+#: ``EXISTS``, taken with ``GETDEL``, and ``buffer_all``'s queue is kept by two
+#: small scripts sent with ``EVAL``
+BEAT_COMMANDS: dict[str, tuple[str, ...]] = {
+    "buffer_one": ("exists", "getdel"),
+    "cancel_other": ("exists", "getdel"),
+    "terminate_other": ("exists", "getdel"),
+    "buffer_all": ("exists", "eval", "zadd", "zcard", "zpopmin", "zscore"),
+}
+
+#: one harmless call of each, on a fresh key under the prefix (the z-commands
+#: inside a script, as the beat calls them)
+_BEAT_PROBES: dict[str, tuple[Any, ...]] = {
+    "set": ("SET", "{key}", "1", "NX", "PX", "1000"),
+    "get": ("GET", "{key}"),
+    "exists": ("EXISTS", "{key}"),
+    "getdel": ("GETDEL", "{key}"),
+    "eval": ("EVAL", "return 1", "0"),
+    "zadd": ("EVAL", "return redis.call('ZADD', KEYS[1], 1, 'x')", "1", "{zkey}"),
+    "zcard": ("EVAL", "return redis.call('ZCARD', KEYS[1])", "1", "{zkey}"),
+    "zscore": ("EVAL", "return redis.call('ZSCORE', KEYS[1], 'x')", "1", "{zkey}"),
+    "zpopmin": ("EVAL", "return redis.call('ZPOPMIN', KEYS[1])", "1", "{zkey}"),
+}
+
+
+def beat_commands(modes: Sequence[str]) -> tuple[str, ...]:
+    """The commands a beat whose SingletonTask entries use these overlap modes sends."""
+    names = {"get", "set"}
+    for mode in modes:
+        names.update(BEAT_COMMANDS.get(mode, ()))
+    return tuple(sorted(names))
+
+
+def beat_denied(client: redis.Redis, prefix: str, modes: Sequence[str]) -> list[str]:
+    """The commands of :func:`beat_commands` the client's ACL user may not run,
+    each tried once on a key of its own that is gone when this returns (raises
+    ``redis.RedisError`` when Redis cannot answer)."""
+    token = uuid.uuid4().hex
+    keys = {"key": f"{prefix}probe:{token}", "zkey": f"{prefix}probe:{token}:z"}
+    denied: list[str] = []
+    try:
+        for name in beat_commands(modes):
+            if name.startswith("z") and "eval" in denied:
+                continue  # the script could not even start: EVAL names them all
+            try:
+                command(client, *(arg.format(**keys) for arg in _BEAT_PROBES[name]))
+            except NoPermissionError:
+                denied.append(name)
+            except ResponseError as exc:
+                if not denied_inside(exc):
+                    raise
+                denied.append(name)
+    finally:
+        with contextlib.suppress(redis.RedisError):
+            command(client, "DEL", *keys.values())
+    return denied

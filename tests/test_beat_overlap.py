@@ -221,3 +221,38 @@ def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
     assert r.get(run_key("singleton:", "marked", ticks[1])) == skipped
     assert not [e for e in tick_events(events, "marked", "start") if e["id"] == skipped]
     assert engine.release(held, "held-exec", "held-run", finished=False)
+
+
+def test_a_beat_whose_lock_user_may_not_run_what_its_entries_need_stops_at_start_naming_it(
+        redis_server, beat_worker, beats, events, r):
+    """A beat whose lock Redis user has the worker's ACL rule only (docs/redis-acl.md)
+    and a buffer_one entry would fail to look for and take waiting ticks at every
+    tick: it stops at start, naming the commands and the grant. Granted them, a
+    beat with the same user starts and its ticks run."""
+    from celery_singleton_lock.checks import acl_rule
+
+    admin = redis_server.client()
+    user = f"beat{uuid.uuid4().hex[:6]}"
+    admin.execute_command("ACL", "SETUSER", user, "on", ">pw", *acl_rule("singleton:", 2).split())
+    lock_url = f"redis://{user}:pw@127.0.0.1:{redis_server.port}/2"
+    key = uuid.uuid4().hex[:8]
+    sched = {"one": {"task": "t.tick_hold", "every": 1, "kwargs": {"key": key, "seconds": 0.1},
+                     "options": {"singleton_overlap": "buffer_one"}}}
+    try:
+        refused = Beat(redis_server.url(), beat_worker.queue, sched, name="acl",
+                       lock_url=lock_url).start()
+        beats.append(refused)
+        assert refused.proc is not None
+        assert refused.proc.wait(60) != 0, "the beat should not start"
+        logs = refused.logs()
+        assert f"the lock Redis user '{user}' may not run exists, getdel" in logs, logs
+        assert f"grant it: ACL SETUSER {user} +exists +getdel" in logs, logs
+        assert not r.keys("singleton:beat:*"), "no tick was claimed"
+
+        admin.execute_command("ACL", "SETUSER", user, "+exists", "+getdel")
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="acl2",
+                          lock_url=lock_url).start())
+        wait_for(lambda: tick_events(events, "one", "start"), 30, what="a tick of the beat to run")
+        assert beats[-1].alive and "may not run" not in beats[-1].logs()
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)

@@ -333,3 +333,23 @@ def test_replicas_warn_and_a_replica_as_lock_redis_is_an_error(own_redis):
             checks.startup_check(engine)
     finally:
         replica.cleanup()
+
+
+def test_beat_denied_names_what_a_beat_of_these_overlap_modes_may_not_run(acl_server):
+    """With the worker's rule a beat claims ticks (SET, GET); the waiting modes
+    need EXISTS and GETDEL, buffer_all EVAL and the sorted-set commands inside
+    its scripts: each missing one is named, and the probes leave no key behind."""
+    client = redis.Redis.from_url(locks_url(acl_server))
+    admin = acl_server.client()
+    assert permissions.beat_denied(client, "singleton:", []) == []
+    assert permissions.beat_denied(client, "singleton:", ["skip", "allow"]) == []
+    assert permissions.beat_denied(client, "singleton:", ["buffer_one"]) == ["exists", "getdel"]
+    # EVAL refused: the commands inside its scripts cannot be tried, EVAL names them
+    assert permissions.beat_denied(client, "singleton:", ["buffer_all"]) == ["eval", "exists"]
+    admin.execute_command("ACL", "SETUSER", "locks", "+eval", "+exists")
+    assert permissions.beat_denied(client, "singleton:", ["buffer_all", "cancel_other"]) == [
+        "getdel", "zadd", "zcard", "zpopmin", "zscore"]
+    admin.execute_command("ACL", "SETUSER", "locks", "+getdel", "+zadd", "+zcard", "+zpopmin",
+                          "+zscore")
+    assert permissions.beat_denied(client, "singleton:", list(permissions.BEAT_COMMANDS)) == []
+    assert acl_server.client(2).dbsize() == 0
