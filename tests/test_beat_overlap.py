@@ -254,5 +254,10 @@ def test_a_beat_whose_lock_user_may_not_run_what_its_entries_need_stops_at_start
                           lock_url=lock_url).start())
         wait_for(lambda: tick_events(events, "one", "start"), 30, what="a tick of the beat to run")
         assert beats[-1].alive and "may not run" not in beats[-1].logs()
+        # the rule changed under the running beat: a refusal, not an outage
+        admin.execute_command("ACL", "SETUSER", user, "-set")
+        wait_for(lambda: "not sent: Redis refused it" in beats[-1].logs(), 30,
+                 what="a tick refused by the ACL, logged as refused")
+        assert "Redis unreachable" not in beats[-1].logs()
     finally:
         admin.execute_command("ACL", "DELUSER", user)
