@@ -330,7 +330,8 @@ def beat_denied(client: redis.Redis, prefix: str, modes: Sequence[str]) -> list[
     each tried once on a key of its own that is gone when this returns (raises
     ``redis.RedisError`` when Redis cannot answer)."""
     token = uuid.uuid4().hex
-    keys = {"key": f"{prefix}probe:{token}", "zkey": f"{prefix}probe:{token}:z"}
+    # one hash tag: in a Cluster both keys live on one node, and one DEL frees them
+    keys = {"key": f"{prefix}probe:{{{token}}}", "zkey": f"{prefix}probe:{{{token}}}:z"}
     denied: list[str] = []
     try:
         for name in beat_commands(modes):

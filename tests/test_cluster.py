@@ -153,6 +153,17 @@ def test_tick_claims_go_to_the_node_of_their_key(cluster, engine):
     assert claim_tick_run(engine, "singleton:", req) is True
 
 
+def test_a_beats_permission_probes_run_on_one_node_and_leave_nothing(cluster, engine):
+    """The start-up check of a beat with every overlap mode, through the cluster
+    client: each probe reaches the node of its key, none is refused (the
+    default user), and the one DEL that frees them finds both on one node."""
+    from celery_singleton_lock.permissions import BEAT_COMMANDS, beat_denied
+
+    assert beat_denied(engine.client, "singleton:", list(BEAT_COMMANDS)) == []
+    for node in cluster.nodes:
+        assert not node.client().keys("singleton:probe:*"), node.port
+
+
 # -- through real workers ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
