@@ -141,7 +141,7 @@ class SingletonSchedulerMixin(OverlapMixin):
         beat needs: every tick would fail the same way, late and quietly. Redis
         merely down is logged and the start goes on (the ticks then follow
         ``singleton_beat_on_backend_error``)."""
-        modes = set()
+        modes: set[str] = set()
         for entry in self.schedule.values():
             try:
                 if self._task_keys(entry) is not None:

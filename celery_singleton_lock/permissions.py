@@ -286,8 +286,6 @@ def publishing_check(client: redis.Redis, config: SingletonConfig) -> list[Findi
         f"{acl_rule(config.key_prefix, db_of(client))}")]
 
 
-
-
 # -- beat --------------------------------------------------------------------------
 
 #: what a beat sends beyond claiming ticks (``SET NX PX``, then ``GET``) and
