@@ -21,8 +21,21 @@ from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, 
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "free_port", "marker",
-           "owner_field", "owner_record", "serve_on_free_port", "wait_for", "write_owner"]
+__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "dead_port", "free_port",
+           "marker", "owner_field", "owner_record", "serve_on_free_port", "wait_for",
+           "write_owner"]
+
+#: the sockets behind dead_port(), bound for as long as this process lives
+_HELD: list[socket.socket] = []
+
+
+def dead_port() -> int:
+    """A loopback port where a connection is refused for as long as the tests run:
+    bound here and never listened on, so no other process can take it."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    _HELD.append(held)
+    return int(held.getsockname()[1])
 
 
 def serve_on_free_port(spawn: Callable[[int], subprocess.Popen[Any]], log: Callable[[], str],

@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import LockKeys
-from tests.support import ROOT, RedisServer, Worker, discard, free_port, marker, wait_for
+from tests.support import ROOT, RedisServer, Worker, dead_port, discard, marker, wait_for
 from tests.workerapp import make_app
 
 #: an argument value that must never be printed by any command
@@ -355,7 +355,7 @@ def env_with_lock_url(scene: Scene, url: str) -> dict[str, str]:
 
 
 def test_redis_down_exits_2_and_says_unreachable(scene):
-    env = env_with_lock_url(scene, f"redis://127.0.0.1:{free_port()}/2")
+    env = env_with_lock_url(scene, f"redis://127.0.0.1:{dead_port()}/2")
     doctor = run_cli(env, "doctor", "--json")
     assert doctor.returncode == 2
     assert [f["code"] for f in json.loads(doctor.stdout)["findings"]] == ["unreachable"]

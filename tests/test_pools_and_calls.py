@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import SingletonTask, is_skipped
-from tests.support import RedisServer, Worker, discard, free_port, wait_for, write_owner
+from tests.support import RedisServer, Worker, dead_port, discard, wait_for, write_owner
 from tests.workerapp import make_app
 
 
@@ -51,7 +51,7 @@ class Opaque:
 
 def _unreachable_app() -> Any:
     """An app whose lock Redis does not exist: any Redis call would fail."""
-    dead = f"redis://127.0.0.1:{free_port()}/0"
+    dead = f"redis://127.0.0.1:{dead_port()}/0"
     return make_app(dead, "unused", conf={"singleton_redis_options": {
         "socket_connect_timeout": 0.2, "retry_on_timeout": False}})
 

@@ -326,9 +326,9 @@ def test_lock_redis_down_at_send_sends_anyway_or_raises(redis_server, prefork_wo
                                                        key):
     """No send-time key without Redis: the task is still sent (and locked when it
     runs), or, with on_backend_error="raise", the caller gets LockBackendError."""
-    from tests.support import free_port
+    from tests.support import dead_port
 
-    dead = f"redis://127.0.0.1:{free_port()}/2"
+    dead = f"redis://127.0.0.1:{dead_port()}/2"
     app = make_app(redis_server.url(), prefork_worker.queue, lock_url=dead)
     t = app.tasks["t.queue_and_run"]
     sent = t.delay(key, 0.0, "sent")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import RedisServer, serve_on_free_port
+from tests.support import RedisServer, dead_port, serve_on_free_port
 
 SERVE = "import http.server, sys; http.server.test(http.server.SimpleHTTPRequestHandler, " \
         "http.server.ThreadingHTTPServer, port=int(sys.argv[1]), bind='127.0.0.1')"
@@ -80,3 +80,11 @@ def test_a_sentinel_whose_free_port_was_taken_first_starts_on_another():
             assert "Address already in use" in sentinel.log.read_text()  # the first try's
         finally:
             sentinel.cleanup()
+
+
+def test_a_dead_port_refuses_connections_and_nobody_else_can_take_it():
+    port = dead_port()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    with socket.socket() as other, pytest.raises(OSError, match="in use"):
+        other.bind(("127.0.0.1", port))
