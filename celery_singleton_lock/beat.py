@@ -27,7 +27,7 @@ import socket
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping, Optional
 
 import redis
 from celery.beat import PersistentScheduler, event_t
@@ -36,10 +36,9 @@ from celery.schedules import schedule as interval_schedule
 
 from .config import BEAT_SETTINGS, get_config
 from .engines import engine_for
-from .findings import user_of
 from .overlap import OVERLAP_OPTION as OVERLAP_OPTION
 from .overlap import OverlapMixin, redis_failure
-from .permissions import beat_denied
+from .permissions import beat_denied, beat_refusal
 from .ticks import (
     BEAT_HEADER,
     BEAT_TASK_HEADER,
@@ -99,6 +98,18 @@ def beat_config(app: Any) -> BeatConfig:
     return BeatConfig(**values)
 
 
+def overlap_modes(app: Any, entries: Iterable[tuple[str, Optional[Mapping[str, Any]]]]
+                  ) -> list[str]:
+    """The overlap modes of the entries, as (task name, options), whose task is a
+    SingletonTask of ``app``: they decide what a beat sends besides its claims."""
+    from .task import SingletonTask  # task.py imports beat lazily too
+
+    default = beat_config(app).overlap
+    return sorted({str((options or {}).get(OVERLAP_OPTION) or default)
+                   for name, options in entries
+                   if isinstance(app.tasks.get(name), SingletonTask)})
+
+
 # -- the scheduler --------------------------------------------------------------------
 
 
@@ -141,28 +152,16 @@ class SingletonSchedulerMixin(OverlapMixin):
         beat needs: every tick would fail the same way, late and quietly. Redis
         merely down is logged and the start goes on (the ticks then follow
         ``singleton_beat_on_backend_error``)."""
-        modes: set[str] = set()
-        for entry in self.schedule.values():
-            try:
-                if self._task_keys(entry) is not None:
-                    modes.add(self.singleton_overlap(entry))
-            except Exception:  # an entry's own error shows when it is due
-                continue
+        modes = overlap_modes(self.app, ((e.task, e.options) for e in self.schedule.values()))
         client = engine_for(self.app).client
         try:
-            denied = beat_denied(client, get_config(self.app).key_prefix, sorted(modes))
+            denied = beat_denied(client, get_config(self.app).key_prefix, modes)
         except redis.RedisError as exc:
             logger.warning("celery-singleton-lock: could not check what the lock Redis user "
                            "may run (%r); the beat starts", exc)
             return
         if denied:
-            user = user_of(client)
-            needs = (f"entries with singleton_overlap {', '.join(sorted(modes))}"
-                     if modes else "claiming ticks")
-            message = (f"the lock Redis user {user!r} may not run {', '.join(denied)}, which "
-                       f"this beat needs ({needs}); grant it: ACL SETUSER {user} "
-                       + " ".join(f"+{name}" for name in denied)
-                       + " (docs/redis-acl.md, Beat)")
+            message = "; ".join(beat_refusal(client, denied, modes))
             logger.critical("celery-singleton-lock: %s", message)
             raise SystemExit(f"celery-singleton-lock configuration error: {message}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import redis
 from redis.exceptions import (
@@ -30,7 +31,13 @@ from .exceptions import ConfigurationError
 from .findings import ERROR, OK, WARNING, Finding, command, server_text, user_of
 from .masking import mask_url
 from .permissions import acl_rule as acl_rule  # documented as checks.acl_rule
-from .permissions import noperm_command, publishing_check, scripts_check
+from .permissions import (
+    beat_denied,
+    beat_refusal,
+    noperm_command,
+    publishing_check,
+    scripts_check,
+)
 from .redlock import RedlockEngine
 from .serverchecks import (
     clock_check,
@@ -107,6 +114,27 @@ def engine_checks(engine: LockEngine) -> list[Finding]:
     return [Finding(ERROR, "redlock", text + ": no lock can be granted",
                     "bring masters back until a majority answers; until then singleton "
                     "tasks follow singleton_on_backend_error"), *findings]
+
+
+def beat_check(app: Any, engine: LockEngine) -> list[Finding]:
+    """Whether the lock Redis user may run what a beat of ``app`` needs for the
+    entries of its ``beat_schedule`` (none when it has no entries, or when
+    Redis does not answer: the checks before say so)."""
+    from .beat import overlap_modes
+
+    schedule = app.conf.beat_schedule or {}
+    if not schedule:
+        return []
+    modes = overlap_modes(app, ((str(e.get("task")), e.get("options"))
+                                for e in schedule.values()))
+    try:
+        denied = beat_denied(engine.client, engine.config.key_prefix, modes)
+    except redis.RedisError:
+        return []
+    if denied:
+        return [Finding(ERROR, "beat", *beat_refusal(engine.client, denied, modes))]
+    return [Finding(OK, "beat", f"a beat may run what its {len(schedule)} entries need "
+                                f"({', '.join(modes) or 'claims only'})")]
 
 
 # -- worker start-up ---------------------------------------------------------------

@@ -347,3 +347,15 @@ def beat_denied(client: redis.Redis, prefix: str, modes: Sequence[str]) -> list[
         with contextlib.suppress(redis.RedisError):
             command(client, "DEL", *keys.values())
     return denied
+
+
+def beat_refusal(client: redis.Redis, denied: Sequence[str], modes: Sequence[str]
+                 ) -> tuple[str, str]:
+    """What a beat (or doctor) says of :func:`beat_denied`'s answer: the message
+    and the grant."""
+    user = user_of(client)
+    needs = f"entries with singleton_overlap {', '.join(modes)}" if modes else "claiming ticks"
+    return (f"the lock Redis user {user!r} may not run {', '.join(denied)}, which a beat "
+            f"needs ({needs})",
+            f"grant it: ACL SETUSER {user} {' '.join('+' + name for name in denied)} "
+            "(docs/redis-acl.md, Beat)")

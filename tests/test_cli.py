@@ -384,6 +384,39 @@ def test_a_wrong_password_is_named_and_never_printed():
         server.cleanup()
 
 
+def test_doctor_says_whether_a_beat_of_the_app_may_run_what_its_entries_need():
+    """An app whose beat_schedule has a buffer_one entry of a SingletonTask, its lock
+    user holding the worker's rule only: doctor's `beat` finding is an ERROR naming
+    EXISTS and GETDEL and the grant; granted them, it is OK. Without a schedule,
+    no `beat` finding."""
+    from celery_singleton_lock.checks import acl_rule
+
+    server = RedisServer().start()
+    try:
+        server.client().execute_command("ACL", "SETUSER", "locks", "on", ">pw",
+                                        *acl_rule("singleton:", 2).split())
+        env = Worker(server.url(), "unused").env
+        env["SLT_LOCK_URL"] = f"redis://locks:pw@127.0.0.1:{server.port}/2"
+
+        def beat_findings() -> list[dict[str, Any]]:
+            out = run_cli(env, "doctor", "--json")
+            assert out.returncode in (0, 1), out.stderr
+            return [f for f in json.loads(out.stdout)["findings"] if f["code"] == "beat"]
+
+        assert beat_findings() == []
+        env["SLT_CONF"] = json.dumps({"beat_schedule": {"nightly": {
+            "task": "t.hold", "schedule": 60, "options": {"singleton_overlap": "buffer_one"}}}})
+        [refused] = beat_findings()
+        assert refused["level"] == "error"
+        assert "'locks' may not run exists, getdel" in refused["message"]
+        assert "ACL SETUSER locks +exists +getdel" in refused["action"]
+        server.client().execute_command("ACL", "SETUSER", "locks", "+exists", "+getdel")
+        [granted] = beat_findings()
+        assert granted["level"] == "ok" and "buffer_one" in granted["message"]
+    finally:
+        server.cleanup()
+
+
 # -- masked secrets in Celery's printed config ------------------------------------
 
 def conf_table(app: Celery) -> dict[str, Any]:
