@@ -110,6 +110,15 @@ def overlap_modes(app: Any, entries: Iterable[tuple[str, Optional[Mapping[str, A
                    if isinstance(app.tasks.get(name), SingletonTask)})
 
 
+def schedule_modes(app: Any) -> Optional[list[str]]:
+    """:func:`overlap_modes` of the app's ``beat_schedule``; None without one."""
+    schedule = app.conf.beat_schedule or {}
+    if not schedule:
+        return None
+    return overlap_modes(app, ((str(e.get("task")), e.get("options"))
+                               for e in schedule.values()))
+
+
 # -- the scheduler --------------------------------------------------------------------
 
 

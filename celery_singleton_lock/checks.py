@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Sequence
 
 import redis
 from redis.exceptions import (
@@ -116,24 +116,17 @@ def engine_checks(engine: LockEngine) -> list[Finding]:
                     "tasks follow singleton_on_backend_error"), *findings]
 
 
-def beat_check(app: Any, engine: LockEngine) -> list[Finding]:
-    """Whether the lock Redis user may run what a beat of ``app`` needs for the
-    entries of its ``beat_schedule`` (none when it has no entries, or when
-    Redis does not answer: the checks before say so)."""
-    from .beat import overlap_modes
-
-    schedule = app.conf.beat_schedule or {}
-    if not schedule:
-        return []
-    modes = overlap_modes(app, ((str(e.get("task")), e.get("options"))
-                                for e in schedule.values()))
+def beat_check(engine: LockEngine, modes: Sequence[str]) -> list[Finding]:
+    """Whether the lock Redis user may run what a beat needs whose SingletonTask
+    entries use these overlap modes (:func:`.beat.schedule_modes`); none when
+    Redis does not answer: the checks before say so."""
     try:
         denied = beat_denied(engine.client, engine.config.key_prefix, modes)
     except redis.RedisError:
         return []
     if denied:
         return [Finding(ERROR, "beat", *beat_refusal(engine.client, denied, modes))]
-    return [Finding(OK, "beat", f"a beat may run what its {len(schedule)} entries need "
+    return [Finding(OK, "beat", "a beat may run what the entries of beat_schedule need "
                                 f"({', '.join(modes) or 'claims only'})")]
 
 

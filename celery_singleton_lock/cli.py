@@ -346,13 +346,15 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     ACL permissions, scripts, eviction, clock, version, persistence, replicas.
     Exits 0 when all is well, 1 on findings to look at, 2 when the lock Redis
     is unreachable or refuses the credentials."""
+    from .beat import schedule_modes
     from .checks import beat_check, engine_checks
     from .findings import ERROR, OK
 
     c = _Context(ctx)
     findings = engine_checks(c.engine)
-    if not any(f.code in ("unreachable", "auth") for f in findings):
-        findings += beat_check(c.app, c.engine)  # what a beat of this app needs
+    modes = schedule_modes(c.app)  # what a beat of this app needs; None: no beat_schedule
+    if modes is not None and not any(f.code in ("unreachable", "auth") for f in findings):
+        findings += beat_check(c.engine, modes)
     if as_json:
         echo_json({"redis": c.url, "findings": [f.as_dict() for f in findings]})
     else:
