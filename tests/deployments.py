@@ -18,6 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_singleton_lock.testing import RedisServer, free_port, redis_server_binary, wait_for
+from tests.support import serve_on_free_port
 
 
 def valkey_server_binary() -> Optional[str]:
@@ -56,20 +57,23 @@ class SentinelProcess:
     def start(self) -> SentinelProcess:
         binary = redis_server_binary()
         assert binary is not None
-        restart = self.proc is not None  # keeps its port and what it learned
-        for attempt in range(3):
-            if not restart:
-                self.conf.write_text(f"port {self.port}\n{self.settings}")
+
+        def spawn(port: int) -> subprocess.Popen[bytes]:
+            if not restart:  # a restart keeps its port and what it learned
+                self.port = port
+                self.conf.write_text(f"port {port}\n{self.settings}")
             self.proc = subprocess.Popen([binary, str(self.conf), "--sentinel"],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            up = wait_for(lambda: "exited" if self.proc is not None and self.proc.poll()
-                          is not None else self._ping(), 10, what=f"sentinel on port {self.port}")
-            if up != "exited":
-                return self
-            text = self.log.read_text(errors="replace") if self.log.exists() else ""
-            if restart or attempt == 2 or "Address already in use" not in text:
-                raise AssertionError(f"sentinel on port {self.port} exited:\n{text[-2000:]}")
-            self.port = free_port()  # another process took it first
+            return self.proc
+
+        restart = self.proc is not None
+        if restart:
+            spawn(self.port)
+            wait_for(self._ping, 10, what=f"sentinel on port {self.port}")
+        else:
+            serve_on_free_port(
+                spawn, lambda: self.log.read_text(errors="replace") if self.log.exists() else "",
+                lambda _: self._ping(), f"sentinel on port {self.port}", 10, port=self.port)
         return self
 
     def _ping(self) -> bool:

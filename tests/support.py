@@ -39,17 +39,18 @@ def dead_port() -> int:
 
 
 def serve_on_free_port(spawn: Callable[[int], subprocess.Popen[Any]], log: Callable[[], str],
-                       ready: Callable[[int], Any], what: str, timeout: float = 30
-                       ) -> tuple[subprocess.Popen[Any], int]:
-    """A server process on a free port, once ``ready(port)``: (the process, its port).
+                       ready: Callable[[int], Any], what: str, timeout: float = 30,
+                       port: Optional[int] = None) -> tuple[subprocess.Popen[Any], int]:
+    """A server process on a free port (``port`` first, if given), once
+    ``ready(port)``: (the process, its port).
 
     A port free when picked can be taken before the server binds it (the tests
     run in parallel, and every client connection takes a port too): a server
     that exits saying its address is in use starts again on another port; one
     that exits for another reason fails at once, with what it logged.
     """
-    for _ in range(3):
-        port = free_port()
+    for attempt in range(3):
+        port = port if attempt == 0 and port else free_port()
         proc = spawn(port)
         if wait_for(lambda p=proc, n=port: "exited" if p.poll() is not None else ready(n),
                     timeout, what=what) != "exited":
