@@ -226,18 +226,20 @@ def _engine(server: Server) -> LockEngine:
 
 
 def ours_workload(server: Server, tasks: int) -> Callable[[], None]:
-    """The engine's acquire and release, as the worker calls them."""
+    """The engine's acquire and release, as the worker calls them for a task
+    with the default settings (no done window)."""
     engine = _engine(server)
     calls = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex, f"w1:{i}")
              for i in range(tasks)]
     engine.acquire(calls[0][0], task_id="warm", exec_id="warm", lease_ms=LEASE_MS,
-                   hostname="celery@bench", retries=0, task_name="bench.trivial")
+                   hostname="celery@bench", retries=0, task_name="bench.trivial", done=False)
     engine.release(calls[0][0], "warm", "warm")
 
     def run() -> None:
         for keys, task_id, exec_id in calls:
             engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=LEASE_MS,
-                           hostname="celery@bench", retries=0, task_name="bench.trivial")
+                           hostname="celery@bench", retries=0, task_name="bench.trivial",
+                           done=False)
             engine.release(keys, exec_id, task_id)
     return run
 
@@ -265,7 +267,7 @@ def fcall_workload(server: Server, tasks: int) -> Callable[[], None]:
         for keys, task_id, exec_id in calls:
             token = fcall("acquire", *acquire_call(
                 keys, task_id, exec_id, LEASE_MS, "celery@bench", 0, "bench.trivial", "run",
-                fin_ms))
+                fin_ms, done=False))
             if not (isinstance(token, bytes) and token.isdigit()):
                 raise RuntimeError(f"the FCALL acquire was refused a free key: {token!r}")
             fcall("release", *release_call(keys, exec_id, task_id, True, False, 0.0, fin_ms))

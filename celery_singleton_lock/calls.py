@@ -39,14 +39,16 @@ def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_n
 
 def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
                  retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0,
-                 replace: bool = False) -> tuple[list[str], list[Any]]:
+                 replace: bool = False, done: bool = True) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``acquire.lua``.
 
     Redis pays for every string passed (about as much as for a command run
     inside the script), so the owner record's fields that the script does not
     look at go as one string, in the record's own order, the send-time
     marker's key only under the queue scopes, the throttle window's only
-    with ``singleton_throttle``, the superseded ids' hash with ``replace``.
+    with ``singleton_throttle``, the superseded ids' hash with ``replace``;
+    under scope ``run``, the done marker's key only when the task keeps a done
+    window (``done``: nothing else writes one for its keys, which hold its name).
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     if replace:
@@ -57,7 +59,8 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
         return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued, keys.throttle],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
     if scope == "run":
-        return [keys.lock, keys.fence, keys.fin, keys.done], [task_id, exec_id, lease_ms, rest]
+        return ([keys.lock, keys.fence, keys.fin, keys.done] if done else
+                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest]
     return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued],
             [task_id, exec_id, lease_ms, rest, scope])
 

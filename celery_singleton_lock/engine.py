@@ -124,6 +124,7 @@ class LockEngine:
         throttle_ms: int = 0,
         slots: int = 1,
         replace: bool = False,
+        done: bool = True,
     ) -> Acquired:
         """Take the lock for an execution that starts now.
 
@@ -133,7 +134,8 @@ class LockEngine:
         task id of this key starts (``singleton_throttle``). ``replace``: a
         task that a later send superseded is told so (``Acquire.REPLACED``).
         ``slots`` > 1: one of that many slots (``singleton_limit``), named by
-        the answer's ``slot``.
+        the answer's ``slot``. ``done`` False: the task keeps no done window
+        (``singleton_done_ttl``), so no done marker is looked for.
         """
         if slots > 1:
             script = self._acquire_slots
@@ -142,7 +144,7 @@ class LockEngine:
         else:
             script = self._acquire
             keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                       task_name, scope, self._fin_ms, throttle_ms, replace)
+                                       task_name, scope, self._fin_ms, throttle_ms, replace, done)
         try:
             if not self._wait:
                 reply, _ = self.wire.call(script, keys_, args)

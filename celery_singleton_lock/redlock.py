@@ -127,6 +127,7 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
         throttle_ms: int = 0,
         slots: int = 1,
         replace: bool = False,
+        done: bool = True,
     ) -> Acquired:
         """Take the lock on a majority of the masters within the validity time."""
         if slots > 1:
@@ -146,7 +147,7 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
         results = self.each(
             lambda e: e.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
                                 hostname=hostname, retries=retries, task_name=task_name,
-                                scope=scope, throttle_ms=throttle_ms),
+                                scope=scope, throttle_ms=throttle_ms, done=done),
             decided=decided, timeout=min(self.call_timeout, max(validity, 0.0)))
         grants = [i for i, r in enumerate(results) if granted(r)]
         if len(grants) >= quorum:

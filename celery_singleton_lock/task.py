@@ -309,6 +309,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
                 scope=config.scope, throttle_ms=int(config.throttle * 1000),
                 slots=config.limit, replace=config.on_duplicate == "replace",
+                done=config.done_ttl > 0,
             )
 
         answer = attempt()

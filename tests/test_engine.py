@@ -105,6 +105,30 @@ def test_tokens_increase_with_every_grant_even_when_the_counter_is_gone(engine, 
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
+def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r):
+    """The grant writes the clock and reads the counter back in one call; a
+    counter at or above the clock (a clock set back, a failover to a server
+    whose clock is behind) gives the counter + 1, written in place of the clock."""
+    keys = new_keys()
+    ahead = int(r.time()[0]) * 1_000_000 + 3_600_000_000  # an hour ahead, in µs
+    r.set(keys.fence, str(ahead), px=60_000)
+    got = take(engine, keys, "task-a", "exec-a")
+    assert got.token == ahead + 1 and int(r.get(keys.fence)) == ahead + 1
+    assert int(owner_field(r, keys.lock, "token")) == ahead + 1
+    engine.release(keys, "exec-a", "task-a")
+    assert take(engine, keys, "task-b", "exec-b").token == ahead + 2
+    assert 86_000_000 < r.pttl(keys.fence) <= 86_400_000  # the counter's own TTL again
+
+
+def test_a_done_marker_is_looked_for_only_with_a_done_window(engine, r):
+    """A task without ``singleton_done_ttl`` writes no done marker, so its
+    acquire does not read one (nothing else writes one for its keys)."""
+    keys = new_keys()
+    r.set(keys.done, "t.x\nb", px=60_000)
+    assert take(engine, keys, "c", done=True).status is Acquire.DONE
+    assert take(engine, keys, "c", "ec", done=False).status is Acquire.GRANTED
+
+
 def test_an_expired_lease_lets_another_task_in(engine, r):
     keys = new_keys()
     take(engine, keys, "task-a", "exec-a", lease_ms=1000)

@@ -22,10 +22,13 @@ from tests.support import ROOT, RedisServer, owner_record
 
 ROUNDS = 50
 
-#: per task: one acquire and one release, each one EVALSHA
-TASK_COMMANDS = {"evalsha": 2, "get": 5, "set": 2, "time": 1, "del": 1}
+#: per task: one acquire and one release, each one EVALSHA (a task with the
+#: default settings: no done window, so no done marker is looked for)
+TASK_COMMANDS = {"evalsha": 2, "get": 3, "set": 2, "time": 1, "del": 1}
 #: per skipped duplicate: one acquire that finds the key held
-SKIP_COMMANDS = {"evalsha": 1, "get": 2}
+SKIP_COMMANDS = {"evalsha": 1, "get": 1}
+#: with ``singleton_done_ttl``, the acquire also reads the done marker
+DONE_WINDOW_EXTRA = {"get": 1}
 
 
 @pytest.fixture
@@ -51,12 +54,16 @@ def counted(client: redis.Redis, run) -> Counter[str]:
     return out
 
 
-def take(engine: LockEngine, keys: LockKeys, task_id: str) -> object:
+def take(engine: LockEngine, keys: LockKeys, task_id: str, done: bool = False) -> object:
+    """An acquire as SingletonTask makes it (``done``: the task has a done window)."""
     return engine.acquire(keys, task_id=task_id, exec_id=f"e-{task_id}", lease_ms=30_000,
-                          hostname="w1@host", retries=0, task_name="t.count")
+                          hostname="w1@host", retries=0, task_name="t.count", done=done)
 
 
-def test_a_task_costs_two_script_calls_and_eleven_commands_inside_redis(server):
+@pytest.mark.parametrize("done", [False, True], ids=["default", "done_window"])
+def test_a_task_costs_two_script_calls_and_nine_commands_inside_redis(server, done):
+    """The fencing counter is written and read back in one SET ... GET; the
+    done marker is read only by a task that keeps a done window."""
     engine = engine_on(server)
     pairs = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex)
              for _ in range(ROUNDS + 1)]
@@ -66,14 +73,17 @@ def test_a_task_costs_two_script_calls_and_eleven_commands_inside_redis(server):
 
     def run() -> None:
         for keys, task_id in pairs:
-            assert take(engine, keys, task_id).status is Acquire.GRANTED
+            assert take(engine, keys, task_id, done).status is Acquire.GRANTED
             assert engine.release(keys, f"e-{task_id}", task_id)
 
     got = counted(server.client(), run)
-    assert dict(got) == {c: n * ROUNDS for c, n in TASK_COMMANDS.items()}
+    expected = Counter(TASK_COMMANDS)
+    if done:
+        expected.update(DONE_WINDOW_EXTRA)
+    assert dict(got) == {c: n * ROUNDS for c, n in expected.items()}
 
 
-def test_a_skipped_duplicate_costs_one_script_call_and_two_reads(server):
+def test_a_skipped_duplicate_costs_one_script_call_and_one_read(server):
     engine = engine_on(server)
     keys = LockKeys("singleton:", uuid.uuid4().hex)
     take(engine, keys, "holder")
@@ -88,7 +98,7 @@ def test_a_skipped_duplicate_costs_one_script_call_and_two_reads(server):
 
 def test_the_usual_calls_pass_few_strings(server):
     """Redis pays for each string passed about as much as for a command run: the
-    usual acquire passes four keys and four strings, the usual release two and two."""
+    usual acquire passes three keys and four strings, the usual release two and two."""
     engine = engine_on(server)
     keys = LockKeys("singleton:", uuid.uuid4().hex)
     client = server.client()
@@ -100,7 +110,7 @@ def test_the_usual_calls_pass_few_strings(server):
              if str(e["command"]).upper().startswith(("EVALSHA", "B'EVALSHA"))]
     lengths = sorted(len(str(c).split(" ")) for c in calls)
     # EVALSHA sha numkeys + keys + args
-    assert lengths == [3 + 2 + 2, 3 + 4 + 4], calls
+    assert lengths == [3 + 2 + 2, 3 + 3 + 4], calls
 
 
 def test_the_owner_record_is_one_string_in_the_documented_order(server):

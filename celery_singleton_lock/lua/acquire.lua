@@ -3,7 +3,8 @@
 -- KEYS[1] lock    string: the owner record; its TTL is the lease
 -- KEYS[2] fence   string: last fencing token granted for this key
 -- KEYS[3] fin     string: id of a task that finished while a copy of it waited
--- KEYS[4] done    string: the task whose success keeps the key done
+-- KEYS[4] done    string: the task whose success keeps the key done (left out
+--                 under scope 'run' when the task keeps no done window)
 -- KEYS[5] queued  string: the task that took the key when it was sent
 --                 (scopes 'queue' and 'queue_and_run' only)
 -- (both markers: the task's name, a newline, its id; enqueue.lua, release.lua)
@@ -83,7 +84,7 @@ if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
 end
 
 if not handed then
-  local done_by = redis.call('GET', done)
+  local done_by = done and redis.call('GET', done)
   if done_by then
     done_by = string.match(done_by, '\n(.*)$') or done_by  -- the id after the name
     if own_queued then redis.call('DEL', queued) end
@@ -134,12 +135,14 @@ local now = t[1] .. string.sub('00000', #us) .. us
 -- a microsecond, so the counter cannot run ahead of the clock and a lost
 -- counter restarts above every token already given. Equal lengths of
 -- digits compare as numbers.
+-- The clock is written first and read back in one call: a counter at or
+-- above it (a grant in this microsecond, a clock set back) is rare.
 local token = now
-local last = redis.call('GET', fence)
+local last = redis.call('SET', fence, now, 'PX', '86400000', 'GET')
 if last and (#last > #now or (#last == #now and last >= now)) then
   token = string.format('%.0f', tonumber(last) + 1)
+  redis.call('SET', fence, token, 'PX', '86400000')
 end
-redis.call('SET', fence, token, 'PX', '86400000')
 redis.call('SET', lock, exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4],
   'PX', ARGV[3])
 if throttle then

@@ -28,11 +28,11 @@ local function grant(slot)
   local now = t[1] .. string.sub('00000', #us) .. us
   -- the server clock is the tokens' floor (acquire.lua says why)
   local token = now
-  local last = redis.call('GET', fence)
+  local last = redis.call('SET', fence, now, 'PX', '86400000', 'GET')
   if last and (#last > #now or (#last == #now and last >= now)) then
     token = string.format('%.0f', tonumber(last) + 1)
+    redis.call('SET', fence, token, 'PX', '86400000')
   end
-  redis.call('SET', fence, token, 'PX', '86400000')
   redis.call('SET', KEYS[3 + slot], exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' ..
     ARGV[4], 'PX', ARGV[3])
   return {1, token, slot}
