@@ -275,7 +275,8 @@ def fcall_workload(server: Server, tasks: int) -> Callable[[], None]:
 
 
 def skip_workload(server: Server, tasks: int) -> Callable[[], None]:
-    """Acquires that find the key held by another task: the skipped duplicates."""
+    """Acquires that find the key held by another task: the skipped duplicates
+    (of a task with the default settings, as in :func:`ours_workload`)."""
     engine = _engine(server)
     keys = LockKeys("singleton:", uuid.uuid4().hex)
     ids = [uuid.uuid4().hex for _ in range(tasks)]
@@ -285,7 +286,8 @@ def skip_workload(server: Server, tasks: int) -> Callable[[], None]:
                        hostname="celery@bench", retries=0, task_name="bench.trivial")
         for task_id in ids:
             engine.acquire(keys, task_id=task_id, exec_id=task_id, lease_ms=LEASE_MS,
-                           hostname="celery@bench", retries=0, task_name="bench.trivial")
+                           hostname="celery@bench", retries=0, task_name="bench.trivial",
+                           done=False)
     return run
 
 

@@ -77,8 +77,9 @@ def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
                  always_record: bool, done_ttl: float, fin_ms: int, task_name: str = ""
                  ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``release.lua``: the usual release passes two keys and
-    two strings; the finish marker's task id and TTL come from the owner record."""
+    """KEYS and ARGV of ``release.lua``: the usual release (a finished task, no
+    done window) passes two keys and the execution id; the finish marker's
+    task id and TTL come from the owner record."""
     done_ms = int(done_ttl * 1000)
     mode = 0 if not finished else 2 if always_record else 1
     if done_ms > 0:
@@ -86,6 +87,8 @@ def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
                                                  _field(task_name)]
     if mode == 2:
         return [keys.lock, keys.fin], [exec_id, mode, task_id, fin_ms]
+    if mode == 1:
+        return [keys.lock, keys.fin], [exec_id]
     return [keys.lock, keys.fin], [exec_id, mode]
 
 

@@ -2,10 +2,10 @@
 --
 -- KEYS[1] lock   KEYS[2] fin   KEYS[3] done (only when the key stays done)
 -- ARGV[1] execution id
--- ARGV[2] '1' the task finished: record the finish if a copy was seen (the
---         record holds the task id and the fin TTL); '2' the task finished:
---         record it always (acks_late tasks); '0' not finished (a dead owner
---         being cleared)
+-- ARGV[2] '1' (or left out) the task finished: record the finish if a copy
+--         was seen (the record holds the task id and the fin TTL); '2' the
+--         task finished: record it always (acks_late tasks); '0' not finished
+--         (a dead owner being cleared)
 -- ARGV[3] task id, ARGV[4] fin TTL ms: with '2', or with KEYS[3]
 -- ARGV[5] done TTL ms, ARGV[6] task name, with KEYS[3]
 --
@@ -19,9 +19,10 @@ if record then
   exec, copies = string.match(record, '^([^\n]*)\n[^\n]*\n([^\n]*)\n')
   ours = exec == ARGV[1]
 end
-if ARGV[2] == '2' then
+local mode = ARGV[2] or '1'
+if mode == '2' then
   redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
-elseif ARGV[2] == '1' and ours and copies == '1' then
+elseif mode == '1' and ours and copies == '1' then
   -- fields 7 (fin TTL) and 13 (task id)
   local fin_ms, task = string.match(record,
     '^[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
