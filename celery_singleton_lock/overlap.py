@@ -138,6 +138,7 @@ class OverlapMixin:
         self._queued: dict[str, Any] = {}  # buffer_all entries this beat polls the queue of
         self._stopped: dict[str, str] = {}  # task id this beat last cancelled/terminated
         self._adopt_at = 0.0  # monotonic time of the next look for others' buffers
+        self._adopt_failing = False  # the last look failed (said once, not every second)
 
     def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
         raise NotImplementedError  # the scheduler's
@@ -199,10 +200,18 @@ class OverlapMixin:
             key = (queue_key if queued else buffer_key)(prefix, entry.name)
             try:
                 waiting = client.exists(key)
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                if not self._adopt_failing:
+                    logger.warning("Beat could not look for the waiting ticks of other beats "
+                                   "(%s): one a dead beat buffered is sent once a look "
+                                   "works again (%r)", redis_failure(exc), exc)
+                self._adopt_failing = True
                 return  # the next look, or the next tick, tries again
             if waiting:
                 held[entry.name] = entry
+        if self._adopt_failing:
+            logger.info("Beat looks for the waiting ticks of other beats again")
+        self._adopt_failing = False
 
     # -- a claimed tick -------------------------------------------------------------
 

@@ -259,5 +259,16 @@ def test_a_beat_whose_lock_user_may_not_run_what_its_entries_need_stops_at_start
         wait_for(lambda: "not sent: Redis refused it" in beats[-1].logs(), 30,
                  what="a tick refused by the ACL, logged as refused")
         assert "Redis unreachable" not in beats[-1].logs()
+        # ... and the look for a dead beat's buffered tick says so, once
+        admin.execute_command("ACL", "SETUSER", user, "-exists")
+        look = "could not look for the waiting ticks of other beats (Redis refused it"
+        wait_for(lambda: look in beats[-1].logs(), 30, what="the refused look, logged")
+        seen = beats[-1].logs().count("not sent: Redis refused it")
+        wait_for(lambda: beats[-1].logs().count("not sent: Redis refused it") >= seen + 3, 30,
+                 what="three more refused ticks")
+        assert beats[-1].logs().count(look) == 1
+        admin.execute_command("ACL", "SETUSER", user, "+exists")
+        wait_for(lambda: "looks for the waiting ticks of other beats again" in beats[-1].logs(),
+                 30, what="the look working again, logged")
     finally:
         admin.execute_command("ACL", "DELUSER", user)
