@@ -196,8 +196,16 @@ class RedisServer:
                 if self._port_given or self._started or attempt == 2 or not _port_taken(
                         self.log_tail()):
                     raise
-                self.port = free_port()
+                self._move()
         return self
+
+    def _move(self) -> None:
+        """Other free ports for a first start that found one taken: its own,
+        and a cluster node's bus port (``--cluster-port``), either of which
+        may be the one taken."""
+        self.port = free_port()
+        if "--cluster-port" in self.extra_args:
+            self.extra_args[self.extra_args.index("--cluster-port") + 1] = str(free_port())
 
     @property
     def logfile(self) -> str:

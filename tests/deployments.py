@@ -192,7 +192,8 @@ class Cluster:
 
     def __init__(self, primaries: int = 3, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
         self.replicas = replicas
-        # the bus port given outright: port + 10000 may be past 65535
+        # the bus port given outright: port + 10000 may be past 65535 (a first
+        # start that finds it taken moves it, RedisServer._move)
         self.nodes = [RedisServer(["--cluster-enabled", "yes", "--cluster-port", str(free_port()),
                                    "--cluster-node-timeout", str(node_timeout_ms)])
                       for _ in range(primaries * (1 + replicas))]

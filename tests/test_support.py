@@ -53,6 +53,17 @@ def test_a_server_whose_free_port_was_taken_first_starts_again_on_another(tmp_pa
         taken.close()
 
 
+def test_a_cluster_node_whose_bus_port_was_taken_first_starts_again_on_others():
+    """A cluster node binds two ports: its own and the bus port given with
+    ``--cluster-port``; when another process took the bus port, both move."""
+    taken = dead_port()
+    with RedisServer(["--cluster-enabled", "yes", "--cluster-port", str(taken)]) as node:
+        bus = int(node.extra_args[node.extra_args.index("--cluster-port") + 1])
+        assert bus != taken and node.client().ping()
+        with socket.create_connection(("127.0.0.1", bus), timeout=5):
+            pass  # the node listens on its new bus port
+
+
 def test_a_server_that_exits_for_another_reason_fails_at_once_with_its_output():
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "server.log"
