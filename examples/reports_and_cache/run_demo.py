@@ -46,7 +46,7 @@ def main() -> int:
             refused = sum(is_deduplicated(r) for r in asks)
             print(f"  sent 1, not sent {refused}")
             first = asks[0]
-            wait_for(lambda: first.state == "STARTED", 10, what="the rebuild to start")
+            wait_for(lambda: first.state == "REBUILDING", 10, what="the rebuild to start")
             later = tasks.rebuild_cache.delay("prices")
             print(f"  asked again once it had started: sent={not is_deduplicated(later)}")
             done = [first.get(timeout=30), later.get(timeout=30)]
