@@ -115,6 +115,17 @@ def sched_us(pids: list[int]) -> tuple[float, float]:
     return ran / 1e3, waited / 1e3
 
 
+def thread_us(pid: int) -> tuple[float, float]:
+    """:func:`sched_us` of a process's main thread alone (the one that hands
+    out a Celery worker's messages); (0, 0) where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as fh:
+            ran, waited = fh.read().split()[:2]
+    except OSError:
+        return 0.0, 0.0
+    return int(ran) / 1e3, int(waited) / 1e3
+
+
 def command_us(clients: list[Any]) -> float:
     """Microseconds the Redis servers spent inside commands so far (``INFO
     commandstats``: what the commands cost, apart from reading and writing sockets)."""

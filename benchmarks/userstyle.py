@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from .harness import child_pids, command_us, cpu_model, cpu_seconds, sched_us, version
+from .harness import child_pids, command_us, cpu_model, cpu_seconds, sched_us, thread_us, version
 from .servers import ROOT, Redis
 from .servers import Worker as _BenchWorker
 
@@ -37,8 +37,11 @@ from .servers import Worker as _BenchWorker
 ROLES = ("sender", "worker main", "pool", "Redis")
 
 #: read around each drain too, per task: where the drain's time goes when the
-#: worker's main process is the bottleneck (it waits for a CPU, or for the pool)
-TIMINGS = ("Redis commands", "worker main waiting for a CPU")
+#: worker's main process is the bottleneck (it waits for a CPU, or for the pool).
+#: "idle": the drain less the run time and the wait for a CPU of the main
+#: process's main thread (schedstat): neither running nor runnable, waiting on
+#: a Redis reply or with nothing to hand out
+TIMINGS = ("Redis commands", "worker main waiting for a CPU", "worker main idle")
 
 CONFIGS = (("plain Celery", "user.plain", "celery"),
            ("celery-singleton-lock", "user.ours", "celery-singleton-lock"),
@@ -112,12 +115,15 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
                         "pool": child_pids(worker.pid), "Redis": redis_pids}
                 before = {role: cpu_seconds(pids[role]) for role in ROLES}
                 commands, (_, waited) = command_us(servers), sched_us(pids["worker main"])
+                busy = sum(thread_us(worker.pid))
                 times[label].append(drain(app, counter, name, offset, tasks))
                 cpu[label].append({role: (cpu_seconds(pids[role]) - before[role]) / tasks * 1e6
                                    for role in ROLES})
+                busy = sum(thread_us(worker.pid)) - busy
                 timings[label].append(dict(zip(TIMINGS, (
                     (command_us(servers) - commands) / tasks,
-                    (sched_us(pids["worker main"])[1] - waited) / tasks))))
+                    (sched_us(pids["worker main"])[1] - waited) / tasks,
+                    (times[label][-1] * 1e6 - busy) / tasks))))
                 offset += tasks
         return {"times": times, "cpu": cpu, "timings": timings}
     finally:
@@ -214,12 +220,12 @@ def cpu_cell(row: dict[str, Any]) -> str:
 
 
 def timing_cell(row: dict[str, Any]) -> str:
-    """A row's Redis command time and its worker main process's wait for a CPU,
-    µs per task (medians of the rounds); "-" for a run from before they were read."""
+    """A row's :data:`TIMINGS`, µs per task (medians of the rounds); "-" for a
+    run from before they were read (and for one of them, from before it was)."""
     timings = row.get("timings_us_per_task")
     if not timings:
         return "-"
-    return " / ".join(f"{timings[t]:.1f}" for t in TIMINGS)
+    return " / ".join(f"{timings[t]:.1f}" if t in timings else "-" for t in TIMINGS)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
