@@ -96,34 +96,35 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def _schedstat_us(path: str) -> tuple[float, float]:
+    """One thread's run time and wait for a CPU so far, µs ((0, 0) if unreadable)."""
+    try:
+        with open(path) as fh:
+            ran, waited = fh.read().split()[:2]
+    except OSError:
+        return 0.0, 0.0
+    return int(ran) / 1e3, int(waited) / 1e3
+
+
 def sched_us(pids: list[int]) -> tuple[float, float]:
     """Microseconds the processes' threads ran so far, and waited runnable for a
     CPU (the kernel's schedstat; (0, 0) where it cannot be read)."""
-    ran = waited = 0
+    ran = waited = 0.0
     for pid in pids:
         try:
             threads = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         for tid in threads:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
-                    fields = fh.read().split()
-            except OSError:
-                continue
-            ran, waited = ran + int(fields[0]), waited + int(fields[1])
-    return ran / 1e3, waited / 1e3
+            r, w = _schedstat_us(f"/proc/{pid}/task/{tid}/schedstat")
+            ran, waited = ran + r, waited + w
+    return ran, waited
 
 
 def thread_us(pid: int) -> tuple[float, float]:
     """:func:`sched_us` of a process's main thread alone (the one that hands
-    out a Celery worker's messages); (0, 0) where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as fh:
-            ran, waited = fh.read().split()[:2]
-    except OSError:
-        return 0.0, 0.0
-    return int(ran) / 1e3, int(waited) / 1e3
+    out a Celery worker's messages)."""
+    return _schedstat_us(f"/proc/{pid}/schedstat")
 
 
 def command_us(clients: list[Any]) -> float:
