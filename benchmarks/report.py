@@ -9,6 +9,7 @@ from typing import Any
 from .harness import CPU_ROLES, FLOOR
 from .real import REAL_CONFIGS
 from .throughput import PEERS
+from .userstyle import PEERS as USER_PEERS
 from .userstyle import ROLES, TIMINGS, cpu_cell, timing_cell
 
 
@@ -252,7 +253,7 @@ def _real_verdict(ours: dict[str, Any], floor: dict[str, Any], plain: dict[str, 
 
 def _md_userstyle(u: dict[str, Any]) -> list[str]:
     """The user-style run: each condition a table, fastest first, and ours
-    against the fastest peer."""
+    (and the floor of a lock taken in the worker) against the fastest peer."""
     lines = ["", f"### As a user measures ({u['tasks']} no-op tasks a batch counting themselves "
              f"with INCR, prefork -c 2, results ignored, {u['rounds']} rounds)", "",
              "| topology | prefetch | configuration | drain seconds (median) | rounds' range "
@@ -267,12 +268,15 @@ def _md_userstyle(u: dict[str, Any]) -> list[str]:
                          f"{row['median_seconds']:.3f} | {_range(row['seconds'])} | "
                          f"{row['ratio_to_plain']:.3f} | {cpu_cell(row)} | {timing_cell(row)} |")
         ours = [r for r in rows if r["config"] == "celery-singleton-lock"]
-        peers = [r for r in rows if r["config"] not in ("plain Celery", "celery-singleton-lock")]
+        peers = [r for r in rows if r["config"] in USER_PEERS]
         if ours and peers:
             best = min(peers, key=lambda r: r["median_seconds"])
             mine = cond.get("ours_by_round")
             rounds = (f"; by round {mine['median']:.3f}, at or below both peers in "
                       f"{mine['won']} of {mine['rounds']}" if mine else "")
+            floor = cond.get("floor_by_round")
+            rounds += (f"; the floor by round {floor['median']:.3f}, at or below both in "
+                       f"{floor['won']} of {floor['rounds']}" if floor else "")
             verdicts.append(f"{cond['topology']}, prefetch {cond['prefetch']}: ours "
                             f"{ours[0]['median_seconds'] / best['median_seconds']:.3f}x "
                             f"the fastest peer ({best['config']}){rounds}")

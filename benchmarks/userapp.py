@@ -1,5 +1,6 @@
 """The app of ``python -m benchmarks.userstyle``: a no-op task per library that
-counts itself with one ``INCR``, as a user comparing libraries writes it.
+counts itself with one ``INCR``, as a user comparing libraries writes it, and
+the floor of a lock taken in the worker.
 
 ``celery -A benchmarks.userapp:app worker``; configured from the environment:
 ``USER_BROKER_URL``, ``USER_LOCK_URL`` (the same Redis, or one of its own),
@@ -38,6 +39,23 @@ def _count() -> None:
 @app.task(name="user.plain")
 def plain(n: int) -> None:
     _count()
+
+
+# The floor of a lock taken when the task runs, whatever the library: one bare
+# round trip each way (redis-py's SET NX PX before the body, DEL after; no
+# script, no token, no renewal). The peers take theirs when the task is sent.
+_floor = redis.Redis.from_url(LOCK)
+
+
+@app.task(name="user.floor")
+def floor(n: int) -> None:
+    key = f"user-floor:{n}"
+    if not _floor.set(key, "1", nx=True, px=60_000):
+        return
+    try:
+        _count()
+    finally:
+        _floor.delete(key)
 
 
 def _register() -> None:

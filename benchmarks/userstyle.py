@@ -1,7 +1,8 @@
 """The side-by-side run a user comparing libraries would write: no-op tasks
 that count themselves with one ``INCR``, prefork ``-c 2``, results ignored,
 the sender in the same script, drain time from the first send to the last
-task done. Plain Celery, ours and the peers take turns within each round.
+task done. Plain Celery, ours, the peers and the floor of a lock taken in the
+worker (a bare SET NX before the body, DEL after) take turns within each round.
 Beside each drain, the CPU every process used during it (``/proc``), per task:
 the sending script, the worker (its main process and pool processes) and the
 Redis servers (broker, counter and locks).
@@ -27,7 +28,16 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from .harness import child_pids, command_us, cpu_model, cpu_seconds, sched_us, thread_us, version
+from .harness import (
+    FLOOR,
+    child_pids,
+    command_us,
+    cpu_model,
+    cpu_seconds,
+    sched_us,
+    thread_us,
+    version,
+)
 from .servers import ROOT, Redis
 from .servers import Worker as _BenchWorker
 
@@ -46,7 +56,10 @@ TIMINGS = ("Redis commands", "worker main waiting for a CPU", "worker main idle"
 CONFIGS = (("plain Celery", "user.plain", "celery"),
            ("celery-singleton-lock", "user.ours", "celery-singleton-lock"),
            ("celery-singleton", "user.celery_singleton", "celery-singleton"),
-           ("celery-once", "user.celery_once", "celery-once"))
+           ("celery-once", "user.celery_once", "celery-once"),
+           (FLOOR, "user.floor", "redis"))
+#: the libraries users pick today, against which ours is set (the floor is a bound)
+PEERS = ("celery-singleton", "celery-once")
 TOPOLOGIES = ("one Redis", "own lock Redis")
 PREFETCH = (4, 8)
 
@@ -167,22 +180,24 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
                                      t: statistics.median(r[t] for r in timings[label])
                                      for t in TIMINGS},
                                  "timing_rounds": timings[label]})
-                results["conditions"].append({"topology": topology, "prefetch": prefetch,
-                                              "rows": rows, "ours_by_round": by_round(times)})
+                results["conditions"].append({
+                    "topology": topology, "prefetch": prefetch, "rows": rows,
+                    "ours_by_round": by_round(times),
+                    "floor_by_round": by_round(times, FLOOR)})
     finally:
         broker.stop()
         own.stop()
     return results
 
 
-def by_round(times: dict[str, list[float]]) -> Optional[dict[str, Any]]:
-    """Ours against the faster peer of each round: the rounds' ratios (ours'
-    drain over that peer's), their median, and in how many rounds ours was at
-    or below both peers. Each round's libraries ran back to back, so a ratio
-    by round leaves out what the machine did between rounds."""
-    ours = times.get("celery-singleton-lock")
-    peers = [times[label] for label, _, _ in CONFIGS
-             if label not in ("plain Celery", "celery-singleton-lock") and label in times]
+def by_round(times: dict[str, list[float]], mine: str = "celery-singleton-lock"
+             ) -> Optional[dict[str, Any]]:
+    """Ours (or ``mine``: the floor) against the faster peer of each round: the
+    rounds' ratios (its drain over that peer's), their median, and in how many
+    rounds it was at or below both peers. Each round's libraries ran back to
+    back, so a ratio by round leaves out what the machine did between rounds."""
+    ours = times.get(mine)
+    peers = [times[label] for label in PEERS if label in times]
     if not ours or not peers:
         return None
     ratios = [o / min(p) for o, *p in zip(ours, *peers)]
@@ -202,10 +217,11 @@ def render(results: dict[str, Any]) -> str:
                        f"({min(row['seconds']):.3f}-{max(row['seconds']):.3f})  "
                        f"x{row['ratio_to_plain']:.3f}  CPU {cpu_cell(row)}  "
                        f"{timing_cell(row)}")
-        mine = cond.get("ours_by_round")
-        if mine:
-            out.append(f"  ours / the faster peer, by round: median {mine['median']:.3f}, "
-                       f"at or below both in {mine['won']} of {mine['rounds']} rounds")
+        for who, key in (("ours", "ours_by_round"), ("the floor", "floor_by_round")):
+            mine = cond.get(key)
+            if mine:
+                out.append(f"  {who} / the faster peer, by round: median {mine['median']:.3f}, "
+                           f"at or below both in {mine['won']} of {mine['rounds']} rounds")
     return "\n".join(out)
 
 

@@ -79,13 +79,15 @@ def test_quick_benchmark_produces_every_result(tmp_path):
     assert capacity["celery-singleton-lock"]["redis_calls_per_pair"] == 2  # two EVALSHA
 
     # the run a user writes: both topologies, prefetch 4 and 8, plain Celery,
-    # ours and both peers in each, ours set against the fastest peer
+    # ours, both peers and the floor of a lock taken in the worker in each, ours
+    # and the floor set against the fastest peer
     user = results["userstyle"]
     assert [(c["topology"], c["prefetch"]) for c in user["conditions"]] == [
         ("one Redis", 4), ("one Redis", 8), ("own lock Redis", 4), ("own lock Redis", 8)]
     for cond in user["conditions"]:
         assert {r["config"] for r in cond["rows"]} == {
-            "plain Celery", "celery-singleton-lock", "celery-singleton", "celery-once"}
+            "plain Celery", "celery-singleton-lock", "celery-singleton", "celery-once",
+            "floor: bare SET NX + DEL"}
         assert all(r["median_seconds"] > 0 for r in cond["rows"])
         # each drain's CPU, read from /proc in clock ticks (a quick batch may
         # leave a role under one tick), by role and in all
@@ -106,14 +108,16 @@ def test_quick_benchmark_produces_every_result(tmp_path):
             assert all(-d < r["worker main idle"] < d
                        for r, d in zip(row["timing_rounds"], drains)), row
         # ours against the faster peer of each round, the way the verdict reads
-        mine = cond["ours_by_round"]
         rows = {r["config"]: r["seconds"] for r in cond["rows"]}
-        assert mine["ratios"] == [
-            o / min(a, b) for o, a, b in zip(rows["celery-singleton-lock"],
-                                              rows["celery-singleton"], rows["celery-once"])]
-        assert mine["won"] == sum(r <= 1.0 for r in mine["ratios"]) and mine["rounds"] == 1
+        for mine, who in ((cond["ours_by_round"], "celery-singleton-lock"),
+                          (cond["floor_by_round"], "floor: bare SET NX + DEL")):
+            assert mine["ratios"] == [
+                o / min(a, b) for o, a, b in zip(rows[who], rows["celery-singleton"],
+                                                  rows["celery-once"])]
+            assert mine["won"] == sum(r <= 1.0 for r in mine["ratios"]) and mine["rounds"] == 1
     assert "own lock Redis, prefetch 8: ours" in (tmp_path / "results.md").read_text()
     assert "at or below both peers in" in (tmp_path / "results.md").read_text()
+    assert "the floor by round" in (tmp_path / "results.md").read_text()
 
     machine = results["machine"]
     assert len(machine["load_average_at_start"]) == len(machine["load_average_at_end"]) == 3
