@@ -27,10 +27,11 @@ from collections import Counter
 from typing import Any, Mapping
 
 import redis
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, NoScriptError
 
 from .config import OVERLAP_MODES, choice, get_config
 from .engines import engine_for
+from .scripts import Script
 from .ticks import (
     RUN_MARKER_TTL_MS,
     buffer_key,
@@ -56,35 +57,20 @@ BUFFER_ADOPT = 1.0
 #: modes whose ticks may wait in Redis for the running one to end
 WAITING_MODES = ("buffer_one", "buffer_all", "cancel_other", "terminate_other")
 
-# buffer_all, a tick arrives. KEYS: the queue (sorted set, score = member =
-# tick ms), the last tick sent. ARGV: tick ms, the last tick the beat saw,
-# "1" when the previous run had ended, the cap, the queue's TTL, last's TTL.
-# Sent at once only when nothing waits and nobody sent another tick since.
-_ARRIVE = """
-local last = redis.call('GET', KEYS[2]) or ''
-local waiting = redis.call('ZCARD', KEYS[1])
-if ARGV[3] == '1' and last == ARGV[2] and waiting == 0 then
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[6])
-  return 'send'
-end
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 'buffered' end
-if waiting >= tonumber(ARGV[4]) then return 'full' end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
-return 'buffered'
-"""
+# buffer_all's two scripts (lua/beat_*.lua), called by SHA: EVALSHA and SCRIPT
+# LOAD are in the lock user's rule already (docs/redis-acl.md)
+_ARRIVE = Script.load("beat_arrive")
+_TAKE = Script.load("beat_take")
 
-# buffer_all, the run before ended: take the oldest waiting tick if nobody
-# sent one since this beat looked (the last tick sent is unchanged).
-# Returns the tick ms, 0 when another beat took one, -1 when nothing waits.
-_TAKE = """
-local last = redis.call('GET', KEYS[2]) or ''
-if last ~= ARGV[1] then return 0 end
-local popped = redis.call('ZPOPMIN', KEYS[1])
-if #popped == 0 then return -1 end
-redis.call('SET', KEYS[2], popped[1], 'PX', ARGV[2])
-return popped[1]
-"""
+
+def _script(client: Any, script: Script, keys: list[str], *args: Any) -> Any:
+    """EVALSHA of one of buffer_all's scripts, loaded first when the server
+    does not have it (a fresh or restarted Redis, a failover)."""
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(script.source)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
 def redis_failure(exc: Exception) -> str:
@@ -341,8 +327,8 @@ class OverlapMixin:
         client = engine_for(self.app).client
         prefix = get_config(self.app).key_prefix
         last, ended = self._queue_gate(entry.name, keys)
-        verdict = _text(client.eval(
-            _ARRIVE, 2, queue_key(prefix, entry.name), last_sent_key(prefix, entry.name),
+        verdict = _text(_script(
+            client, _ARRIVE, [queue_key(prefix, entry.name), last_sent_key(prefix, entry.name)],
             str(to_ms(tick)), last, "1" if ended else "0", self.singleton_beat.buffer_max,
             RUN_MARKER_TTL_MS, self.singleton_beat.claim_ttl_ms))
         if verdict == "send":
@@ -369,9 +355,9 @@ class OverlapMixin:
                 last, ended = self._queue_gate(name, keys)
                 if not ended:
                     continue
-                taken = client.eval(_TAKE, 2, queue_key(prefix, name),
-                                    last_sent_key(prefix, name), last,
-                                    self.singleton_beat.claim_ttl_ms)
+                taken = _script(client, _TAKE, [queue_key(prefix, name),
+                                                last_sent_key(prefix, name)],
+                                last, self.singleton_beat.claim_ttl_ms)
             except redis.RedisError:
                 continue
             if taken == -1:

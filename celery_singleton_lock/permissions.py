@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import redis
 from redis.exceptions import (
     NoPermissionError,
+    NoScriptError,
     ReadOnlyError,
     ResponseError,
 )
@@ -292,26 +293,33 @@ def publishing_check(client: redis.Redis, config: SingletonConfig) -> list[Findi
 #: reading a running task's owner record (``GET``), by the overlap mode of its
 #: SingletonTask entries (:mod:`.overlap`): a waiting tick is looked for with
 #: ``EXISTS``, taken with ``GETDEL``, and ``buffer_all``'s queue is kept by two
-#: small scripts sent with ``EVAL``
+#: small scripts called by SHA (``EVALSHA``, ``SCRIPT LOAD``: in the worker's
+#: rule too) that call the sorted-set commands
 BEAT_COMMANDS: dict[str, tuple[str, ...]] = {
     "buffer_one": ("exists", "getdel"),
     "cancel_other": ("exists", "getdel"),
     "terminate_other": ("exists", "getdel"),
-    "buffer_all": ("exists", "eval", "zadd", "zcard", "zpopmin", "zscore"),
+    "buffer_all": ("evalsha", "exists", "script|load", "zadd", "zcard", "zpopmin", "zscore"),
 }
 
-#: one harmless call of each, on a fresh key under the prefix (the z-commands
-#: inside a script, as the beat calls them)
+#: one harmless call of each, on a fresh key under the prefix; ``EVALSHA`` of
+#: a script no server has (NOSCRIPT: allowed to run it)
 _BEAT_PROBES: dict[str, tuple[Any, ...]] = {
     "set": ("SET", "{key}", "1", "NX", "PX", "1000"),
     "get": ("GET", "{key}"),
     "exists": ("EXISTS", "{key}"),
     "getdel": ("GETDEL", "{key}"),
-    "eval": ("EVAL", "return 1", "0"),
-    "zadd": ("EVAL", "return redis.call('ZADD', KEYS[1], 1, 'x')", "1", "{zkey}"),
-    "zcard": ("EVAL", "return redis.call('ZCARD', KEYS[1])", "1", "{zkey}"),
-    "zscore": ("EVAL", "return redis.call('ZSCORE', KEYS[1], 'x')", "1", "{zkey}"),
-    "zpopmin": ("EVAL", "return redis.call('ZPOPMIN', KEYS[1])", "1", "{zkey}"),
+    "evalsha": ("EVALSHA", "0" * 40, "0"),
+    "script|load": ("SCRIPT", "LOAD", "return 1"),
+}
+
+#: the commands buffer_all's scripts call, each tried inside a script of its
+#: own, loaded and called by SHA as the beat calls them
+_BEAT_SCRIPT_PROBES: dict[str, str] = {
+    "zadd": "return redis.call('ZADD', KEYS[1], 1, 'x')",
+    "zcard": "return redis.call('ZCARD', KEYS[1])",
+    "zscore": "return redis.call('ZSCORE', KEYS[1], 'x')",
+    "zpopmin": "return redis.call('ZPOPMIN', KEYS[1])",
 }
 
 
@@ -330,15 +338,25 @@ def beat_denied(client: redis.Redis, prefix: str, modes: Sequence[str]) -> list[
     token = uuid.uuid4().hex
     # one hash tag: in a Cluster both keys live on one node, and one DEL frees them
     keys = {"key": f"{prefix}probe:{{{token}}}", "zkey": f"{prefix}probe:{{{token}}}:z"}
+    names = beat_commands(modes)
     denied: list[str] = []
     try:
-        for name in beat_commands(modes):
-            if name.startswith("z") and "eval" in denied:
-                continue  # the script could not even start: EVAL names them all
+        for name in names:
+            if name in _BEAT_SCRIPT_PROBES:
+                if "evalsha" in denied or "script|load" in denied:
+                    continue  # no script can start: those two are named
+                probe: tuple[Any, ...] = ("SCRIPT", "LOAD", _BEAT_SCRIPT_PROBES[name])
+            else:
+                probe = tuple(arg.format(**keys) for arg in _BEAT_PROBES[name])
             try:
-                command(client, *(arg.format(**keys) for arg in _BEAT_PROBES[name]))
+                reply = command(client, *probe)
+                if name in _BEAT_SCRIPT_PROBES:
+                    command(client, "EVALSHA", reply, 1, keys["zkey"])
             except NoPermissionError:
                 denied.append(name)
+            except NoScriptError:
+                if name != "evalsha":
+                    raise
             except ResponseError as exc:
                 if not denied_inside(exc):
                     raise

@@ -43,15 +43,34 @@ def test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_and_surviv
     that come while a run runs wait in Redis and run one after another, each
     after the one before ended, in tick order, each once; past the cap a tick
     is dropped and counted. kill -9 of the beat that buffered the newest
-    waiting tick: the other beat sends every tick that was waiting."""
+    waiting tick: the other beat sends every tick that was waiting. The beats
+    run as a lock Redis user with the worker's ACL rule and what
+    docs/redis-acl.md adds for buffer_all (no EVAL: its scripts go by SHA)."""
+    from celery_singleton_lock.checks import acl_rule
+
     key = uuid.uuid4().hex[:8]
     sched = {"all": {"task": "t.tick_hold", "every": 1,
                      "kwargs": {"key": key, "seconds": 3.0},
                      "options": {"singleton_overlap": "buffer_all"}}}
     conf = {"singleton_beat_buffer_max": 3}
+    user = f"beat{uuid.uuid4().hex[:6]}"
+    redis_server.client().execute_command(
+        "ACL", "SETUSER", user, "on", ">pw", *acl_rule("singleton:", 2).split(),
+        "+exists", "+zadd", "+zcard", "+zpopmin", "+zscore")
+    lock_url = f"redis://{user}:pw@127.0.0.1:{redis_server.port}/2"
+    try:
+        _buffer_all_kill_9(redis_server, beat_worker, beats, events, r, sched, conf, lock_url)
+    finally:
+        redis_server.client().execute_command("ACL", "DELUSER", user)
+    logs = "".join(b.logs() for b in beats)
+    assert "may not run" not in logs and "Redis refused it" not in logs, logs
+
+
+def _buffer_all_kill_9(redis_server, beat_worker, beats, events, r, sched, conf,
+                       lock_url) -> None:
     for name in ("a", "b"):
         beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name,
-                          conf=conf).start())
+                          conf=conf, lock_url=lock_url).start())
     queue = queue_key("singleton:", "all")
     wait_for(lambda: r.zcard(queue) >= 3, 40, what="the queue full (3 ticks waiting)")
     wait_for(lambda: counted(events)["buffer_dropped"] >= 1, 20,

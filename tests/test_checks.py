@@ -337,19 +337,34 @@ def test_replicas_warn_and_a_replica_as_lock_redis_is_an_error(own_redis):
 
 def test_beat_denied_names_what_a_beat_of_these_overlap_modes_may_not_run(acl_server):
     """With the worker's rule a beat claims ticks (SET, GET); the waiting modes
-    need EXISTS and GETDEL, buffer_all EVAL and the sorted-set commands inside
-    its scripts: each missing one is named, and the probes leave no key behind."""
+    need EXISTS and GETDEL, buffer_all the sorted-set commands inside its
+    scripts, which it calls by SHA as the worker does (no EVAL): each missing
+    one is named, and the probes leave no key behind."""
     client = redis.Redis.from_url(locks_url(acl_server))
     admin = acl_server.client()
     assert permissions.beat_denied(client, "singleton:", []) == []
     assert permissions.beat_denied(client, "singleton:", ["skip", "allow"]) == []
     assert permissions.beat_denied(client, "singleton:", ["buffer_one"]) == ["exists", "getdel"]
-    # EVAL refused: the commands inside its scripts cannot be tried, EVAL names them
-    assert permissions.beat_denied(client, "singleton:", ["buffer_all"]) == ["eval", "exists"]
-    admin.execute_command("ACL", "SETUSER", "locks", "+eval", "+exists")
+    assert permissions.beat_denied(client, "singleton:", ["buffer_all"]) == [
+        "exists", "zadd", "zcard", "zpopmin", "zscore"]
+    # EVALSHA refused: the commands inside the scripts cannot be tried, it is named
+    admin.execute_command("ACL", "SETUSER", "locks", "-evalsha", "+exists")
+    assert permissions.beat_denied(client, "singleton:", ["buffer_all"]) == ["evalsha"]
+    admin.execute_command("ACL", "SETUSER", "locks", "+evalsha")
     assert permissions.beat_denied(client, "singleton:", ["buffer_all", "cancel_other"]) == [
         "getdel", "zadd", "zcard", "zpopmin", "zscore"]
     admin.execute_command("ACL", "SETUSER", "locks", "+getdel", "+zadd", "+zcard", "+zpopmin",
                           "+zscore")
     assert permissions.beat_denied(client, "singleton:", list(permissions.BEAT_COMMANDS)) == []
     assert acl_server.client(2).dbsize() == 0
+
+
+def test_the_beat_scripts_call_only_what_beat_commands_names():
+    """buffer_all's scripts call nothing the beat's check does not try: a
+    command added to them without BEAT_COMMANDS saying so fails here."""
+    from celery_singleton_lock import overlap
+
+    needs = set(permissions.beat_commands(["buffer_all"])) | set(docs_rule().replace(
+        "+", " ").split())
+    for script in (overlap._ARRIVE, overlap._TAKE):
+        assert set(permissions.script_commands(script)) <= needs, script.name
