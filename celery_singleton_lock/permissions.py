@@ -6,6 +6,7 @@ client and publishing, the minimal rule that grants exactly that
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import re
 import socket
@@ -349,9 +350,10 @@ def beat_denied(client: redis.Redis, prefix: str, modes: Sequence[str]) -> list[
             else:
                 probe = tuple(arg.format(**keys) for arg in _BEAT_PROBES[name])
             try:
-                reply = command(client, *probe)
+                command(client, *probe)  # a Cluster client answers SCRIPT LOAD per node
                 if name in _BEAT_SCRIPT_PROBES:
-                    command(client, "EVALSHA", reply, 1, keys["zkey"])
+                    sha = hashlib.sha1(_BEAT_SCRIPT_PROBES[name].encode()).hexdigest()
+                    command(client, "EVALSHA", sha, 1, keys["zkey"])
             except NoPermissionError:
                 denied.append(name)
             except NoScriptError:
