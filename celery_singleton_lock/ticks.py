@@ -220,6 +220,8 @@ def claim_tick_run(engine: LockEngine, prefix: str, request: Any, *,
         return True
     if first or holder == task_id:
         return True
-    logger.info("Dropped %s of beat entry %r tick %s: that tick already ran as %s",
-                task_id, entry, tick, holder)
+    # the marker is written once a copy's lock is granted or its run decided
+    # against: that copy may still be running, or was skipped for good
+    logger.info("Dropped %s of beat entry %r tick %s: that tick was already taken by %s "
+                "(it started, or was refused for good)", task_id, entry, tick, holder)
     return False

@@ -227,6 +227,9 @@ def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
     wait_for(lambda: f"Dropped {copy} of beat entry 'marked'" in beat_worker.logs(), 30,
              what="the second copy dropped")
     assert not waits(copy)
+    # named by the copy that took the tick (it may still run: not "ran")
+    assert f"that tick was already taken by {waiting} (it started, or was refused for good)" \
+        in beat_worker.logs()
 
     assert engine.release(keys, "other-exec", "other-run", finished=False)
 
