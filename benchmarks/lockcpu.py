@@ -23,8 +23,11 @@ Two references bound what any lock can cost, next to ours and the floor:
   counter + 1, floored at the server clock, as ours): the least a lock pays
   that keeps its fencing tokens.
 
-And, asked for by name (``--workloads ours,fcall``): fcall, ours' two scripts
-as Redis Functions (Redis 7.0+) called with ``FCALL`` instead of ``EVALSHA``.
+And, asked for by name (``--workloads ours,fcall,hashfield``): fcall, ours'
+two scripts as Redis Functions (Redis 7.0+) called with ``FCALL`` instead of
+``EVALSHA``; hashfield, the owner record as a field named by the execution id
+in a hash, freed with a plain ``HDEL`` (a layout ours does not use: what it
+would save).
 
 Both are written the same way on one connection (one round trip per command),
 so the client's own work does not enter: only the server's. The redis-server is

@@ -1,8 +1,9 @@
 """What each workload of :mod:`benchmarks.lockcpu` sends the lock Redis per
 "task": ours, the floor, the bounds (redis-py's ``Lock``, bare scripts, bare
-scripts with a fencing token), a skipped duplicate and one bare ``GET``, and
-ours as Redis Functions. Each returns the call that runs its tasks, made ready
-(keys drawn, scripts loaded) so that only the tasks are measured.
+scripts with a fencing token), a skipped duplicate and one bare ``GET``,
+ours as Redis Functions and an owner record that a plain ``HDEL`` frees. Each
+returns the call that runs its tasks, made ready (keys drawn, scripts loaded)
+so that only the tasks are measured.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Callable
 
 import redis
 
-from celery_singleton_lock.calls import SCRIPTS, acquire_call, release_call
+from celery_singleton_lock.calls import SCRIPTS, acquire_call, record_rest, release_call
 from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
@@ -180,6 +181,59 @@ def skip_workload(server: Server, tasks: int) -> Callable[[], None]:
     return run
 
 
+#: a grant whose owner record is a field named by the execution id in a hash:
+#: held while any field but the finish marker's is there (its expiry not
+#: checked: a bound), a token as ours, the record as ours; ``HDEL`` of one's
+#: own field frees it, and can free nothing else
+HASH_TAKE = r"""
+local owner = redis.call('HGETALL', KEYS[1])
+if #owner > 0 then
+  for i = 1, #owner, 2 do
+    if owner[i] == 'fin' and owner[i + 1] == ARGV[1] then return {3, ARGV[1]} end
+  end
+  if #owner > 2 or owner[1] ~= 'fin' then return {0, owner[2]} end
+end
+local t = redis.call('TIME')
+local us = t[2]
+local now = t[1] .. string.sub('00000', #us) .. us
+local token = now
+local last = redis.call('SET', KEYS[2], now, 'PX', '86400000', 'GET')
+if last and (#last > #now or (#last == #now and last >= now)) then
+  token = string.format('%.0f', tonumber(last) + 1)
+  redis.call('SET', KEYS[2], token, 'PX', '86400000')
+end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[2] .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return token
+"""
+
+
+def hashfield_workload(server: Server, tasks: int) -> Callable[[], None]:
+    """The grant as :data:`HASH_TAKE` (ours' arguments, two keys: the finish
+    marker is a field of the owner's hash), the release a plain ``HDEL``."""
+    take = server.client.script_load(HASH_TAKE)
+    conn = Connection(port=server.port)
+    conn.connect()
+    calls = [(f"singleton:{{{uuid.uuid4().hex}}}:", uuid.uuid4().hex, f"w1:{i}")
+             for i in range(tasks)]
+    rest = [record_rest(task_id, LEASE_MS, "celery@bench", 0, "bench.trivial", 86_400_000)
+            for _, task_id, _ in calls]
+
+    def run() -> None:
+        for (base, task_id, exec_id), fields in zip(calls, rest):
+            conn.send_packed_command([pack(["EVALSHA", take, 2, base + "lock", base + "fence",
+                                            task_id, exec_id, LEASE_MS, fields])],
+                                     check_health=False)
+            token = conn.read_response()
+            if not (isinstance(token, bytes) and token.isdigit()):
+                raise RuntimeError(f"the hash-field grant was refused a free key: {token!r}")
+            conn.send_packed_command([pack(["HDEL", base + "lock", exec_id])],
+                                     check_health=False)
+            if conn.read_response() != 1:
+                raise RuntimeError("the HDEL release found no field of its own")
+    return run
+
+
 def get_workload(server: Server, tasks: int) -> Callable[[], None]:
     """One bare GET per task: a skip's floor."""
     conn = Connection(port=server.port)
@@ -197,5 +251,5 @@ WORKLOADS: dict[str, Callable[[Server, int], Callable[[], None]]] = {
     "floor": floor_workload, "ours": ours_workload, "skip": skip_workload, "get": get_workload,
     "redispy": redispy_workload, "scripts": bare_scripts_workload,
     "fenced": lambda server, tasks: bare_scripts_workload(server, tasks, fenced=True),
-    "fcall": fcall_workload,
+    "fcall": fcall_workload, "hashfield": hashfield_workload,
 }
