@@ -155,14 +155,19 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
     # ours: one script call to take and one to free, nothing sent besides
     calls = out.stdout.split(lines["ours"])[1].splitlines()[1]
     assert "evalsha 2 " in calls and "del 1 " in calls, calls
-    # ours' scripts as Redis Functions: two FCALLs, each granted (else it raises)
+    # ours' scripts as Redis Functions: two FCALLs, each granted (else it raises);
+    # the hash-field record: one script to take, a plain HDEL to free (each checked)
     out = subprocess.run([sys.executable, "-m", "benchmarks.lockcpu", "--tasks", "200",
-                          "--rounds", "1", "--workloads", "ours,fcall"], cwd=ROOT,
+                          "--rounds", "1", "--workloads", "ours,fcall,hashfield"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("fcall "))
     calls = out.stdout.split(line)[1].splitlines()[1]
     assert "fcall 2 " in calls and "evalsha" not in calls, calls
+    line = next(x for x in out.stdout.splitlines() if x.startswith("hashfield "))
+    calls = out.stdout.split(line)[1].splitlines()[1]
+    assert "evalsha 1 " in calls and "hdel 1 " in calls and "del 1" not in calls.replace(
+        "hdel 1", ""), calls
 
 
 def test_task_process_tool_runs_each_kind_under_the_lock(redis_server):
