@@ -48,29 +48,34 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
     marker's key only under the queue scopes, the throttle window's only
     with ``singleton_throttle``, the superseded ids' hash with ``replace``;
     under scope ``run``, the done marker's key only when the task keeps a done
-    window (``done``: nothing else writes one for its keys, which hold its name).
+    window (``done``: nothing else writes one for its keys, which hold its name);
+    on the other paths the lock's own key takes the done marker's place then.
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    # where KEYS go by position, the lock's own key stands for "no done marker"
+    done_key = keys.done if done else keys.lock
     if replace:
-        return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued, keys.throttle,
+        return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
                  keys.replaced],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
     if throttle_ms > 0:
-        return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued, keys.throttle],
+        return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
     if scope == "run":
         return ([keys.lock, keys.fence, keys.fin, keys.done] if done else
                 [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest]
-    return ([keys.lock, keys.fence, keys.fin, keys.done, keys.queued],
+    return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued],
             [task_id, exec_id, lease_ms, rest, scope])
 
 
 def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
-                       hostname: str, retries: int, task_name: str, fin_ms: int, slots: int
-                       ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1)."""
+                       hostname: str, retries: int, task_name: str, fin_ms: int, slots: int,
+                       done: bool = True) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1);
+    without a done window (``done`` False) the fence's key stands for the marker's."""
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    return ([keys.fence, keys.fin, keys.done, *(k.lock for k in keys.slots(slots))],
+    return ([keys.fence, keys.fin, keys.done if done else keys.fence,
+             *(k.lock for k in keys.slots(slots))],
             [task_id, exec_id, lease_ms, rest])
 
 
@@ -93,14 +98,17 @@ def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
 
 
 def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = "",
-                 replace: Optional[tuple[int, int]] = None) -> tuple[list[str], list[Any]]:
+                 replace: Optional[tuple[int, int]] = None, done: bool = True
+                 ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``enqueue.lua``; ``replace``: (debounce ms, debounce_max
-    ms) of ``singleton_on_duplicate="replace"``."""
+    ms) of ``singleton_on_duplicate="replace"``; ``done`` False: the task keeps
+    no done window, the lock's key stands for the marker's."""
+    done_key = keys.done if done else keys.lock
     if replace is not None:
-        return [keys.queued, keys.lock, keys.done, keys.replaced], [
+        return [keys.queued, keys.lock, done_key, keys.replaced], [
             task_id, scope, max(ttl_ms, 1), _field(task_name), *replace]
-    return [keys.queued, keys.lock, keys.done], [task_id, scope, max(ttl_ms, 1),
-                                                _field(task_name)]
+    return [keys.queued, keys.lock, done_key], [task_id, scope, max(ttl_ms, 1),
+                                               _field(task_name)]
 
 
 def marker_task(value: Any) -> tuple[str, str]:

@@ -135,12 +135,12 @@ class LockEngine:
         task that a later send superseded is told so (``Acquire.REPLACED``).
         ``slots`` > 1: one of that many slots (``singleton_limit``), named by
         the answer's ``slot``. ``done`` False: the task keeps no done window
-        (``singleton_done_ttl``), so no done marker is looked for.
+        (``singleton_done_ttl``), so no done marker is looked for, on every path.
         """
         if slots > 1:
             script = self._acquire_slots
             keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
-                                             retries, task_name, self._fin_ms, slots)
+                                             retries, task_name, self._fin_ms, slots, done)
         else:
             script = self._acquire
             keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
@@ -232,12 +232,14 @@ class LockEngine:
             keys, exec_id, task_id, finished, always_record, done_ttl, task_name), done, owe=True)
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
-                task_name: str = "", replace: Optional[tuple[int, int]] = None) -> Enqueued:
+                task_name: str = "", replace: Optional[tuple[int, int]] = None,
+                done: bool = True) -> Enqueued:
         """Take the key for a task about to be sent; ``replace`` (debounce ms,
-        debounce_max ms): take it from a task still queued, superseding it."""
+        debounce_max ms): take it from a task still queued, superseding it.
+        ``done`` False: the task keeps no done window, none is looked for."""
         try:
             reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms,
-                                                                   task_name, replace))
+                                                                   task_name, replace, done))
         except BROKEN as exc:
             if not isinstance(exc, RedisUnanswered):
                 # freed once Redis answers again: a send that went out without

@@ -31,7 +31,8 @@ class ClaimOnMajority(Masters):
     """The send-time keys and claims of :class:`.redlock.RedlockEngine`."""
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
-                task_name: str = "", replace: Optional[tuple[int, int]] = None) -> Enqueued:
+                task_name: str = "", replace: Optional[tuple[int, int]] = None,
+                done: bool = True) -> Enqueued:
         """Take the key at send time on a majority, or say who has it."""
         if replace is not None:
             raise no_replace()
@@ -40,7 +41,8 @@ class ClaimOnMajority(Masters):
         def taken(r: Any) -> bool:
             return isinstance(r, Enqueued) and r.status is Enqueue.TAKEN
 
-        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms, task_name),
+        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms, task_name,
+                                                done=done),
                             decided=_settled_by(quorum, Enqueued, taken))
         if sum(1 for r in results if taken(r)) >= quorum:
             return Enqueued(Enqueue.TAKEN)

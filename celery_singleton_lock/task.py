@@ -161,7 +161,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         replace = None if in_canvas else replace_args(config)
         marker_ms = int((send_delay(self, options) + config.queue_ttl + config.debounce) * 1000)
         try:
-            answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name, replace)
+            answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name, replace,
+                                    done=config.done_ttl > 0)
         except redis.RedisError as exc:
             monitor.count(engine, "backend_errors", self.name, "send")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="send",

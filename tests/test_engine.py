@@ -120,13 +120,29 @@ def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r):
     assert 86_000_000 < r.pttl(keys.fence) <= 86_400_000  # the counter's own TTL again
 
 
-def test_a_done_marker_is_looked_for_only_with_a_done_window(engine, r):
+@pytest.mark.parametrize("path", [{}, {"scope": "queue"}, {"scope": "queue_and_run"},
+                                  {"throttle_ms": 60_000}, {"scope": "queue", "replace": True},
+                                  {"slots": 2}],
+                         ids=["run", "queue", "queue_and_run", "throttle", "replace", "limit"])
+def test_a_done_marker_is_looked_for_only_with_a_done_window(engine, r, path):
     """A task without ``singleton_done_ttl`` writes no done marker, so its
-    acquire does not read one (nothing else writes one for its keys)."""
+    acquire does not read one (nothing else writes one for its keys): a marker
+    left from before its window was turned off does not skip it, on every path."""
     keys = new_keys()
     r.set(keys.done, "t.x\nb", px=60_000)
-    assert take(engine, keys, "c", done=True).status is Acquire.DONE
-    assert take(engine, keys, "c", "ec", done=False).status is Acquire.GRANTED
+    assert take(engine, keys, "c", done=True, **path).status is Acquire.DONE
+    assert take(engine, keys, "c", "ec", done=False, **path).status is Acquire.GRANTED
+    assert r.exists(keys.done)  # looked past, not touched
+
+
+def test_a_send_looks_for_a_done_marker_only_with_a_done_window(engine, r):
+    """The send-time take of the queue scopes likewise."""
+    keys = new_keys()
+    r.set(keys.done, "t.x\nb", px=60_000)
+    assert engine.enqueue(keys, "c", "queue", 60_000, "t.x").status is Enqueue.DONE
+    assert engine.enqueue(keys, "c", "queue", 60_000, "t.x",
+                          done=False).status is Enqueue.TAKEN
+    assert r.get(keys.queued) == "t.x\nc"
 
 
 def test_an_expired_lease_lets_another_task_in(engine, r):

@@ -290,6 +290,22 @@ def test_done_window_skips_repeats_and_points_to_the_run_that_did_the_work(
     assert t.delay(key, 0.0, "later").get(timeout=10)["tag"] == "later"
 
 
+@pytest.mark.parametrize("name", ["t.queue", "t.queue_and_run"])
+def test_a_done_marker_left_from_before_the_window_was_turned_off_does_not_skip(
+        client_app, events, key, r, name):
+    """A queue-scope task without a done window neither looks for a done marker
+    when sent nor when it starts: one left over (its window since turned off)
+    lets the call through, and it runs."""
+    t = client_app.tasks[name]
+    done = t.singleton_keys(key).done
+    r.set(done, f"{name}\nearlier-run", px=60_000)
+    sent = t.delay(key, 0.0, "now")
+    assert not is_deduplicated(sent)
+    assert sent.get(timeout=10)["tag"] == "now"
+    assert [e["tag"] for e in events.starts()] == ["now"]
+    assert r.get(done) == f"{name}\nearlier-run"  # looked past, not touched
+
+
 def test_done_window_survives_a_worker_restart(redis_server, events, key):
     queue = f"restart-{key}"
     app = make_app(redis_server.url(), queue)

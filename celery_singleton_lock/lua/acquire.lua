@@ -3,8 +3,10 @@
 -- KEYS[1] lock    string: the owner record; its TTL is the lease
 -- KEYS[2] fence   string: last fencing token granted for this key
 -- KEYS[3] fin     string: id of a task that finished while a copy of it waited
--- KEYS[4] done    string: the task whose success keeps the key done (left out
---                 under scope 'run' when the task keeps no done window)
+-- KEYS[4] done    string: the task whose success keeps the key done (when the
+--                 task keeps no done window: left out under scope 'run', the
+--                 lock's own key in its place on the other paths, whose KEYS
+--                 go by position)
 -- KEYS[5] queued  string: the task that took the key when it was sent
 --                 (scopes 'queue' and 'queue_and_run' only)
 -- (both markers: the task's name, a newline, its id; enqueue.lua, release.lua)
@@ -37,6 +39,7 @@
 -- accepted = 1: the refused execution took the key when it was sent; it keeps
 -- that marker, because a send that was accepted must run (it waits its turn).
 local lock, fence, fin, done, queued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+if done == lock then done = nil end  -- no done window: no marker to look for
 local throttle = KEYS[6]
 if throttle and ARGV[6] == '0' then throttle = nil end
 local replaced = KEYS[7]

@@ -4,7 +4,8 @@
 --
 -- KEYS[1] fence   string: last fencing token granted for this key
 -- KEYS[2] fin     string: id of a task that finished while a copy of it waited
--- KEYS[3] done    string: the task whose success keeps the key done
+-- KEYS[3] done    string: the task whose success keeps the key done (the
+--                 fence's key in its place when the task keeps no done window)
 -- KEYS[4..]       the slots' owner records, slot 1 first (slot 1 is the key's
 --                 lock of singleton_limit = 1)
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
@@ -18,6 +19,7 @@
 --   {3, task}                   this task id already finished
 --   {4, task}                   done: another task succeeded within done_ttl
 local fence, fin, done = KEYS[1], KEYS[2], KEYS[3]
+if done == fence then done = nil end  -- no done window: no marker to look for
 local task_id, exec_id = ARGV[1], ARGV[2]
 local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
   '[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$'
@@ -63,7 +65,7 @@ for slot = 1, #KEYS - 3 do
   end
 end
 
-local done_by = redis.call('GET', done)
+local done_by = done and redis.call('GET', done)
 if done_by then
   done_by = string.match(done_by, '\n(.*)$') or done_by
   if done_by == task_id then return {3, task_id} end

@@ -1,6 +1,7 @@
 -- Take a key when a task is sent (scopes 'queue' and 'queue_and_run').
 --
--- KEYS[1] queued  KEYS[2] lock  KEYS[3] done
+-- KEYS[1] queued  KEYS[2] lock  KEYS[3] done (the lock's key in its place when
+-- the task keeps no done window: no marker to look for)
 -- ARGV[1] task id   ARGV[2] scope   ARGV[3] marker TTL ms   ARGV[4] task name
 -- With singleton_on_duplicate 'replace' only:
 -- KEYS[4] replaced  hash: superseded task id -> the task's name, a newline and
@@ -25,6 +26,7 @@
 --                the key is this send's now (send it with countdown ms when
 --                debounced); that task is superseded by this send
 local queued, lock, done, replaced = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+if done == lock then done = nil end
 local task_id = ARGV[1]
 
 local function now_ms()
@@ -32,7 +34,7 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local done_by = redis.call('GET', done)
+local done_by = done and redis.call('GET', done)
 if done_by then
   return {4, (string.match(done_by, '\n(.*)$') or done_by)}
 end
