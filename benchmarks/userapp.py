@@ -10,6 +10,7 @@ the floor of a lock taken in the worker.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import redis
 from celery import Celery
@@ -56,6 +57,49 @@ def floor(n: int) -> None:
         _count()
     finally:
         _floor.delete(key)
+
+
+# Bounds of a lock whose steps run in Redis scripts, taken in the worker as the
+# floor is (``python -m benchmarks.userstyle --bounds``; the scripts are
+# benchmarks.lockworkloads'): the barest pair that keeps a fencing token, and a
+# grant script whose owner record is a hash field named by the execution, freed
+# by a plain HDEL that can free nothing else.
+def _bounds() -> None:
+    import uuid
+
+    from .lockworkloads import BARE_FREE, FENCED_TAKE, HASH_TAKE
+
+    fenced_take, bare_free = _floor.register_script(FENCED_TAKE), _floor.register_script(BARE_FREE)
+    hash_take = _floor.register_script(HASH_TAKE)
+    # the owner record's fields from 'lease' on, as ours writes them
+    rest = "60000\n86400000\n0\n1\nhost\ncelery@user\nuser.hashfield\n"
+
+    @app.task(name="user.fenced")
+    def fenced(n: int) -> None:
+        base, owner = f"user-fenced:{{{n}}}:", uuid.uuid4().hex
+        if fenced_take(keys=[base + "lock", base + "fence"], args=[owner, 60_000]) == 0:
+            return
+        try:
+            _count()
+        finally:
+            bare_free(keys=[base + "lock"], args=[owner])
+
+    @app.task(name="user.hashfield", bind=True)
+    def hashfield(self: Any, n: int) -> None:
+        base, owner = f"user-hash:{{{n}}}:", uuid.uuid4().hex
+        task_id = self.request.id or owner
+        token = hash_take(keys=[base + "lock", base + "fence"],
+                          args=[task_id, owner, 60_000, rest + task_id])
+        if not (isinstance(token, bytes) and token.isdigit()):
+            return
+        try:
+            _count()
+        finally:
+            _floor.hdel(base + "lock", owner)
+
+
+if os.environ.get("USER_BOUNDS"):
+    _bounds()
 
 
 def _register() -> None:

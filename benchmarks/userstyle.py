@@ -12,6 +12,7 @@ Conditions: broker and locks on one Redis, or locks on a Redis of their own;
 
     python -m benchmarks.userstyle                 # 3000 tasks, 4 rounds
     python -m benchmarks.userstyle --tasks 300 --rounds 1
+    python -m benchmarks.userstyle --bounds        # and two bounds of a scripted lock
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ CONFIGS = (("plain Celery", "user.plain", "celery"),
            ("celery-singleton", "user.celery_singleton", "celery-singleton"),
            ("celery-once", "user.celery_once", "celery-once"),
            (FLOOR, "user.floor", "redis"))
+#: with ``--bounds``: locks whose steps are Redis scripts, taken in the worker
+#: as the floor is (benchmarks/userapp.py): what any design of ours' kind could
+#: reach, the barest fenced pair of scripts and a grant script whose owner record
+#: a plain ``HDEL`` frees
+FENCED = "bound: fenced pair of scripts"
+HASHFIELD = "bound: grant script + HDEL"
+BOUNDS = ((FENCED, "user.fenced", "redis"), (HASHFIELD, "user.hashfield", "redis"))
 #: the libraries users pick today, against which ours is set (the floor is a bound)
 PEERS = ("celery-singleton", "celery-once")
 TOPOLOGIES = ("one Redis", "own lock Redis")
@@ -97,7 +105,7 @@ def drain(app: Any, counter: Any, name: str, base: int, n: int) -> float:
 
 
 def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, tasks: int,
-              rounds: int, redis_pids: list[int]) -> dict[str, Any]:
+              rounds: int, redis_pids: list[int], bounds: bool = False) -> dict[str, Any]:
     """One condition, in this process: its worker, a warm-up, then every
     configuration in a shuffled order each round: drain seconds and CPU µs
     per task by role, per configuration and round."""
@@ -105,14 +113,15 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
 
     queue = f"user-{uuid.uuid4().hex[:6]}"
     env = dict(os.environ, USER_BROKER_URL=broker_url, USER_LOCK_URL=lock_url,
-               USER_COUNTER_URL=counter_url, USER_PREFETCH=str(prefetch), USER_QUEUE=queue)
+               USER_COUNTER_URL=counter_url, USER_PREFETCH=str(prefetch), USER_QUEUE=queue,
+               USER_BOUNDS="1" if bounds else "")
     worker = Worker(env)
     try:
         worker.start()  # the warm-up batch waits for it
         app = caller(env)
         counter = redis.Redis.from_url(counter_url)
         servers = [redis.Redis.from_url(u) for u in dict.fromkeys((broker_url, lock_url))]
-        configs = [c for c in CONFIGS if c[1] in app.tasks]
+        configs = [c for c in CONFIGS + (BOUNDS if bounds else ()) if c[1] in app.tasks]
         # warm-up: the worker boots, each library connects and loads its scripts
         for i, (_, name, _) in enumerate(configs):
             drain(app, counter, name, -10 * tasks * (i + 1), max(10, tasks // 10))
@@ -145,7 +154,7 @@ def condition(broker_url: str, lock_url: str, counter_url: str, prefetch: int, t
         worker.stop()
 
 
-def run(tasks: int, rounds: int) -> dict[str, Any]:
+def run(tasks: int, rounds: int, bounds: bool = False) -> dict[str, Any]:
     broker, own = Redis().start(), Redis().start()
     results: dict[str, Any] = {"tasks": tasks, "rounds": rounds, "conditions": []}
     try:
@@ -157,12 +166,12 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
                 out = subprocess.run(
                     [sys.executable, "-m", "benchmarks.userstyle", "--condition",
                      json.dumps([broker.url(0), lock, broker.url(3), prefetch, tasks, rounds,
-                                 redis_pids])],
+                                 redis_pids, bounds])],
                     cwd=ROOT, capture_output=True, text=True, check=True)
                 measured = json.loads(out.stdout.strip().splitlines()[-1])
                 times, cpu, timings = measured["times"], measured["cpu"], measured["timings"]
                 rows = []
-                for label, _, dist in CONFIGS:
+                for label, _, dist in CONFIGS + BOUNDS:
                     if label not in times:
                         continue
                     ratios = [t / p for t, p in zip(times[label], times["plain Celery"])]
@@ -183,7 +192,9 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
                 results["conditions"].append({
                     "topology": topology, "prefetch": prefetch, "rows": rows,
                     "ours_by_round": by_round(times),
-                    "floor_by_round": by_round(times, FLOOR)})
+                    "floor_by_round": by_round(times, FLOOR),
+                    "bounds_by_round": {label: by_round(times, label)
+                                        for label, _, _ in BOUNDS if label in times}})
     finally:
         broker.stop()
         own.stop()
@@ -217,8 +228,9 @@ def render(results: dict[str, Any]) -> str:
                        f"({min(row['seconds']):.3f}-{max(row['seconds']):.3f})  "
                        f"x{row['ratio_to_plain']:.3f}  CPU {cpu_cell(row)}  "
                        f"{timing_cell(row)}")
-        for who, key in (("ours", "ours_by_round"), ("the floor", "floor_by_round")):
-            mine = cond.get(key)
+        mines = [("ours", cond.get("ours_by_round")), ("the floor", cond.get("floor_by_round")),
+                 *cond.get("bounds_by_round", {}).items()]
+        for who, mine in mines:
             if mine:
                 out.append(f"  {who} / the faster peer, by round: median {mine['median']:.3f}, "
                            f"at or below both in {mine['won']} of {mine['rounds']} rounds")
@@ -250,12 +262,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--bounds", action="store_true",
+                        help="also drain two bounds of a lock whose steps are scripts")
     parser.add_argument("--condition", help=argparse.SUPPRESS)  # one condition, as a child
     args = parser.parse_args(argv)
     if args.condition:
         print(json.dumps(condition(*json.loads(args.condition))))
         return 0
-    results = run(args.tasks, args.rounds)
+    results = run(args.tasks, args.rounds, args.bounds)
     results["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(),
                           "load": os.getloadavg(), "python": sys.version.split()[0]}
     args.out.mkdir(parents=True, exist_ok=True)

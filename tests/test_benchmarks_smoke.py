@@ -123,6 +123,30 @@ def test_quick_benchmark_produces_every_result(tmp_path):
     assert len(machine["load_average_at_start"]) == len(machine["load_average_at_end"]) == 3
 
 
+def test_user_style_run_drains_the_bounds_of_a_scripted_lock(tmp_path):
+    """--bounds adds two locks taken in the worker whose steps are scripts (the
+    barest fenced pair, a grant script freed by a plain HDEL): each drains every
+    batch (a refused take would leave the batch short and time the drain out)
+    and is set against the faster peer of each round, as ours is."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.userstyle", "--tasks", "20",
+                          "--rounds", "1", "--bounds", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    user = json.loads((tmp_path / "userstyle.json").read_text())
+    bounds = ("bound: fenced pair of scripts", "bound: grant script + HDEL")
+    assert len(user["conditions"]) == 4
+    for cond in user["conditions"]:
+        rows = {r["config"]: r["seconds"] for r in cond["rows"]}
+        assert set(bounds) <= set(rows) and len(rows) == 7
+        assert set(cond["bounds_by_round"]) == set(bounds)
+        for label in bounds:
+            mine = cond["bounds_by_round"][label]
+            assert mine["ratios"] == [o / min(a, b) for o, a, b in zip(
+                rows[label], rows["celery-singleton"], rows["celery-once"])]
+    for label in bounds:
+        assert f"{label} / the faster peer, by round" in out.stdout
+
+
 def test_render_redraws_from_results_json_alone(tmp_path):
     """--only runs some sections and merges them into the results already there;
     --render then redraws every table and plot from results.json."""
