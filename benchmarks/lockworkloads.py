@@ -276,7 +276,8 @@ def delifeq_workload(server: Server, tasks: int) -> Callable[[], None]:
             token = conn.read_response()
             if not (isinstance(token, bytes) and token.isdigit()):
                 raise RuntimeError(f"ours' acquire was refused a free key: {token!r}")
-            record = f"{exec_id}\n\n\n{token.decode()}\n{token.decode()}\n{argv[3]}"
+            now = token.decode()  # the token is the clock the record holds
+            record = f"{exec_id}\n\n\n{now}\n{now}\n{argv[3]}"
             conn.send_packed_command([pack(["DELIFEQ", keys.lock, record])],
                                      check_health=False)
             if conn.read_response() != 1:

@@ -67,12 +67,12 @@ def floor(n: int) -> None:
 def _bounds() -> None:
     import uuid
 
+    from celery_singleton_lock.calls import record_rest
+
     from .lockworkloads import BARE_FREE, FENCED_TAKE, HASH_TAKE
 
     fenced_take, bare_free = _floor.register_script(FENCED_TAKE), _floor.register_script(BARE_FREE)
     hash_take = _floor.register_script(HASH_TAKE)
-    # the owner record's fields from 'lease' on, as ours writes them
-    rest = "60000\n86400000\n0\n1\nhost\ncelery@user\nuser.hashfield\n"
 
     @app.task(name="user.fenced")
     def fenced(n: int) -> None:
@@ -89,7 +89,8 @@ def _bounds() -> None:
         base, owner = f"user-hash:{{{n}}}:", uuid.uuid4().hex
         task_id = self.request.id or owner
         token = hash_take(keys=[base + "lock", base + "fence"],
-                          args=[task_id, owner, 60_000, rest + task_id])
+                          args=[task_id, owner, 60_000, record_rest(
+                              task_id, 60_000, "celery@user", 0, "user.hashfield", 86_400_000)])
         if not (isinstance(token, bytes) and token.isdigit()):
             return
         try:
