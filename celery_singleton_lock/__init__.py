@@ -12,6 +12,7 @@ from .config import SingletonConfig, get_config
 from .exceptions import (
     ConfigurationError,
     DuplicateTaskError,
+    InvalidArgumentsError,
     KeyEncodingError,
     LockBackendError,
     LockLostError,
@@ -31,6 +32,7 @@ __all__ = [
     "ConfigurationError",
     "DeduplicatedResult",
     "DuplicateTaskError",
+    "InvalidArgumentsError",
     "KeyEncodingError",
     "LockBackendError",
     "LockLostError",

@@ -56,13 +56,13 @@ def _guarded(func: F) -> F:
     """Settings and connection errors as one line and exit code 2, never a traceback."""
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from .exceptions import ConfigurationError, KeyEncodingError
+        from .exceptions import ConfigurationError, InvalidArgumentsError, KeyEncodingError
 
         try:
             return func(*args, **kwargs)
         except ConfigurationError as exc:
             _fail(f"configuration error: {exc}")
-        except KeyEncodingError as exc:
+        except (KeyEncodingError, InvalidArgumentsError) as exc:
             _fail(str(exc))
         except redis.AuthenticationError as exc:
             _fail(f"lock Redis refused the credentials: {exc}")
@@ -200,7 +200,8 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
         _fail(f"no singleton task named {task_name!r} in this app")
     args = _parse_json(args_json, list, "--args", "a JSON list")
     kwargs = _parse_json(kwargs_json, dict, "--kwargs", "a JSON object")
-    keys = task.singleton_keys(*args, **kwargs)
+    # only the arguments the key is made of are needed (the rest are not asked for)
+    keys = task.singleton_settings().builder.keys(args, kwargs, partial=True)
     digest = keys.base[len(c.config.key_prefix) + 1:-1]
     limit = task.singleton_settings().config.limit
     rows = c.rows([digest, *(f"{digest}:{n}" for n in range(2, limit + 1))])

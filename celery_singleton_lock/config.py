@@ -1,6 +1,10 @@
 """Settings: one table gives every setting's name, default, check and whether a
 task may override it. Read once from ``app.conf`` (every name starts with
 ``singleton_``) into a :class:`SingletonConfig` cached per app.
+
+Over 400 lines: the table, the checks of its values, the names it refuses
+(misspelt ones, the peers' options) and the checks of settings together are
+one idea, what a user may write and what it means.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .exceptions import ConfigurationError
 from .process import ForkSafeLock
+from .rollout import check_also_lock
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -147,6 +152,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("wait_replicas", 0, check_count),
     Setting("wait_timeout", 100, check_ms),
     Setting("wait_policy", "release", choice(WAIT_POLICIES)),
+    # while a fleet moves over from celery-singleton or celery-once: their lock
+    # for the same call is taken too (docs/migration.md)
+    Setting("also_lock", None, check_also_lock, per_task=True),
 )
 
 TASK_OPTIONS = tuple(s for s in SETTINGS if s.per_task)
@@ -167,9 +175,10 @@ APP_SETTING_NAMES = frozenset([s.name for s in SETTINGS] + [name for name, *_ in
 #: what a task may set (``singleton_key`` is read by :class:`.keys.KeyBuilder`)
 TASK_OPTION_NAMES = frozenset([s.name for s in TASK_OPTIONS] + ["singleton_key"])
 
-#: celery-singleton's app settings (``singleton_key_prefix`` is ours too) and
-#: task options, with what replaces each here (docs/migration.md). A migration
-#: keeps both libraries' settings for a while: they are named, not refused.
+#: celery-singleton's app settings (``singleton_key_prefix`` is ours too), with
+#: what replaces each here (docs/migration.md). A migration keeps both
+#: libraries in one app for a while, and celery-singleton's own tasks still
+#: read these, so they are named in a warning, not refused.
 CELERY_SINGLETON_SETTINGS = {
     "singleton_backend_url": "singleton_redis_url",
     "singleton_backend_class": "singleton_redis_url (Redis only)",
@@ -177,11 +186,43 @@ CELERY_SINGLETON_SETTINGS = {
     "singleton_raise_on_duplicate": 'singleton_on_duplicate="raise"',
     "singleton_lock_expiry": "singleton_ttl (a lease renewed while the task runs)",
 }
-CELERY_SINGLETON_OPTIONS = {
-    "unique_on": "singleton_key=(...)",
-    "raise_on_duplicate": 'singleton_on_duplicate="raise"',
-    "lock_expiry": "singleton_ttl (a lease renewed while the task runs)",
-    "challenge_lock_on_startup": "nothing (a dead holder's lock frees itself)",
+
+
+def _names_of(value: Any) -> str:
+    names = (value,) if isinstance(value, str) else tuple(value or ())
+    return f"singleton_key={names!r}"
+
+
+def _once_replacement(value: Any) -> str:
+    """What a celery-once ``once={...}`` option becomes here."""
+    once = dict(value) if isinstance(value, Mapping) else {}
+    parts = []
+    if once.get("keys") is not None:
+        parts.append(_names_of(once["keys"]))
+    scope = "queue" if once.get("unlock_before_run") else "queue_and_run"
+    parts.append(f"singleton_scope={scope!r} (the key taken at send, as celery-once did)")
+    parts.append("singleton_on_duplicate='skip'" if once.get("graceful")
+                 else "singleton_on_duplicate='raise'")
+    if once.get("timeout") is not None:
+        parts.append("singleton_ttl (a lease renewed while the task runs, "
+                     "not the longest a run may take)")
+    return ", ".join(parts)
+
+
+#: the task options of celery-singleton and celery-once, each with what it
+#: becomes here, made from its value. A SingletonTask that still sets one is
+#: refused (docs/migration.md says why: an option read by neither library
+#: would change the key or the duplicates' fate without a word).
+PEER_TASK_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "unique_on": ("celery-singleton", _names_of),
+    "raise_on_duplicate": ("celery-singleton", lambda v: (
+        "singleton_on_duplicate='raise'" if v else "nothing (a duplicate is skipped or "
+                                                   "refused by default)")),
+    "lock_expiry": ("celery-singleton", lambda v: (
+        "singleton_ttl (a lease renewed while the task runs, not the longest a run may take)")),
+    "challenge_lock_on_startup": ("celery-singleton", lambda v: (
+        "nothing (a dead holder's lock frees itself)")),
+    "once": ("celery-once", _once_replacement),
 }
 
 
@@ -237,15 +278,17 @@ def _singleton_names(conf: Any) -> list[tuple[str, str]]:
     return sorted(found)
 
 
-def check_task_names(task_name: str, names: Any) -> None:
+def check_task_names(task_name: str, options: Mapping[str, Any]) -> None:
     """Refuse a task's ``singleton_*`` option that is none of ours, naming the
-    task and the closest option; name celery-singleton's options in a warning."""
-    for name in sorted(names):
-        if name in CELERY_SINGLETON_OPTIONS:
-            logger.warning("celery-singleton-lock: task %r: the option %s belongs to "
-                           "celery-singleton and is not read here; use %s",
-                           task_name, name, CELERY_SINGLETON_OPTIONS[name])
-        elif name.startswith("singleton_") and name not in TASK_OPTION_NAMES:
+    task and the closest option, and an option of celery-singleton or
+    celery-once, naming what replaces it here (``options``: name -> value)."""
+    for name in sorted(options):
+        if name in PEER_TASK_OPTIONS:
+            library, replacement = PEER_TASK_OPTIONS[name]
+            raise ConfigurationError(
+                name, f"task {task_name!r}: an option of {library}, which celery-singleton-lock "
+                      f"does not read; use {replacement(options[name])} (docs/migration.md)")
+        if name.startswith("singleton_") and name not in TASK_OPTION_NAMES:
             if name in APP_SETTING_NAMES:
                 detail = "an app setting, not a task option: set it in app.conf"
             else:
@@ -279,6 +322,7 @@ class SingletonConfig:
     wait_replicas: int
     wait_timeout: int
     wait_policy: str
+    also_lock: Optional[dict[str, Any]]
 
     @classmethod
     def from_app(cls, app: Any) -> SingletonConfig:

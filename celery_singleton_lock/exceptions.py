@@ -64,6 +64,27 @@ class KeyEncodingError(SingletonError, TypeError):
         )
 
 
+class InvalidArgumentsError(SingletonError, ValueError):
+    """A ``pydantic=True`` task's argument does not validate as its annotated model.
+
+    Such a call could never run, so it is refused where its key is made (at
+    send, and by ``singleton_keys`` and ``celery singleton key``). The message
+    names the task, the argument, the model and each failing field with
+    pydantic's reason, never the value sent.
+    """
+
+    def __init__(self, task: str, argument: str, model: str, problems: str) -> None:
+        super().__init__(task, argument, model, problems)
+        self.task = task
+        self.argument = argument
+        self.model = model
+        self.problems = problems
+
+    def _message(self) -> str:
+        return (f"task {self.task!r}: argument {self.argument!r} is not a valid "
+                f"{self.model}: {self.problems}")
+
+
 class DuplicateTaskError(SingletonError):
     """The ``raise`` policy: another execution holds this task's key.
 

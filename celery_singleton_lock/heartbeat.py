@@ -34,7 +34,7 @@ from typing import Optional, Union
 
 import redis
 
-from . import monitor
+from . import monitor, rollout
 from .cluster import ClusterWire
 from .engine import LockEngine
 from .lock import SingletonLock
@@ -221,15 +221,20 @@ class Heartbeat:
                            self.failed_rounds)
             self.failed_rounds = 0
         self.rounds += 1
+        companions = []
         for i, (lock, result) in enumerate(zip(locks, results)):
             if result is Renew.RENEWED:
                 lock.renewed(sent_at)
+                if lock.companion is not None:
+                    companions.append((lock.companion, int(lock.lease * 1000)))
                 if gaps and gaps[i]:
                     self._refill(lock, gaps[i])
             elif result is Renew.ABSENT and lock.held and not lock.handed_off:
                 self._take_back(lock, sent_at)
             elif result is Renew.NOT_OURS and lock.held and not lock.handed_off:
                 lock.mark_lost("renewal found the lock held by another execution")
+        if companions:  # singleton_also_lock: the old library's keys live as long
+            rollout.renew(companions)
         return Renew.UNANSWERED not in results
 
     def _refill(self, lock: SingletonLock, masters: list[int]) -> None:

@@ -11,6 +11,11 @@ the way. So:
   a dict's keys are compared as JSON writes them (``{1: x}`` == ``{"1": x}``);
 * UUID, datetime, date, time, Decimal and bytes have one form each, and kombu's
   JSON serializer brings each back as the same type;
+* an ``Enum`` member is its value, a dataclass the mapping of its fields and a
+  pydantic model its JSON form with its defaults (``model_dump(mode="json")``);
+* under ``pydantic=True`` each model-annotated argument is first validated as
+  Celery will before the body runs (:mod:`.models`), so every form of one
+  model is one key;
 * dicts and sets are ordered by their encoded members, so insertion order never
   matters.
 
@@ -19,7 +24,9 @@ Only a fixed-size digest reaches Redis: no raw argument appears in a key.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import enum
 import hashlib
 import inspect
 import uuid
@@ -28,6 +35,7 @@ from decimal import Decimal
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .exceptions import ConfigurationError, KeyEncodingError
+from .models import ModelArguments, json_form
 
 KeySpec = Union[None, str, Sequence[str], Callable[..., Any]]
 
@@ -65,6 +73,9 @@ def _encode(value: Any, out: list[str]) -> None:
         out.append("t")
     elif value is False:
         out.append("f")
+    elif isinstance(value, enum.Enum):
+        # its value: what JSON sends for a str or int enum, and the one form of the others
+        _encode(value.value, out)
     elif isinstance(value, str):
         out.append(f"s{len(value)}:{value}")
     elif isinstance(value, int):
@@ -113,8 +124,13 @@ def _encode(value: Any, out: list[str]) -> None:
     elif isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
         out.append(f"y{len(raw)}:{raw.hex()}")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        _encode({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, out)
     else:
-        raise _Unencodable(f"values of type {type(value).__name__} have no canonical form")
+        dumped = json_form(value)
+        if dumped is None:
+            raise _Unencodable(f"values of type {type(value).__name__} have no canonical form")
+        _encode(dumped, out)
 
 
 def encode_value(value: Any) -> str:
@@ -191,13 +207,19 @@ class LockKeys:
 
 
 class KeyBuilder:
-    """Builds the lock keys of one task; the signature is inspected once."""
+    """Builds the lock keys of one task; the signature is inspected once.
+
+    ``models``: the task's model-annotated arguments (``pydantic=True``), each
+    validated before it is keyed, as the body will get it.
+    """
 
     def __init__(
-        self, task_name: str, func: Callable[..., Any], spec: KeySpec, prefix: str
+        self, task_name: str, func: Callable[..., Any], spec: KeySpec, prefix: str,
+        models: Optional[ModelArguments] = None,
     ) -> None:
         self.task_name = task_name
         self.prefix = prefix
+        self.models = models
         self._callable: Optional[Callable[..., Any]] = None
         self._names: Optional[tuple[str, ...]] = None
         try:
@@ -227,6 +249,11 @@ class KeyBuilder:
             self._names = names
         self._plan = self._fast_plan()
 
+    @property
+    def names(self) -> Optional[tuple[str, ...]]:
+        """The arguments the key is made of (None: all of them, or a function)."""
+        return self._names
+
     def _fast_plan(
         self,
     ) -> Optional[tuple[tuple[str, ...], dict[str, Any], frozenset[str]]]:
@@ -244,7 +271,8 @@ class KeyBuilder:
                 defaults[param.name] = param.default
         return tuple(names), defaults, frozenset(names)
 
-    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any],
+              partial: bool = False) -> dict[str, Any]:
         if self.signature is None:
             return {"*args": list(args), "**kwargs": dict(kwargs)}
         plan = self._plan
@@ -266,15 +294,31 @@ class KeyBuilder:
                         return {n: bound[n] for n in names}
             # anything unusual: let inspect say what is wrong
         try:
-            full = self.signature.bind(*args, **kwargs)
+            full = (self.signature.bind_partial if partial else self.signature.bind)(
+                *args, **kwargs)
         except TypeError as exc:
             raise KeyEncodingError(self.task_name, "*", f"the call does not fit: {exc}") from None
         full.apply_defaults()
         return dict(full.arguments)
 
-    def keys(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKeys:
+    def arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, defaults applied, as the body will get
+        them (raises KeyEncodingError when the call does not fit the signature,
+        InvalidArgumentsError when a model argument does not validate)."""
+        bound = self._bind(args, kwargs)
+        return self.models.validate(bound) if self.models is not None else bound
+
+    def keys(self, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+             partial: bool = False) -> LockKeys:
+        """The lock keys of a call. ``partial``: the call may leave out arguments
+        the key is not made of (``celery singleton key`` with only the key's)."""
         parts = [self.task_name]
         if self._callable is not None:
+            if self.models is not None and self.signature is not None:
+                # the key function sees the arguments as the body will
+                call = self.signature.bind(*args, **kwargs)
+                call.arguments.update(self.models.validate(dict(call.arguments)))
+                args, kwargs = call.args, call.kwargs
             try:
                 value = self._callable(*args, **kwargs)
             except Exception as exc:
@@ -288,8 +332,16 @@ class KeyBuilder:
                     self.task_name, "singleton_key", f"the key function returned {exc.reason}"
                 ) from None
             return LockKeys(self.prefix, digest(parts))
-        arguments = self._bind(args, kwargs)
+        partial = partial and self._names is not None
+        arguments = self._bind(args, kwargs, partial)
         names = self._names if self._names is not None else tuple(arguments)
+        if partial:
+            absent = [n for n in names if n not in arguments]
+            if absent:
+                raise KeyEncodingError(self.task_name, "*", "the key is made of "
+                                       f"{', '.join(names)}: give {', '.join(absent)}")
+        if self.models is not None:
+            arguments = self.models.validate({n: arguments[n] for n in names})
         for name in names:
             try:
                 parts.append(f"{name}={encode_value(arguments[name])}")

@@ -15,6 +15,7 @@ from . import monitor
 from .exceptions import LockLostError
 from .keys import LockKeys
 from .replies import Release, Released
+from .rollout import OtherLock
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -39,6 +40,7 @@ class SingletonLock:
         "_deadline",
         "_lost_reason",
         "acquired_at",
+        "companion",
         "exec_id",
         "handed_off",
         "held",
@@ -70,10 +72,14 @@ class SingletonLock:
         margin: float = 0.0,
         clock: Clock = time.monotonic,
         slot: int = 1,
+        companion: Optional[OtherLock] = None,
     ) -> None:
         self.keys = keys
         #: which of the key's ``singleton_limit`` slots this execution holds
         self.slot = slot
+        #: the old library's lock held beside this one (``singleton_also_lock``),
+        #: renewed with it
+        self.companion = companion
         self.key = keys.base
         self.task_id = task_id
         self.task_name = task_name

@@ -125,6 +125,17 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
                     error=DuplicateTaskError(task_name, key, holder, state))
 
 
+def held_elsewhere(on_duplicate: str, holder: str, *, task_name: str, key: str) -> Decision:
+    """An execution that starts found the old library's key of its call held by
+    another call (``singleton_also_lock``): a duplicate of a running one."""
+    if on_duplicate in ("skip", "replace"):
+        return Decision(Do.SKIP, holder=holder, reason="duplicate", state="running")
+    if on_duplicate == "retry":
+        return Decision(Do.WAIT, holder=holder, reason="duplicate", state="running")
+    return Decision(Do.FAIL, holder=holder, reason="duplicate", state="running",
+                    error=DuplicateTaskError(task_name, key, holder, "running"))
+
+
 def on_backend_error(policy: str, *, phase: str, key: str, error: Exception) -> Decision:
     """The lock Redis could not be reached; ``phase`` is "send" or "run".
 

@@ -2,11 +2,16 @@
 
 Orchestration only: the engine does the Redis work, :mod:`.policies` decides
 what a conflict gets, and :mod:`.outcomes` carries the decision out with Celery.
+
+Over 400 lines: one task's path from its send to its end, in the order a
+call takes it (settings, send, the old library's key during a rollout, run,
+retry); cut anywhere, a reader would follow one call across two files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -23,16 +28,18 @@ from .canvas import delay_of, in_a_canvas, send_delay
 from .config import TASK_OPTIONS, SingletonConfig, check_task_names, get_config
 from .engine import LockEngine
 from .engines import engine_for
-from .exceptions import LockBackendError
+from .exceptions import DuplicateTaskError, LockBackendError
 from .heartbeat import heartbeat_for
 from .keys import KeyBuilder, KeySpec, LockKeys
 from .lock import REQUEST_ATTR, SingletonLock
+from .models import ModelArguments
 from .outcomes import IGNORE, carry_out
 from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
 from .replacing import debounced, replace_args, supersede
 from .replies import Acquire, Acquired
-from .results import DeduplicatedResult
+from .results import DeduplicatedResult, is_deduplicated
+from .rollout import SENT_HEADER, OtherLibrary, OtherLock
 from .ticks import claim_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -46,6 +53,8 @@ class TaskSettings:
 
     config: SingletonConfig
     builder: KeyBuilder
+    #: ``singleton_also_lock``: the library a fleet moves over from
+    other: Optional[OtherLibrary] = None
 
 
 class SingletonTask(Task):  # type: ignore[misc]
@@ -101,23 +110,39 @@ class SingletonTask(Task):  # type: ignore[misc]
                     check_task_names(self.name, self._own_names())
                     config = get_config(self.app, reload=reload).for_task(self.name, {
                         s.name: getattr(self, s.name, None) for s in TASK_OPTIONS})
-                    builder = KeyBuilder(self.name, self.run, self.singleton_key,
-                                         config.key_prefix)
-                    settings = TaskSettings(config, builder)
+                    spec = self._key_spec()
+                    builder = KeyBuilder(self.name, self.run, spec, config.key_prefix,
+                                         ModelArguments.of(self.name, self.run, self.app))
+                    other = None if config.also_lock is None else OtherLibrary.for_task(
+                        config.also_lock, self.app, self.name, builder.signature,
+                        builder.names, callable(spec))
+                    settings = TaskSettings(config, builder, other)
                     self._singleton_settings_cache = settings
         return settings
 
     @classmethod
-    def _own_names(cls) -> set[str]:
-        """What the task's classes below this one set: its decorator's options too."""
+    def _key_spec(cls) -> KeySpec:
+        """``singleton_key`` as the user wrote it: a key function set as a
+        decorator option is a class attribute, which ``self.singleton_key``
+        would bind to the task as a method."""
+        spec: Any = inspect.getattr_static(cls, "singleton_key", None)
+        if isinstance(spec, staticmethod):
+            return spec.__func__
+        if isinstance(spec, classmethod):
+            return cls.singleton_key
+        checked: KeySpec = spec
+        return checked
+
+    @classmethod
+    def _own_names(cls) -> dict[str, Any]:
+        """What the task's classes below this one set, by name: its decorator's
+        options too."""
         # read the classes' own dicts: getattr on SingletonTask would run Celery's
         # class property ``app``, which binds the base class to the current app
         known = {n for klass in SingletonTask.__mro__ for n in vars(klass)}
-        names: set[str] = set()
-        for klass in cls.__mro__:
-            if klass is SingletonTask:
-                break
-            names.update(n for n in vars(klass) if n not in known)
+        names: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__[:cls.__mro__.index(SingletonTask)]):
+            names.update((n, v) for n, v in vars(klass).items() if n not in known)
         return names
 
     def singleton_keys(self, *args: Any, **kwargs: Any) -> LockKeys:
@@ -146,16 +171,67 @@ class SingletonTask(Task):  # type: ignore[misc]
         When the key is already taken, no message is sent and the result of the
         task holding it comes back: a :class:`DeduplicatedResult`.
         """
-        config = self.singleton_settings().config
-        if (
-            config.scope == "run"
-            or self.app.conf.task_always_eager
-            or (task_id is not None and task_id == self.request.id)  # its own retry or wait
-        ):
+        settings = self.singleton_settings()
+        own_again = task_id is not None and task_id == self.request.id  # its own retry or wait
+        if settings.builder.models is not None and not own_again:
+            # pydantic=True: a call whose models do not validate could never run
+            settings.builder.arguments(args or (), kwargs or {})
+        if self.app.conf.task_always_eager or own_again:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
+        if settings.other is None:
+            return self._send(settings, args, kwargs, task_id, options)
+        return self._send_also_locked(settings, settings.other, args, kwargs, task_id, options)
+
+    def _send_also_locked(self, settings: TaskSettings, other: OtherLibrary, args: Any,
+                          kwargs: Any, task_id: Optional[str], options: dict[str, Any]) -> Any:
+        """A send while ``singleton_also_lock`` is on: the old library's key is taken
+        first, as that library takes it when it sends (docs/migration.md)."""
+        other_key = other.key(args or (), kwargs or {})
+        if other_key is None:  # the old library could not have sent it: nothing to take
+            return self._send(settings, args, kwargs, task_id, options)
         fresh_id = task_id is None
         task_id = task_id or uuid()
-        keys = self.singleton_settings().builder.keys(args or (), kwargs or {})
+        try:
+            holder = other.take_at_send(other_key, task_id)
+        except redis.RedisError as exc:
+            decision = policies.on_backend_error(settings.config.on_backend_error, phase="send",
+                                                 key=other_key, error=exc)
+            if decision.do is Do.FAIL:
+                assert decision.error is not None
+                raise decision.error from exc
+            logger.warning("%s's lock Redis unavailable when sending %s[%s] (%r): sent "
+                           "without its key", other.library, self.name, task_id, exc)
+            return self._send(settings, args, kwargs, task_id, options, fresh_id=fresh_id)
+        if holder is not None:
+            logger.info("Not sent %s[%s]: %s's key %s is taken by %s", self.name, task_id,
+                        other.library, other_key, holder)
+            monitor.count(engine_for(self.app), "refused", self.name, "duplicate")
+            if settings.config.on_duplicate == "raise":
+                raise DuplicateTaskError(self.name, other_key, holder, "queued")
+            return DeduplicatedResult(holder, key=other_key, reason="duplicate",
+                                      refused_id=task_id, task=self)
+        headers = {**(options.get("headers") or {}), SENT_HEADER: other.library}
+        released = other.lock(other_key, task_id, adopt=False)
+        try:
+            sent = self._send(settings, args, kwargs, task_id, {**options, "headers": headers},
+                              fresh_id=fresh_id)
+        except BaseException:
+            released.release()
+            raise
+        if is_deduplicated(sent):  # refused by our own send-time key
+            released.release()
+        return sent
+
+    def _send(self, settings: TaskSettings, args: Any, kwargs: Any, task_id: Optional[str],
+              options: dict[str, Any], *, fresh_id: Optional[bool] = None) -> Any:
+        """Send, taking the send-time key under the queue scopes."""
+        config = settings.config
+        if config.scope == "run":
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        if fresh_id is None:
+            fresh_id = task_id is None
+        task_id = task_id or uuid()
+        keys = settings.builder.keys(args or (), kwargs or {})
         engine = engine_for(self.app)
         in_canvas = in_a_canvas(task_id, options)
         replace = None if in_canvas else replace_args(config)
@@ -239,6 +315,35 @@ class SingletonTask(Task):  # type: ignore[misc]
         tick = bool(getattr(req, "singleton_beat_tick", None))
         if tick and not claim_tick_run(engine, config.key_prefix, req, look_only=True):
             raise Ignore()
+        other_key = settings.other.key(args, kwargs) if settings.other is not None else None
+        if settings.other is None or other_key is None:
+            return self._run_keyed(req, args, kwargs, settings, keys, engine, tick, None)
+        # singleton_also_lock: the old library's key first, then ours (rollout.py)
+        other = settings.other.lock(other_key, req.id, adopt=(
+            settings.other.library == "celery_once" and not getattr(req, SENT_HEADER, None)))
+        try:
+            holder = other.take(int(config.ttl * 1000))
+        except redis.RedisError as exc:
+            monitor.count(engine, "backend_errors", self.name, "run")  # metrics
+            decision = policies.on_backend_error(config.on_backend_error, phase="run",
+                                                 key=other_key, error=exc)
+            return carry_out(self, decision, config, keys, args, kwargs, backend_error=exc)
+        if holder is not None:
+            decision = policies.held_elsewhere(config.on_duplicate, holder,
+                                               task_name=self.name, key=other_key)
+            return carry_out(self, decision, config, keys, args, kwargs)
+        try:
+            return self._run_keyed(req, args, kwargs, settings, keys, engine, tick, other)
+        finally:
+            if not other.kept:
+                other.release()
+
+    def _run_keyed(self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   settings: TaskSettings, keys: LockKeys, engine: LockEngine, tick: bool,
+                   other: Optional[OtherLock]) -> Any:
+        """Take the key's lock, then run the body under it (``other``: the old
+        library's lock this execution holds beside it)."""
+        config = settings.config
         exec_id = PROCESS.new_exec_id()
         started = time.monotonic()
         try:
@@ -260,7 +365,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             keys.slot(answer.slot), task_id=req.id, task_name=self.name, exec_id=exec_id,
             token=answer.token, lease=config.ttl, started=started, held=True,
             hostname=req.hostname or "", retries=req.retries or 0,
-            margin=engine.lease_margin(config.ttl), slot=answer.slot,
+            margin=engine.lease_margin(config.ttl), slot=answer.slot, companion=other,
         )
         if lock.expired:
             # The grant arrived after its lease could have run out (a stall on
@@ -340,6 +445,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             lock.handed_off = engine.hand_off(
                 lock.keys, lock.exec_id, (self.request.retries or 0) + 1, lease_ms
             )
+            if lock.handed_off and lock.companion is not None:
+                # the old library's key waits for the retry too
+                lock.companion.keep(lease_ms)
+                lock.companion.kept = True
         except redis.RedisError as exc:
             logger.error("Could not keep singleton lock %s for the retry: %r", lock.key, exc)
 

@@ -1,0 +1,212 @@
+"""A key means what the user means, on real prefork workers and a real Redis:
+
+* a ``pydantic=True`` task's equal models are one key, whatever form the caller
+  sent (model, dict, dict with defaults spelled out, strings Celery coerces);
+* a call whose model does not validate is refused at send, naming pydantic's reason;
+* a task migrated from celery-singleton with ``unique_on`` left in does not start;
+* during a rollout (``singleton_also_lock``), a worker of celery-singleton or
+  celery-once and one of this library never run one call at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import pytest
+
+from celery_singleton_lock import (
+    ConfigurationError,
+    InvalidArgumentsError,
+    is_deduplicated,
+    is_skipped,
+)
+from celery_singleton_lock.testing import CeleryWorker
+from tests.keysapp import Order, make_app, recorder
+from tests.support import ROOT, RedisServer, wait_for
+
+pytestmark = pytest.mark.worker
+
+#: four forms of one order: Celery validates each into Order(id=2, note=None)
+FORMS: list[Any] = [{"id": 2}, {"id": 2, "note": None}, {"id": "2"}, Order(id=2)]
+
+
+def keys_worker(server: RedisServer, queue: str, lib: str = "new", also: Any = None,
+                concurrency: int = 2, extra: Optional[dict[str, str]] = None) -> CeleryWorker:
+    env = {
+        "KEYS_REDIS_URL": server.url(),
+        "KEYS_QUEUE": queue,
+        "KEYS_LIB": lib,
+        "KEYS_ALSO": json.dumps(also) if also is not None else "",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(extra or {}),
+    }
+    return CeleryWorker("tests.keysapp:app", queue, concurrency=concurrency, env=env,
+                        cwd=str(ROOT), name=f"{lib}-{uuid.uuid4().hex[:6]}@%h")
+
+
+def runs(server: RedisServer, key: str) -> list[dict[str, Any]]:
+    events = [json.loads(e) for e in recorder(server.url()).lrange("events", 0, -1)]
+    return [e for e in events if e["key"] == key]
+
+
+@pytest.fixture(scope="module")
+def two_workers(redis_server: RedisServer) -> Iterator[tuple[str, list[CeleryWorker]]]:
+    """Two prefork workers of the new library on one queue."""
+    queue = f"keys-{uuid.uuid4().hex[:8]}"
+    workers = [keys_worker(redis_server, queue).start() for _ in range(2)]
+    yield queue, workers
+    for w in workers:
+        w.stop(timeout=0)
+
+
+@pytest.fixture
+def fresh(redis_server: RedisServer) -> RedisServer:
+    recorder(redis_server.url()).delete("events")
+    return redis_server
+
+
+def test_queue_scope_one_order_in_four_forms_runs_once_and_the_others_are_deduplicated(
+        two_workers: tuple[str, list[CeleryWorker]], fresh: RedisServer) -> None:
+    queue, _ = two_workers
+    task = make_app(fresh.url(), queue).tasks["k.charge_queued"]
+    first, *rest = [task.delay(form) for form in FORMS]
+    assert not is_deduplicated(first)
+    assert [is_deduplicated(r) for r in rest] == [True, True, True]
+    assert {r.holder for r in rest} == {first.id}
+    first.get(timeout=30)
+    assert [e["id"] for e in runs(fresh, "order-2") if e["ev"] == "start"] == [first.id]
+
+
+def test_run_scope_one_order_in_four_forms_never_runs_twice_at_once(
+        two_workers: tuple[str, list[CeleryWorker]], fresh: RedisServer) -> None:
+    queue, _ = two_workers
+    task = make_app(fresh.url(), queue).tasks["k.charge"]
+    skipped = ran = 0
+    for _ in range(3):  # four workers' processes, four forms sent at once
+        results = [task.delay(form) for form in FORMS]
+        for res in results:
+            out = res.get(timeout=30)
+            skipped += is_skipped(out)
+            ran += not is_skipped(out)
+    starts = [e for e in runs(fresh, "order-2") if e["ev"] == "start"]
+    assert max(e["concurrent"] for e in starts) == 1, starts
+    assert ran == len(starts) >= 3 and skipped == 12 - ran
+
+
+def test_an_order_that_does_not_validate_is_refused_at_send_with_pydantics_reason(
+        two_workers: tuple[str, list[CeleryWorker]], fresh: RedisServer) -> None:
+    queue, _ = two_workers
+    app = make_app(fresh.url(), queue)
+    broker = fresh.client(0)
+    before = broker.llen(queue)
+    for name in ("k.charge", "k.charge_queued"):
+        with pytest.raises(InvalidArgumentsError) as err:
+            app.tasks[name].delay({"id": "card-4111"})
+        text = str(err.value)
+        assert "'order'" in text and "Order" in text and "valid integer" in text, text
+        assert "4111" not in text  # pydantic's reason, never the value sent
+        with pytest.raises(InvalidArgumentsError):
+            app.tasks[name].singleton_keys({"note": "no id"})
+    assert broker.llen(queue) == before  # nothing was sent
+
+
+def test_singleton_keys_and_the_cli_key_command_agree_for_every_form(
+        two_workers: tuple[str, list[CeleryWorker]], fresh: RedisServer) -> None:
+    queue, _ = two_workers
+    task = make_app(fresh.url(), queue).tasks["k.charge"]
+    keys = {task.singleton_keys(form).base for form in FORMS}
+    assert len(keys) == 1
+    assert task.singleton_keys({"id": 3}).base not in keys
+    env = {**os.environ, "KEYS_REDIS_URL": fresh.url(), "KEYS_QUEUE": queue,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for form in ({"id": "2"}, {"id": 2, "note": None}):
+        out = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.keysapp:app", "singleton", "key",
+             "k.charge", "--args", json.dumps([form]), "--json"],
+            env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["key"] in keys
+    bad = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.keysapp:app", "singleton", "key",
+         "k.charge", "--args", json.dumps([{"id": "x"}])],
+        env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "is not a valid Order" in bad.stderr, bad.stderr
+
+
+# -- a task migrated from celery-singleton ------------------------------------------
+
+def test_a_task_that_kept_celery_singletons_unique_on_stops_the_worker_and_the_send(
+        redis_server: RedisServer) -> None:
+    queue = f"mig-{uuid.uuid4().hex[:8]}"
+    worker = keys_worker(redis_server, queue, extra={"KEYS_MIGRATED": "1"})
+    worker.start(wait=False)
+    assert worker.proc is not None
+    worker.proc.wait(60)
+    said = worker.output() + worker.logs()
+    assert worker.proc.returncode != 0
+    assert "unique_on" in said and "singleton_key=('account_id',)" in said, said
+    app = make_app(redis_server.url(), queue, migrated=True)
+    with pytest.raises(ConfigurationError, match=r"unique_on.*singleton_key=\('account_id',\)"):
+        app.tasks["m.migrated"].delay(7, full=True)
+    assert redis_server.client(0).llen(queue) == 0
+
+
+# -- a rollout over a fleet that still runs the old library ----------------------------
+
+def roll(server: RedisServer, old: str, also: Any, calls: int = 200) -> dict[str, Any]:
+    """An old-library worker and a new one on one queue; ``calls`` calls over four
+    accounts, sent in turn by an old-library caller and a new one."""
+    rec = recorder(server.url())
+    rec.delete("events")
+    server.client(4).flushdb()
+    queue = f"roll-{uuid.uuid4().hex[:8]}"
+    workers = [keys_worker(server, queue, lib=old, concurrency=2),
+               keys_worker(server, queue, also=also, concurrency=2)]
+    for w in workers:
+        w.start()
+    try:
+        senders = [make_app(server.url(), queue, lib=old).tasks["r.work"],
+                   make_app(server.url(), queue, also=also).tasks["r.work"]]
+        rng = random.Random(7)
+        sent = []
+        for n in range(calls):
+            res = senders[n % 2].apply_async(
+                (rng.randrange(4),), {"seconds": rng.uniform(0.02, 0.15), "tag": f"c{n}"})
+            if getattr(res, "state", None) != "REJECTED" and not is_deduplicated(res):
+                sent.append(res)
+            time.sleep(rng.uniform(0.0, 0.03))
+        for res in sent:
+            res.get(timeout=60, propagate=False)
+        # every message handled: nothing queued, nothing running
+        wait_for(lambda: server.client(0).llen(queue) == 0 and all(
+            int(rec.get(f"active:{a}") or 0) == 0 for a in range(4)), 30,
+            what="queue drained")
+    finally:
+        for w in workers:
+            w.stop(timeout=0)
+    events = [json.loads(e) for e in rec.lrange("events", 0, -1)]
+    starts = [e for e in events if e["ev"] == "start"]
+    return {"starts": starts, "overlaps": sum(e["concurrent"] > 1 for e in starts),
+            "by": {lib: sum(e["lib"] == lib for e in starts) for lib in (old, "new")},
+            "left": server.client(4).dbsize()}
+
+
+@pytest.mark.parametrize("old", ["celery_singleton", "celery_once"])
+def test_a_rollout_beside_the_old_library_runs_no_call_twice_at_once(
+        redis_server: RedisServer, old: str) -> None:
+    base = redis_server.url().rsplit("/", 1)[0]
+    on = roll(redis_server, old, {"library": old, "url": f"{base}/4"})
+    assert on["overlaps"] == 0, on
+    assert on["by"][old] >= 10 and on["by"]["new"] >= 10, on["by"]
+    assert on["left"] == 0  # every run deleted the old library's key
+    # without the mode, the same fleet runs calls twice at once: the window it closes
+    off = roll(redis_server, old, None)
+    assert off["overlaps"] > 0, off["by"]
