@@ -210,3 +210,46 @@ def test_a_rollout_beside_the_old_library_runs_no_call_twice_at_once(
     # without the mode, the same fleet runs calls twice at once: the window it closes
     off = roll(redis_server, old, None)
     assert off["overlaps"] > 0, off["by"]
+
+
+def test_during_a_rollout_the_old_key_lives_as_long_as_the_run_and_frees_after_a_kill(
+        redis_server: RedisServer) -> None:
+    """celery-singleton's own key never expires; taken by a SingletonTask it is
+    renewed with our lease while the run lives (a run of 3 leases keeps it and an
+    old caller is refused meanwhile), and a killed child leaves it for a lease."""
+    base = redis_server.url().rsplit("/", 1)[0]
+    also = {"library": "celery_singleton", "url": f"{base}/4"}
+    queue = f"roll-{uuid.uuid4().hex[:8]}"
+    old_locks = redis_server.client(4)
+    worker = keys_worker(redis_server, queue, also=also, concurrency=1).start()
+    try:
+        new = make_app(redis_server.url(), queue, also=also).tasks["r.work"]
+        old = make_app(redis_server.url(), queue, lib="celery_singleton").tasks["r.work"]
+        other = new.singleton_settings().other
+        assert other is not None
+        old_key = other.key((41,), {})
+        long_run = new.apply_async((41,), {"seconds": 6.0, "tag": "long"})
+        wait_for(lambda: any(e["ev"] == "start" for e in runs(redis_server, "41")), 30,
+                 what="the long run started")
+        wait_for(lambda: any(e["ev"] == "start" for e in runs(redis_server, "41"))
+                 and old_locks.pttl(old_key) > 0, 5)
+        # past our 2 s lease, twice: the old key is still held, renewed with ours
+        started = time.monotonic()
+        wait_for(lambda: time.monotonic() - started > 4.5, 10)
+        assert old_locks.get(old_key) == long_run.id
+        refused = old.apply_async((41,), {"seconds": 0.0, "tag": "old"})
+        assert refused.id == long_run.id  # celery-singleton returns the holder's result
+        long_run.get(timeout=30)
+        wait_for(lambda: not old_locks.exists(old_key), 10, what="old key deleted at the end")
+
+        killed = new.apply_async((42,), {"seconds": 60.0, "tag": "killed"})
+        key42 = other.key((42,), {})
+        wait_for(lambda: old_locks.exists(key42) and any(
+            e["ev"] == "start" for e in runs(redis_server, "42")), 30)
+        for child in worker.children():
+            os.kill(child, 9)
+        # never expires as celery-singleton takes it; taken by us, it frees with our lease
+        wait_for(lambda: not old_locks.exists(key42), 15, what="old key freed after the kill")
+        assert killed.id
+    finally:
+        worker.stop(timeout=0)
