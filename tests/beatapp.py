@@ -97,6 +97,18 @@ def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
     return app
 
 
+def publish_stats(scheduler: Any, published: dict[str, int]) -> dict[str, int]:
+    """Write a beat's ``singleton_stats`` to db 3 ``beatstats:<SLT_BEAT_NAME>``
+    when they changed since ``published``; returns what is published now."""
+    stats = dict(scheduler.singleton_stats)
+    if stats != published:
+        name = os.environ.get("SLT_BEAT_NAME") or scheduler.beat_id
+        client = recorder(os.environ["SLT_REDIS_URL"])
+        client.hset(f"beatstats:{name}", mapping={"beat_id": scheduler.beat_id, **stats})
+        client.close()
+    return stats
+
+
 class RecordingScheduler(SingletonScheduler):
     """The library's scheduler with a shifted clock, publishing its counters."""
 
@@ -108,13 +120,7 @@ class RecordingScheduler(SingletonScheduler):
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         delay = super().tick(*args, **kwargs)
-        stats = dict(self.singleton_stats)
-        if stats != self._published:
-            self._published = stats
-            name = os.environ.get("SLT_BEAT_NAME") or self.beat_id
-            client = recorder(os.environ["SLT_REDIS_URL"])
-            client.hset(f"beatstats:{name}", mapping={"beat_id": self.beat_id, **stats})
-            client.close()
+        self._published = publish_stats(self, self._published)
         return delay
 
 

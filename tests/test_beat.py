@@ -140,12 +140,16 @@ def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(redis_server, r)
 
 
 class Beat:
-    """`celery -A tests.beatapp beat -S tests.beatapp:RecordingScheduler`, its own schedule file."""
+    """`celery -A tests.beatapp beat -S tests.beatapp:RecordingScheduler`, its own schedule
+    file (``app`` and ``scheduler`` name others; ``env`` adds to its environment)."""
 
     def __init__(self, redis_url: str, queue: str, schedule: dict[str, Any], *, name: str,
                  offset: float = 0.0, lock_url: Optional[str] = None,
-                 conf: Optional[dict[str, Any]] = None) -> None:
+                 conf: Optional[dict[str, Any]] = None, app: str = "tests.beatapp:app",
+                 scheduler: str = "tests.beatapp:RecordingScheduler",
+                 env: Optional[dict[str, str]] = None) -> None:
         self.name = name
+        self.target = (app, scheduler)
         self.dir = Path(tempfile.mkdtemp(prefix=f"slt-beat-{name}-"))
         self.log = self.dir / "beat.log"
         self.env = dict(os.environ)
@@ -154,13 +158,14 @@ class Beat:
             "SLT_CONF": json.dumps(conf or {}), "SLT_BEAT_SCHEDULE": json.dumps(schedule),
             "SLT_CLOCK_OFFSET": str(offset), "SLT_BEAT_NAME": name,
             "PYTHONPATH": os.pathsep.join([str(ROOT), self.env.get("PYTHONPATH", "")]),
+            **(env or {}),
         })
         self.proc: Optional[subprocess.Popen[bytes]] = None
 
     def start(self) -> Beat:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.beatapp:app", "beat",
-             "-S", "tests.beatapp:RecordingScheduler", "-s", str(self.dir / "schedule"),
+            [sys.executable, "-m", "celery", "-A", self.target[0], "beat",
+             "-S", self.target[1], "-s", str(self.dir / "schedule"),
              "--pidfile=", "--loglevel", "INFO", "-f", str(self.log)],
             env=self.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
