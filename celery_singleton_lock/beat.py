@@ -329,6 +329,7 @@ class SingletonSchedulerMixin(OverlapMixin):
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         finally:
             self._sending.pop(entry.name, None)
+        self._note_if_late(entry, tick)
 
     def _still_due(self, entry: Any, tick: dt.datetime) -> bool:
         """The entry's own rules once more, after the claim, on its stored state

@@ -103,6 +103,13 @@ def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
     return nxt if nxt > ref else None
 
 
+def tick_after(sched: Any, tick: dt.datetime) -> Optional[dt.datetime]:
+    """The nominal fire time after ``tick`` (None: never again)."""
+    if isinstance(sched, interval_schedule) and not isinstance(sched, crontab):
+        return interval_ticks(sched.run_every, _aware(tick))[1]
+    return next_fire_after(sched, tick)
+
+
 def ticks_around(sched: Any, now: dt.datetime, window: float
                  ) -> tuple[Optional[dt.datetime], Optional[dt.datetime]]:
     """(latest fire time in ``(now - window, now]`` or None, first fire time after ``now``).
@@ -152,6 +159,12 @@ def queue_key(prefix: str, entry_name: str) -> str:
 def last_sent_key(prefix: str, entry_name: str) -> str:
     """String key: the last tick sent of a "buffer_all" entry (tick ms): the next waits for it."""
     return f"{entry_base(prefix, entry_name)}:last"
+
+
+def late_key(prefix: str, entry_name: str) -> str:
+    """String key: the tick after one sent late, and until when it waits for
+    that one's run (overlap "skip"; ``<next tick ms> <deadline ms>``)."""
+    return f"{entry_base(prefix, entry_name)}:late"
 
 
 def cancel_key(keys: LockKeys) -> str:
