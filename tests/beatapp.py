@@ -9,6 +9,10 @@ too), plus:
 
 Tasks ``t.tick`` (plain), ``t.tick_hold`` and ``t.tick_cancellable``
 (SingletonTasks) record the beat headers they arrive with in db 3 list ``events``.
+
+A ``t.tick_hold`` whose ``key`` has ``prerun-hold:<key>`` set in db 3 records a
+``prerun`` event and waits, before it asks for its lock, until that key is
+deleted (a test kills its pool process there).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 from celery.schedules import crontab
 
 from celery_singleton_lock import SingletonTask
@@ -83,6 +87,19 @@ def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
         finally:
             rec.decr(f"active:{key}")
             record(self, "end", key=key)
+
+    def hold_before_the_lock(sender: Any = None, task: Any = None, kwargs: Any = None,
+                             **_: Any) -> None:
+        key = (kwargs or {}).get("key")
+        if (getattr(sender, "name", None) != "t.tick_hold" or not key
+                or not rec.exists(f"prerun-hold:{key}")):
+            return
+        record(task, "prerun", key=key)
+        deadline = time.monotonic() + 60
+        while rec.exists(f"prerun-hold:{key}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    signals.task_prerun.connect(hold_before_the_lock, weak=False)
 
     entries: dict[str, Any] = {}
     for name, spec in (schedule or {}).items():
