@@ -10,11 +10,23 @@ with no lease to wait out (docs/beat.md).
 stock Celery's file persistence; :class:`SingletonSchedulerMixin` goes in front
 of any other scheduler class (django-celery-beat's ``DatabaseScheduler``, ...).
 
+The mixin decides *which* beat sends a tick; whether a tick exists at all
+stays the wrapped scheduler's: the entry's own due-check (django-celery-beat's
+``one_off``, ``start_time``, ``expires``, enabled state, or whatever a custom
+entry class adds) is asked at every check, its schedule's timing answered by
+the tick (:meth:`SingletonSchedulerMixin.is_due`). Only the beat that sends a
+tick advances the entry's last run and run count.
+
 Tick names, their keys and the worker's check that each tick runs once are in
 :mod:`.ticks`.
 
 What a beat does with a tick whose previous run still runs (overlap modes,
 buffered ticks) is in :mod:`.overlap`.
+
+Over 400 lines: one idea, the scheduler mixin: the hooks of Celery's scheduler
+it takes over and the wrapped scheduler's entries whose rules and counts it
+keeps (django-celery-beat's rows among them); tick naming and the overlap modes
+are in their own modules.
 """
 
 from __future__ import annotations
@@ -191,19 +203,47 @@ class SingletonSchedulerMixin(OverlapMixin):
         return window
 
     def is_due(self, entry: Any) -> Any:
-        """Due when the latest nominal tick within the window was not decided here yet."""
+        """Due when the latest nominal tick within the window was not decided
+        here yet and the entry's own rules let it run (:meth:`_entry_rules`)."""
         now = self.singleton_now()
         latest, nxt = ticks_around(entry.schedule, now, self.singleton_window(entry))
         delay = (nxt - now).total_seconds() + _WAKE_SLACK if nxt is not None else (
             self.max_interval)
         done = self._done.get(entry.name)
-        if latest is not None and (done is None or latest > done):
+        fresh = latest is not None and (done is None or latest > done)
+        due, delay = self._entry_rules(entry, schedstate(fresh, delay))
+        if fresh and due:
+            assert latest is not None
             self._due[entry.name] = latest
             return schedstate(True, delay)
         return schedstate(False, delay)
 
+    def _entry_rules(self, entry: Any, timing: Any) -> tuple[bool, float]:
+        """The wrapped scheduler's own due-check of ``entry`` (Celery's
+        ``Scheduler.is_due``: ``entry.is_due()``), with the entry's schedule
+        answering ``timing`` when asked: (due, seconds until the next look).
+
+        Every rule of the entry stays its own. django-celery-beat's
+        ``ModelEntry`` says "not due" without asking its schedule while its row
+        is disabled, before its ``start_time``, after its ``expires`` (and
+        disables the row) and once a ``one_off`` row ran (and disables it);
+        only its timing, counted from its own ``last_run_at``, gives way to
+        the tick's, which every beat computes alike."""
+        schedule = entry.schedule
+        try:
+            entry.schedule = _Timed(schedule, timing)
+        except AttributeError:  # an entry whose schedule cannot be swapped: the tick decides
+            return bool(timing.is_due), float(timing.next)
+        try:
+            due, delay = super().is_due(entry)  # type: ignore[misc]
+        finally:
+            entry.schedule = schedule
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)):
+            delay = timing.next
+        return bool(due), float(delay)
+
     def populate_heap(self, event_t: Any = event_t, heapify: Any = heapq.heapify) -> None:
-        """Celery's, asking :meth:`is_due` (the entry's own rule counts from last_run_at)."""
+        """Celery's, asking :meth:`is_due` (the entry's own timing counts from last_run_at)."""
         self._heap = []
         for entry in self.schedule.values():
             try:
@@ -213,6 +253,13 @@ class SingletonSchedulerMixin(OverlapMixin):
             self._heap.append(event_t(self._when(entry, 0 if is_due else delay) or 0,  # type: ignore[attr-defined]
                                       5, entry))
         heapify(self._heap)
+
+    def reserve(self, entry: Any) -> Any:
+        """Celery's tick reserves every due entry just before ``apply_entry``
+        (its last run time, its run count): with several beats, every beat
+        would count every tick. Here the beat that sends a tick counts it
+        (:meth:`apply_async`), and the entry goes back on the heap as it is."""
+        return entry
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """Celery's tick; first, waiting ticks whose run ended are sent, and
@@ -234,7 +281,7 @@ class SingletonSchedulerMixin(OverlapMixin):
                 return
         self._count_missed(entry, tick)
         self._done[entry.name] = tick
-        if not self._claim(entry, tick):
+        if not self._claim(entry, tick) or not self._still_due(entry, tick):
             return
         overlap = self.singleton_overlap(entry)
         if overlap != "allow" and self._previous_still_runs(entry, tick, overlap):
@@ -243,7 +290,9 @@ class SingletonSchedulerMixin(OverlapMixin):
 
     def apply_async(self, entry: Any, producer: Any = None, advance: bool = True,
                     **kwargs: Any) -> Any:
-        """The scheduler's send, with the tick headers merged into the entry's own."""
+        """The scheduler's send, with the tick headers merged into the entry's
+        own; then the entry's run is counted (:meth:`_count_run`), by this beat
+        alone."""
         tick = self._sending.get(entry.name)
         if tick is None:
             # Called directly, not from apply_entry: claim the current tick here.
@@ -260,9 +309,11 @@ class SingletonSchedulerMixin(OverlapMixin):
         # Swapped only for the send: a changed entry would look like a new schedule.
         entry.options = {**original, "headers": headers}
         try:
-            result = super().apply_async(entry, producer, advance, **kwargs)  # type: ignore[misc]
+            # advance=False: Celery's would reserve the entry; _count_run does
+            result = super().apply_async(entry, producer, False, **kwargs)  # type: ignore[misc]
         finally:
             entry.options = original
+            self._count_run(entry)
         if getattr(result, "deduplicated", False) is True:
             # a queue-scoped SingletonTask refused it at send time: its key is taken
             self.singleton_stats["refused_at_send"] += 1
@@ -278,6 +329,40 @@ class SingletonSchedulerMixin(OverlapMixin):
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         finally:
             self._sending.pop(entry.name, None)
+        self._note_if_late(entry, tick)
+
+    def _still_due(self, entry: Any, tick: dt.datetime) -> bool:
+        """The entry's own rules once more, after the claim, on its stored state
+        as it is now: another beat may have sent the tick before it, disabled or
+        deleted it since this beat last read it (a ``one_off`` row that ran from
+        another beat). Only for entries with a row to reload (django-celery-beat);
+        for others the check in :meth:`is_due` stands."""
+        state = _reload(entry)
+        if state == "kept":
+            return True
+        if state == "reloaded" and self._entry_rules(entry, schedstate(True, 0.0))[0]:
+            return True
+        self.singleton_stats["not_due"] += 1
+        logger.info("Beat entry %r tick %s not sent: %s", entry.name, tick_name(tick),
+                    "its row is gone" if state == "gone"
+                    else "as stored now, its own rules say it is not due")
+        return False
+
+    def _count_run(self, entry: Any) -> None:
+        """Advance the entry's last run and run count, as the wrapped scheduler
+        keeps them, for a tick this beat sent. A django-celery-beat row is
+        counted in the database in one ``UPDATE ... SET total_run_count =
+        total_run_count + 1``, so the counts of every beat add up (its own
+        ``reserve`` and ``sync`` would write this process's count over the
+        others'); any other entry goes through the scheduler's ``reserve``."""
+        try:
+            row = _stored_row(entry)
+            if row is not None:
+                _count_row(entry, row)
+            else:
+                super().reserve(self.schedule.get(entry.name, entry))  # type: ignore[misc]
+        except Exception as exc:
+            logger.warning("Beat entry %r: its run could not be counted (%r)", entry.name, exc)
 
     def _claim(self, entry: Any, tick: dt.datetime) -> bool:
         """One round trip: SET NX PX (on a majority with Redlock). True when
@@ -321,3 +406,62 @@ class SingletonSchedulerMixin(OverlapMixin):
 
 class SingletonScheduler(SingletonSchedulerMixin, PersistentScheduler):  # type: ignore[misc]
     """Celery's default scheduler (file persistence, ``-s``) with per-tick claims."""
+
+
+# -- the wrapped scheduler's entries ---------------------------------------------------
+
+
+class _Timed:
+    """Stands in for an entry's schedule while the entry's own ``is_due`` runs:
+    asked whether it is due, it answers the tick's timing; anything else is
+    the schedule's."""
+
+    def __init__(self, schedule: Any, timing: Any) -> None:
+        self._schedule = schedule
+        self._timing = timing
+
+    def is_due(self, last_run_at: Any) -> Any:
+        return self._timing
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._schedule, name)
+
+
+def _stored_row(entry: Any) -> Any:
+    """The database row behind a django-celery-beat entry (``ModelEntry.model``),
+    or None for an entry kept otherwise."""
+    row = getattr(entry, "model", None)
+    if hasattr(row, "refresh_from_db") and hasattr(row, "total_run_count"):
+        return row
+    return None
+
+
+def _reload(entry: Any) -> str:
+    """Read the entry's row again: "reloaded", "gone" (deleted), or "kept"
+    (no row, or the database did not answer: the row as last read decides)."""
+    row = _stored_row(entry)
+    if row is None:
+        return "kept"
+    try:
+        row.refresh_from_db()
+    except Exception as exc:
+        if isinstance(exc, getattr(type(row), "DoesNotExist", ())):
+            return "gone"
+        logger.warning("Beat entry %r: could not read its row again (%r); its row as last "
+                       "read decides", getattr(entry, "name", "?"), exc)
+        return "kept"
+    return "reloaded"
+
+
+def _count_row(entry: Any, row: Any) -> None:
+    """One run more, in the database and on the row in memory."""
+    from django.db.models import F
+
+    # the time ModelEntry itself would store (aware or naive, per its setting)
+    now = entry._default_now() if hasattr(entry, "_default_now") else entry.default_now()
+    type(row)._default_manager.filter(pk=row.pk).update(
+        total_run_count=F("total_run_count") + 1, last_run_at=now)
+    row.total_run_count += 1
+    row.last_run_at = now
+    entry.total_run_count = row.total_run_count
+    entry.last_run_at = now

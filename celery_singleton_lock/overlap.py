@@ -3,7 +3,9 @@
 The modes (entry option ``singleton_overlap``, setting ``singleton_beat_overlap``;
 docs/beat.md):
 
-``skip``             the tick is not sent
+``skip``             the tick is not sent (unless the run in the way is that of
+                     the tick before, sent late: then the tick waits for it, at
+                     most as long as that one was late; :meth:`OverlapMixin._wait_for_late_run`)
 ``buffer_one``       the tick waits in Redis; a newer one replaces it
 ``buffer_all``       every tick waits in Redis, in tick order, up to
                      ``singleton_beat_buffer_max``; each is sent once the run
@@ -16,6 +18,9 @@ docs/beat.md):
 
 Only the beat that won a tick's claim decides it. Waiting ticks are in Redis,
 so any beat sends them: every beat looks for the ones it does not hold.
+
+Over 400 lines: one idea, the overlap modes of an entry, each a few methods of
+the one mixin, polled from the same place at every tick of the scheduler.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ from .ticks import (
     cancel_key,
     from_ms,
     last_sent_key,
+    late_key,
     queue_key,
     run_key,
+    tick_after,
     tick_name,
     to_ms,
 )
@@ -56,6 +63,13 @@ BUFFER_POLL = 0.25
 BUFFER_ADOPT = 1.0
 #: modes whose ticks may wait in Redis for the running one to end
 WAITING_MODES = ("buffer_one", "buffer_all", "cancel_other", "terminate_other")
+#: a tick sent more than this many seconds after its nominal time (the first
+#: tick after a start or a restart, a beat that stalled) leaves a note for the
+#: tick after it: under ``skip`` that one waits for the late run (a beat on time
+#: sends 10-20 ms after the nominal time)
+LATE_SEND = 0.1
+#: how long a late note outlives the moment it stops counting
+_LATE_NOTE_MARGIN_MS = 10_000
 
 # buffer_all's two scripts (lua/beat_*.lua), called by SHA: EVALSHA and SCRIPT
 # LOAD are in the lock user's rule already (docs/redis-acl.md)
@@ -123,10 +137,16 @@ class OverlapMixin:
         self._buffered: dict[str, Any] = {}  # entries this beat polls a buffered tick of
         self._queued: dict[str, Any] = {}  # buffer_all entries this beat polls the queue of
         self._stopped: dict[str, str] = {}  # task id this beat last cancelled/terminated
+        # skip: a tick waiting for the late run before it, by entry: (entry, tick,
+        # the moment in ms, beat clock, after which it is skipped if that still runs)
+        self._late_waits: dict[str, tuple[Any, dt.datetime, int]] = {}
         self._adopt_at = 0.0  # monotonic time of the next look for others' buffers
         self._adopt_failing = False  # the last look failed (said once, not every second)
 
     def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        raise NotImplementedError  # the scheduler's
+
+    def singleton_now(self) -> dt.datetime:
         raise NotImplementedError  # the scheduler's
 
     # -- the mode -------------------------------------------------------------------
@@ -163,11 +183,17 @@ class OverlapMixin:
             self._send_buffered()
         if self._queued:
             self._send_queued()
+        if self._late_waits:
+            self._send_after_late_runs()
         return bool(waiting)
 
     def _overlap_delay(self, delay: float, waiting: bool) -> float:
         if self._buffered or self._queued:
             delay = min(delay, BUFFER_POLL)
+        if self._late_waits:
+            # polled like a buffer, and looked at once more at the earliest deadline
+            until = min(d for _, _, d in self._late_waits.values()) - to_ms(self.singleton_now())
+            delay = min(delay, BUFFER_POLL, max(until / 1000, 0.0))
         if waiting:
             delay = min(delay, max(self._adopt_at - time.monotonic(), 0.0))
         return delay
@@ -224,6 +250,8 @@ class OverlapMixin:
             self._stop_holder(entry, tick, keys, record, overlap == "terminate_other")
             self._buffer(entry, tick, "it is sent when the previous run ended")
             return True
+        if self._wait_for_late_run(entry, tick):
+            return True
         self.singleton_stats["overlap_skipped"] += 1
         logger.info("Beat entry %r tick %s skipped: the previous run still runs (%s)",
                     entry.name, tick_name(tick), keys.base)
@@ -253,6 +281,88 @@ class OverlapMixin:
         self.singleton_stats[counter] += 1
         logger.info("Beat entry %r tick %s: the previous run %s still runs, %s (%s)",
                     entry.name, tick_name(tick), task_id, verb, keys.base)
+
+    # -- skip: a tick after a late one ----------------------------------------------
+
+    def _note_if_late(self, entry: Any, tick: dt.datetime) -> None:
+        """After sending ``tick`` more than :data:`LATE_SEND` late, under
+        ``skip``: note for the tick after it how late this one went, in
+        ``<entry>:late`` = ``<next tick ms> <next tick ms + lateness ms>``.
+
+        The first tick after a start or a restart is sent when the beat comes
+        up, anywhere in its period; its run may then still run at the next
+        tick, which ``skip`` would drop although, sent on time, the run could
+        have ended by then. Each beat decides the next tick from this note,
+        whichever beat sent the late one (one ``SET`` per late send)."""
+        if self.singleton_overlap(entry) != "skip":
+            return
+        now = self.singleton_now()
+        late_ms = to_ms(now) - to_ms(tick)
+        if late_ms <= LATE_SEND * 1000 or self._task_keys(entry) is None:
+            return
+        following = tick_after(entry.schedule, tick)
+        if following is None:
+            return
+        deadline = to_ms(following) + late_ms
+        try:
+            engine_for(self.app).client.set(
+                late_key(get_config(self.app).key_prefix, entry.name),
+                f"{to_ms(following)} {deadline}",
+                px=max(deadline - to_ms(now), 0) + _LATE_NOTE_MARGIN_MS)
+        except redis.RedisError as exc:
+            logger.warning("Beat entry %r tick %s was sent %.2f s late and that could not be "
+                           "noted (%s, %r): if its run still runs at the next tick, that one "
+                           "is skipped", entry.name, tick_name(tick), late_ms / 1000,
+                           redis_failure(exc), exc)
+
+    def _wait_for_late_run(self, entry: Any, tick: dt.datetime) -> bool:
+        """``skip``, a run in the way: True when the tick before was sent late
+        (:meth:`_note_if_late` named this tick), the run then taken for that
+        one's. The tick waits for it, at most as long as the tick before was
+        late: sent once the run ended, skipped if it still runs then (sent on
+        time, it would have run into this tick as well). Sent late in turn, it
+        notes that for the tick after it."""
+        prefix = get_config(self.app).key_prefix
+        try:
+            raw = engine_for(self.app).client.get(late_key(prefix, entry.name))
+        except redis.RedisError:
+            return False
+        try:
+            following, deadline = (int(part) for part in _text(raw or "").split())
+        except ValueError:
+            return False
+        if following != to_ms(tick) or to_ms(self.singleton_now()) >= deadline:
+            return False
+        self._late_waits[entry.name] = (entry, tick, deadline)
+        self.singleton_stats["waited_for_late_run"] += 1
+        logger.info("Beat entry %r tick %s waits: the run of the tick before it still runs, "
+                    "sent %.2f s late; this tick is sent when that run ends, skipped if it "
+                    "still runs at %s", entry.name, tick_name(tick),
+                    (deadline - following) / 1000, tick_name(from_ms(deadline)))
+        return True
+
+    def _send_after_late_runs(self) -> None:
+        """Send each tick waiting for a late run once that run ended; skip it
+        if the run still runs at its deadline."""
+        for name, (entry, tick, deadline) in list(self._late_waits.items()):
+            keys = self._task_keys(entry)
+            try:
+                running = keys is not None and bool(engine_for(self.app).owner(keys))
+            except redis.RedisError:
+                running = True  # unseen: looked at again, and skipped at the deadline
+            if running and to_ms(self.singleton_now()) < deadline:
+                continue
+            del self._late_waits[name]
+            decided = self._done.get(name)
+            if running or (decided is not None and decided > tick):
+                self.singleton_stats["overlap_skipped"] += 1
+                logger.info("Beat entry %r tick %s skipped: the previous run still runs "
+                            "(waited for it until %s)", name, tick_name(tick),
+                            tick_name(from_ms(deadline)))
+                continue
+            logger.info("Beat entry %r tick %s sent: the late run before it ended", name,
+                        tick_name(tick))
+            self._send(entry, tick, self.producer)
 
     # -- buffer_one, cancel_other, terminate_other: one tick waits -------------------
 

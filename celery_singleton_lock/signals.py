@@ -21,6 +21,7 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
 
 from .engines import engine_for, settle_all
+from .ticks import BEAT_HEADERS_READ, decide_lost_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -54,12 +55,30 @@ def free_queued_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
     _in_thread("singleton-unqueue", free)
 
 
-def _reap_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
+def _beat_headers(request: Any) -> dict[str, Any]:
+    """What :func:`.ticks.decide_lost_tick_run` reads of a request, copied in the
+    signal's own thread (a task's request stack is local to its thread)."""
+    fields = getattr(request, "request_dict", None)  # a worker Request: its message's headers
+    if isinstance(fields, dict):
+        read = {name: fields.get(name) for name in BEAT_HEADERS_READ}
+    else:
+        read = {name: getattr(request, name, None) for name in BEAT_HEADERS_READ}
+    return read if read[BEAT_HEADERS_READ[0]] else {}
+
+
+def _reap_later(task: Any, task_id: str, args: Any, kwargs: Any,
+                request: Any = None) -> None:
     if not is_singleton(task) or not task_id:
         return
+    tick = _beat_headers(request)
 
     def reap() -> None:
         try:
+            if tick:
+                # before the lock is freed: a free lock beside this tick's
+                # marker is what tells beat's buffer_all the tick is over
+                decide_lost_tick_run(engine_for(task.app),
+                                     task.singleton_settings().config.key_prefix, tick)
             keys = task.singleton_keys(*(args or ()), **(kwargs or {}))
             engine_for(task.app).reap(keys, task_id,
                                       slots=task.singleton_settings().config.limit)
@@ -73,7 +92,8 @@ def _reap_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
 def on_task_failure(sender: Any = None, task_id: str = "", exception: Any = None,
                     args: Any = None, kwargs: Any = None, **_: Any) -> None:
     if isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
-        _reap_later(sender, task_id, args, kwargs)
+        # Celery puts the lost task's request on its stack for this signal
+        _reap_later(sender, task_id, args, kwargs, getattr(sender, "request", None))
 
 
 def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,
@@ -81,7 +101,7 @@ def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = 
     if request is None:
         return
     if terminated:
-        _reap_later(sender, request.id, request.args, request.kwargs)
+        _reap_later(sender, request.id, request.args, request.kwargs, request)
     else:
         free_queued_later(sender, request.id, request.args, request.kwargs)
 

@@ -35,6 +35,9 @@ PERIODIC_TASK_HEADER = "periodic_task_name"
 #: Celery's own mark of a beat message (set by Celery 5.4 and later; set here on 5.3 too)
 BEAT_TASK_HEADER = "celery_beat_task"
 
+#: the request fields that name a beat tick's run marker
+BEAT_HEADERS_READ = (ENTRY_HEADER, TICK_HEADER, "id")
+
 #: how long the worker remembers that a tick ran (a second copy of it arriving
 #: later than this is no longer recognised)
 RUN_MARKER_TTL_MS = 3600 * 1000
@@ -103,6 +106,13 @@ def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
     return nxt if nxt > ref else None
 
 
+def tick_after(sched: Any, tick: dt.datetime) -> Optional[dt.datetime]:
+    """The nominal fire time after ``tick`` (None: never again)."""
+    if isinstance(sched, interval_schedule) and not isinstance(sched, crontab):
+        return interval_ticks(sched.run_every, _aware(tick))[1]
+    return next_fire_after(sched, tick)
+
+
 def ticks_around(sched: Any, now: dt.datetime, window: float
                  ) -> tuple[Optional[dt.datetime], Optional[dt.datetime]]:
     """(latest fire time in ``(now - window, now]`` or None, first fire time after ``now``).
@@ -154,6 +164,12 @@ def last_sent_key(prefix: str, entry_name: str) -> str:
     return f"{entry_base(prefix, entry_name)}:last"
 
 
+def late_key(prefix: str, entry_name: str) -> str:
+    """String key: the tick after one sent late, and until when it waits for
+    that one's run (overlap "skip"; ``<next tick ms> <deadline ms>``)."""
+    return f"{entry_base(prefix, entry_name)}:late"
+
+
 def cancel_key(keys: LockKeys) -> str:
     """String key: the task id a beat asked to stop (overlap "cancel_other"), by the task's lock."""
     return f"{keys.base}:cancel"
@@ -178,6 +194,18 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
+def _tick_run_key(prefix: str, request: Any) -> Optional[tuple[str, str, str, str]]:
+    """(run marker key, task id, entry, tick) of a message sent by a singleton
+    beat; None for any other message (raises ValueError for a tick that is no time)."""
+    entry = _header(request, ENTRY_HEADER)
+    tick = _header(request, TICK_HEADER)
+    if not entry or not tick:
+        return None
+    task_id = str(_header(request, "id") or "")
+    key = run_key(prefix, str(entry), _aware(dt.datetime.fromisoformat(str(tick))))
+    return key, task_id, str(entry), str(tick)
+
+
 def claim_tick_run(engine: LockEngine, prefix: str, request: Any, *,
                    look_only: bool = False) -> bool:
     """True when this execution is the first of its (entry, tick): let it run.
@@ -196,22 +224,22 @@ def claim_tick_run(engine: LockEngine, prefix: str, request: Any, *,
     ``GET`` before the lock, so a copy of a tick that already ran neither
     takes the key nor waits for it.
     """
-    entry = _header(request, ENTRY_HEADER)
-    tick = _header(request, TICK_HEADER)
-    if not entry or not tick:
-        return True
-    task_id = str(_header(request, "id") or "")
     try:
-        key = run_key(prefix, str(entry), _aware(dt.datetime.fromisoformat(str(tick))))
+        found = _tick_run_key(prefix, request)
+    except ValueError:
+        logger.warning("Beat tick header %r of entry %r is not a time: not checked",
+                       _header(request, TICK_HEADER), _header(request, ENTRY_HEADER))
+        return True
+    if found is None:
+        return True
+    key, task_id, entry, tick = found
+    try:
         if look_only:
             raw = engine.client.get(key)
             holder = "" if raw is None else str(raw)
             first = not holder
         else:
             first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
-    except ValueError:
-        logger.warning("Beat tick header %r of entry %r is not a time: not checked", tick, entry)
-        return True
     except redis.RedisError as exc:
         # the look is a shortcut (with Redlock, on the first master only): the
         # claim after the grant decides, and warns if it cannot
@@ -225,3 +253,26 @@ def claim_tick_run(engine: LockEngine, prefix: str, request: Any, *,
     logger.info("Dropped %s of beat entry %r tick %s: that tick was already taken by %s "
                 "(it started, or was refused for good)", task_id, entry, tick, holder)
     return False
+
+
+def decide_lost_tick_run(engine: LockEngine, prefix: str, request: Any) -> None:
+    """A copy of a beat tick that will not run again (its pool process died, a
+    hard time limit, a terminate) may never have reached its lock, so it never
+    wrote the tick's run marker: write it now (``SET NX``: a marker already
+    there stays). The tick is decided, and beat's ``buffer_all`` sends the next
+    one once the lock is free, instead of waiting for this copy until
+    ``...:last`` expires. Called by the worker's main process before it frees
+    the dead copy's lock."""
+    try:
+        found = _tick_run_key(prefix, request)
+        if found is None:
+            return
+        key, task_id, entry, tick = found
+        first, _ = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
+    except (ValueError, redis.RedisError) as exc:
+        logger.warning("Could not mark the lost copy %s of a beat tick as decided (%r)",
+                       _header(request, "id"), exc)
+        return
+    if first:
+        logger.info("Beat entry %r tick %s: its copy %s was lost before it took its lock; "
+                    "the tick is decided", entry, tick, task_id)

@@ -9,6 +9,10 @@ too), plus:
 
 Tasks ``t.tick`` (plain), ``t.tick_hold`` and ``t.tick_cancellable``
 (SingletonTasks) record the beat headers they arrive with in db 3 list ``events``.
+
+A ``t.tick_hold`` whose ``key`` has ``prerun-hold:<key>`` set in db 3 records a
+``prerun`` event and waits, before it asks for its lock, until that key is
+deleted (a test kills its pool process there).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 from celery.schedules import crontab
 
 from celery_singleton_lock import SingletonTask
@@ -84,6 +88,19 @@ def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
             rec.decr(f"active:{key}")
             record(self, "end", key=key)
 
+    def hold_before_the_lock(sender: Any = None, task: Any = None, kwargs: Any = None,
+                             **_: Any) -> None:
+        key = (kwargs or {}).get("key")
+        if (getattr(sender, "name", None) != "t.tick_hold" or not key
+                or not rec.exists(f"prerun-hold:{key}")):
+            return
+        record(task, "prerun", key=key)
+        deadline = time.monotonic() + 60
+        while rec.exists(f"prerun-hold:{key}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    signals.task_prerun.connect(hold_before_the_lock, weak=False)
+
     entries: dict[str, Any] = {}
     for name, spec in (schedule or {}).items():
         entries[name] = {
@@ -97,6 +114,18 @@ def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
     return app
 
 
+def publish_stats(scheduler: Any, published: dict[str, int]) -> dict[str, int]:
+    """Write a beat's ``singleton_stats`` to db 3 ``beatstats:<SLT_BEAT_NAME>``
+    when they changed since ``published``; returns what is published now."""
+    stats = dict(scheduler.singleton_stats)
+    if stats != published:
+        name = os.environ.get("SLT_BEAT_NAME") or scheduler.beat_id
+        client = recorder(os.environ["SLT_REDIS_URL"])
+        client.hset(f"beatstats:{name}", mapping={"beat_id": scheduler.beat_id, **stats})
+        client.close()
+    return stats
+
+
 class RecordingScheduler(SingletonScheduler):
     """The library's scheduler with a shifted clock, publishing its counters."""
 
@@ -108,13 +137,7 @@ class RecordingScheduler(SingletonScheduler):
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         delay = super().tick(*args, **kwargs)
-        stats = dict(self.singleton_stats)
-        if stats != self._published:
-            self._published = stats
-            name = os.environ.get("SLT_BEAT_NAME") or self.beat_id
-            client = recorder(os.environ["SLT_REDIS_URL"])
-            client.hset(f"beatstats:{name}", mapping={"beat_id": self.beat_id, **stats})
-            client.close()
+        self._published = publish_stats(self, self._published)
         return delay
 
 

@@ -140,12 +140,16 @@ def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(redis_server, r)
 
 
 class Beat:
-    """`celery -A tests.beatapp beat -S tests.beatapp:RecordingScheduler`, its own schedule file."""
+    """`celery -A tests.beatapp beat -S tests.beatapp:RecordingScheduler`, its own schedule
+    file (``app`` and ``scheduler`` name others; ``env`` adds to its environment)."""
 
     def __init__(self, redis_url: str, queue: str, schedule: dict[str, Any], *, name: str,
                  offset: float = 0.0, lock_url: Optional[str] = None,
-                 conf: Optional[dict[str, Any]] = None) -> None:
+                 conf: Optional[dict[str, Any]] = None, app: str = "tests.beatapp:app",
+                 scheduler: str = "tests.beatapp:RecordingScheduler",
+                 env: Optional[dict[str, str]] = None) -> None:
         self.name = name
+        self.target = (app, scheduler)
         self.dir = Path(tempfile.mkdtemp(prefix=f"slt-beat-{name}-"))
         self.log = self.dir / "beat.log"
         self.env = dict(os.environ)
@@ -154,13 +158,14 @@ class Beat:
             "SLT_CONF": json.dumps(conf or {}), "SLT_BEAT_SCHEDULE": json.dumps(schedule),
             "SLT_CLOCK_OFFSET": str(offset), "SLT_BEAT_NAME": name,
             "PYTHONPATH": os.pathsep.join([str(ROOT), self.env.get("PYTHONPATH", "")]),
+            **(env or {}),
         })
         self.proc: Optional[subprocess.Popen[bytes]] = None
 
     def start(self) -> Beat:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.beatapp:app", "beat",
-             "-S", "tests.beatapp:RecordingScheduler", "-s", str(self.dir / "schedule"),
+            [sys.executable, "-m", "celery", "-A", self.target[0], "beat",
+             "-S", self.target[1], "-s", str(self.dir / "schedule"),
              "--pidfile=", "--loglevel", "INFO", "-f", str(self.log)],
             env=self.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
@@ -375,6 +380,81 @@ def test_overlapping_ticks_of_a_long_singleton_task_are_skipped_or_buffered_and_
         end_times = [e["at"] for e in ends]
         assert any(parse(s["singleton_beat_tick"]).timestamp() < end_at < s["at"]
                    for s in starts for end_at in end_times)
+
+
+def test_after_a_late_start_or_restart_no_tick_is_skipped_for_the_late_run(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """Three beats brought up late in a period, killed (-9) together and
+    brought up again, up to five times; a 0.9 s SingletonTask every 1.5 s
+    under ``skip`` (the default). The first tick after each start is sent as
+    the beats come up, late, and its run still runs when the next tick comes:
+    that tick waits for it (at most as long as the first was late) and runs
+    right after it instead of being skipped. Every tick from the first after
+    a start on runs, each once, never two at once. (Before, the second tick
+    after a start was skipped whenever the start fell late in the period.)"""
+    period, run = 1.5, 0.9
+    key = uuid.uuid4().hex[:8]
+    sched = {"late": {"task": "t.tick_hold", "every": period,
+                      "kwargs": {"key": key, "seconds": run}}}
+
+    def runs(ev: str = "start") -> list[dict[str, Any]]:
+        return sorted(tick_events(events, "late", ev), key=lambda e: e["at"])
+
+    step = dt.timedelta(seconds=period)
+    startup = 1.5  # launch to first send, measured at each start
+    cycles: list[dict[str, Any]] = []
+    while len(cycles) < 5 and sum(c["overlapped"] for c in cycles) < 3:
+        # launch so the beats come up about 1.1 s into a period: the first run
+        # (0.9 s) then still runs when the next tick comes, 0.4 s later
+        time.sleep((1.1 - (time.time() + startup)) % period)
+        launched = time.time()
+        group = [Beat(redis_server.url(), beat_worker.queue, sched,
+                      name=f"{name}{len(cycles)}").start() for name in "abc"]
+        beats.extend(group)
+        first = wait_for(lambda t=launched: [e for e in runs() if e["at"] > t], 30,
+                         what="the first run after the start")[0]
+        startup = first["at"] - launched
+        t0 = parse(first["singleton_beat_tick"])
+        third = t0 + 2 * step
+        wait_for(lambda t=third: [e for e in runs() if parse(e["singleton_beat_tick"]) >= t],
+                 30, what="the third tick after the start to run (or a later one)")
+        for beat in group:
+            beat.kill()
+        wait_for(lambda: len(runs("end")) == len(runs()), 15, what="the runs to end")
+        ends = {e["id"]: e["at"] for e in runs("end")}
+        mine = [e for e in runs() if e["at"] >= first["at"]]
+        cycles.append({
+            "wanted": [tick_name(t0 + n * step) for n in range(3)],
+            "ran": [e["singleton_beat_tick"] for e in mine],
+            # the first run still ran at the next tick's nominal time
+            "overlapped": ends[first["id"]] > (t0 + step).timestamp(),
+            "late": first["at"] - t0.timestamp(),
+            "next_after": [e["at"] - (t0 + step).timestamp() for e in mine
+                           if e["singleton_beat_tick"] == tick_name(t0 + step)],
+            "third_after": [e["at"] - third.timestamp() for e in mine
+                            if e["singleton_beat_tick"] == tick_name(third)],
+        })
+        # the next start comes after a period with no beat up: a tick no one claimed
+        quiet = ends[mine[-1]["id"]] + period
+        wait_for(lambda t=quiet: time.time() > t, 10, what="a quiet period")
+
+    for c in cycles:  # the figures docs/beat.md quotes (pytest -s)
+        print(f"first tick sent {c['late']:.2f} s late, its run in the next tick's way: "
+              f"{c['overlapped']}; the next tick ran {c['next_after']} s after its time, "
+              f"the one after {c['third_after']} s")
+    assert sum(c["overlapped"] for c in cycles) >= 2, cycles  # the case at hand came up
+    for c in cycles:
+        assert set(c["wanted"]) <= set(c["ran"]), c
+    starts = runs()
+    assert set(Counter(e["singleton_beat_tick"] for e in starts).values()) == {1}
+    assert all(e["concurrent"] == 1 for e in starts)
+    ends = {e["id"]: e["at"] for e in runs("end")}
+    for before, after in zip(starts, starts[1:]):
+        assert ends[before["id"]] <= after["at"], (before, after)
+    counted = Counter[str]()
+    for st in stats(events).values():
+        counted.update({k: int(v) for k, v in st.items() if k != "beat_id"})
+    assert counted["waited_for_late_run"] >= sum(c["overlapped"] for c in cycles)
 
 
 def test_a_tick_buffered_by_a_beat_killed_meanwhile_is_sent_by_another(

@@ -6,6 +6,9 @@ what ran is read from the events the tasks record, never from a beat's belief.
 from __future__ import annotations
 
 import datetime as dt
+import os
+import signal
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -294,3 +297,92 @@ def test_a_beat_whose_lock_user_may_not_run_what_its_entries_need_stops_at_start
                  30, what="the look working again, logged")
     finally:
         admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_buffer_all_keeps_order_one_at_a_time_when_worker_children_die(
+        redis_server, beat_worker, beats, events, r, clean_stats):
+    """buffer_all, three beats, two workers, a 1.5 s run every second: the
+    pool process running a tick is killed (-9) twice, and once the one that
+    has just received a tick, before that copy reaches its lock. The buffer
+    never stalls: the next waiting tick runs as soon as the lost one's lock is
+    free (the worker's main process writes a lost copy's run marker, so the
+    beats do not wait for it until ``...:last`` expires, 100 s); every tick
+    runs in tick order, one at a time, each once, all but the one lost before
+    its lock."""
+    from tests.support import Worker, discard
+
+    second = Worker(redis_server.url(), beat_worker.queue, concurrency=2)
+    second.cmd[second.cmd.index("tests.workerapp:app")] = "tests.beatapp:app"
+    second.start()
+    try:
+        _children_die_under_buffer_all(redis_server, beat_worker, beats, events, r,
+                                       lambda: beat_worker.logs() + second.logs())
+    finally:
+        discard(second)
+
+
+def _children_die_under_buffer_all(redis_server, beat_worker, beats, events, r,
+                                   worker_logs) -> None:
+    key = uuid.uuid4().hex[:8]
+    sched = {"lossy": {"task": "t.tick_hold", "every": 1,
+                       "kwargs": {"key": key, "seconds": 1.5},
+                       "options": {"singleton_overlap": "buffer_all"}}}
+    for name in ("a", "b", "c"):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name,
+                          conf={"singleton_beat_buffer_max": 30}).start())
+    rec = events.client
+    queue = queue_key("singleton:", "lossy")
+
+    def runs(ev: str = "start") -> list[dict[str, Any]]:
+        return sorted(tick_events(events, "lossy", ev), key=lambda e: e["at"])
+
+    def running() -> dict[str, Any]:
+        ended = {e["id"] for e in runs("end")}
+        return wait_for(lambda: [e for e in runs() if e["id"] not in ended
+                                 and e["id"] not in killed], 30, what="a run")[-1]
+
+    killed: dict[str, float] = {}  # task id -> when its process was killed
+    for _ in range(2):  # a run killed while it holds the lock, with ticks waiting
+        wait_for(lambda: r.zcard(queue) >= 2, 30, what="ticks waiting")
+        victim = running()
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed[victim["id"]] = time.time()
+        wait_for(lambda v=victim: [e for e in runs() if e["at"] > killed[v["id"]]], 30,
+                 what="the next tick to run after the kill")
+
+    # a copy killed after it received its tick, before it reached the lock
+    wait_for(lambda: r.zcard(queue) >= 2, 30, what="ticks waiting")
+    rec.set(f"prerun-hold:{key}", 1, ex=120)
+    held = wait_for(lambda: [e for e in tick_events(events, "lossy", "prerun")], 30,
+                    what="a copy held before its lock")[0]
+    os.kill(held["pid"], signal.SIGKILL)
+    killed[held["id"]] = time.time()
+    rec.delete(f"prerun-hold:{key}")
+    after = wait_for(lambda: [e for e in runs() if e["at"] > killed[held["id"]]], 30,
+                     what="the next tick to run after the copy lost before its lock "
+                          "(without its marker the beats wait until ...:last expires, 100 s)")
+    wait_for(lambda: [e for e in runs() if e["at"] > after[0]["at"]], 30,
+             what="one more tick after it")
+    for beat in beats:
+        beat.stop()
+    wait_for(lambda: {e["id"] for e in runs("end")} | set(killed) >= {e["id"] for e in runs()},
+             15, what="the last run to end")
+
+    starts = runs()
+    ends = {e["id"]: e["at"] for e in runs("end")}
+    for task_id, at in killed.items():  # the figures docs/beat.md quotes (pytest -s)
+        print(f"killed {'before its lock' if task_id == held['id'] else 'while running'}: "
+              f"the next tick ran {min(e['at'] for e in starts if e['at'] > at) - at:.2f} s later")
+    ticks = [parse(e["singleton_beat_tick"]) for e in starts]
+    assert ticks == sorted(ticks), "run in tick order"
+    assert len(set(ticks)) == len(ticks), "each tick once"
+    for before, then in zip(starts, starts[1:]):  # one at a time
+        assert ends.get(before["id"], killed.get(before["id"], 0)) <= then["at"], (before, then)
+    # every tick from the first to the last ran, but the copy lost before its lock
+    lost = parse(held["singleton_beat_tick"])
+    assert lost not in ticks
+    expected = [ticks[0] + dt.timedelta(seconds=n)
+                for n in range(int((ticks[-1] - ticks[0]).total_seconds()) + 1)]
+    assert sorted([*ticks, lost]) == expected
+    assert sum(e["id"] in killed for e in starts) == 2
+    assert f"its copy {held['id']} was lost before it took its lock" in worker_logs()
