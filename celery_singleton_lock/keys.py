@@ -146,6 +146,8 @@ class LockKeys:
     ``replaced`` hash: superseded task id -> the task id that replaced it, and
     ``""`` -> when the burst's first send took the key, server ms
     (``singleton_on_duplicate="replace"``)
+    ``back``  hash: the lock keys (slots) written back since the server forgot
+    the key -> their tokens, ``""`` -> 1 (``lua/reclaim.lua``)
     """
 
     __slots__ = ("base", "done", "fence", "fin", "lock")
@@ -170,6 +172,10 @@ class LockKeys:
     @property
     def replaced(self) -> str:
         return f"{self.base}:replaced"
+
+    @property
+    def back(self) -> str:
+        return f"{self.base}:back"
 
     def slot(self, number: int) -> LockKeys:
         """These keys with slot ``number``'s owner record as ``lock``
