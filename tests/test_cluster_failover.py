@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from typing import Any, Iterator, Optional
 
@@ -209,5 +210,60 @@ def test_a_worker_keeps_its_lock_through_a_failover_and_skips_duplicates(
                  10, what="the key freed")
         old.start()
         wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+    finally:
+        discard(worker)
+
+
+@pytest.mark.worker
+def test_a_release_sent_to_a_killed_primary_reaches_the_promoted_replica(
+        cluster, redis_server, events, key):
+    """Twice: a task's primary is killed, then the task ends, so its release
+    meets a refused connection. The release is owed to whichever node serves
+    the slot, and the promoted replica frees the key as soon as it serves it:
+    long before the 60 s lease, and a duplicate sent then runs instead of
+    being skipped against the finished holder (before: the key stayed for the
+    rest of its lease)."""
+    conf = {"singleton_ttl": 60.0}
+    worker = Worker(redis_server.url(), f"clr-{uuid.uuid4().hex[:8]}", concurrency=2,
+                    lock_url=cluster.url(), conf=conf).start()
+    gaps: list[float] = []
+    try:
+        app = make_app(redis_server.url(), worker.queue, lock_url=cluster.url(), conf=conf)
+        hold = app.tasks["t.hold"]
+        for i in range(2):
+            name = f"{key}-{i}"
+            lock = hold.singleton_keys(name).lock
+            first = hold.delay(name, 120.0, f"ends{i}")
+            wait_for(lambda t=f"ends{i}": events.starts(t), 15, what="start")
+            wait_for(lambda k=lock: on_replica(cluster, k), 10, what="the lock on the replica")
+            old = primary_of(cluster, slot_of(lock))
+            assert old is not None
+            old.stop()  # kill -9
+            events.client.set(f"finish:{name}", 1)  # the task ends: its release is refused
+            assert first.get(timeout=30)["lost"] is False
+
+            def promoted(k: str = lock, was: int = old.port) -> Any:
+                node = primary_of(cluster, slot_of(k))
+                return node if node is not None and node.port != was else None
+
+            new = wait_for(promoted, 30, interval=0.02, what="the replica promoted")
+            promoted_at = time.monotonic()
+
+            def freed(k: str = lock, node: RedisServer = new) -> bool:
+                try:
+                    return not node.client().exists(k)
+                except redis.RedisError:
+                    return False
+
+            # well within the 60 s lease: only the owed release frees it this soon
+            wait_for(freed, 20, interval=0.01, what="the key freed on the promoted replica")
+            gaps.append(time.monotonic() - promoted_at)
+            after = hold.delay(name, 0.0, f"after{i}").get(timeout=30)
+            assert not is_skipped(after), after
+            old.start()
+            wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+        assert "Could not release singleton lock" not in worker.logs()
+        print(f"\nkey freed {', '.join(f'{g * 1000:.0f}' for g in gaps)} ms after the "
+              "promoted replica first served the slot")
     finally:
         discard(worker)
