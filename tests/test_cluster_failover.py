@@ -256,7 +256,7 @@ def test_a_release_sent_to_a_killed_primary_reaches_the_promoted_replica(
                     return False
 
             # well within the 60 s lease: only the owed release frees it this soon
-            wait_for(freed, 20, interval=0.01, what="the key freed on the promoted replica")
+            wait_for(freed, 10, interval=0.01, what="the key freed on the promoted replica")
             gaps.append(time.monotonic() - promoted_at)
             after = hold.delay(name, 0.0, f"after{i}").get(timeout=30)
             assert not is_skipped(after), after

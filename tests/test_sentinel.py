@@ -13,14 +13,14 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire
 from celery_singleton_lock.testing import assert_skipped
 from tests.deployments import SentinelGroup
-from tests.support import Worker, owner_field, wait_for
+from tests.support import Worker, discard, owner_field, wait_for
 from tests.workerapp import make_app
 
 #: the promise the docs state: kill -9 of the primary to locks working again
@@ -103,3 +103,68 @@ def test_a_real_worker_keeps_locking_through_a_failover_without_restart(group, r
         assert all(e["concurrent"] == 1 for e in events.starts())
     finally:
         worker.stop()
+
+
+def _freed_on(server: Any, lock: str) -> bool:
+    try:
+        return not server.client(2).exists(lock)
+    except redis.RedisError:
+        return False
+
+
+@pytest.mark.worker
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_release_the_old_primary_never_ran_is_sent_to_the_promoted_one(
+        redis_server, events, fault):
+    """The primary is killed (or frozen) while a task holds its lock, then the
+    task ends: its release meets a refused connection (or gets no reply). It
+    is owed, and sent to the replica the sentinels promote, which frees the
+    key long before the 60 s lease: a duplicate sent then runs. The outage is
+    logged naming the Sentinel service, not '?:?'. (Before: the refused
+    release was dropped and the key stayed for its whole lease.)"""
+    group = SentinelGroup(replicas=2).start()
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    conf = {"singleton_ttl": 60.0}
+    worker = Worker(redis_server.url(), queue, concurrency=2, lock_url=group.url(2),
+                    conf=conf).start()
+    frozen = None
+    try:
+        app = make_app(redis_server.url(), queue, lock_url=group.url(2), conf=conf)
+        hold = app.tasks["t.hold"]
+        key = uuid.uuid4().hex[:8]
+        lock = hold.singleton_keys(key).lock
+        first = hold.delay(key, 120.0, "ends")
+        wait_for(lambda: events.starts("ends"), 20, what="the task to start")
+        group.primary.client(2).execute_command("WAIT", 2, 2000)  # replicated
+        old_port = group.master_port()
+        assert old_port is not None
+        old = group.server_on(old_port)
+        if fault == "kill":
+            old.stop()
+        else:
+            old.pause()
+            frozen = old
+        events.client.set(f"finish:{key}", 1)  # the task ends; its release cannot land
+        assert first.get(timeout=30)["lost"] is False
+        new_port = wait_for(lambda: (p := group.master_port()) not in (None, old_port) and p,
+                            30, interval=0.05, what="the sentinels to promote a replica")
+        new = group.server_on(int(new_port))
+        wait_for(lambda: new.client().info("replication").get("role") == "master", 30,
+                 interval=0.02, what="the replica to take writes")
+        promoted_at = time.monotonic()
+        # well within the 60 s lease: only the owed release frees it this soon
+        wait_for(lambda: _freed_on(new, lock), 10, interval=0.01,
+                 what="the key freed on the promoted replica")
+        gap = time.monotonic() - promoted_at
+        assert not is_skipped(hold.delay(key, 0.0, "after").get(timeout=30))
+        logs = worker.logs()
+        assert "Could not release singleton lock" not in logs
+        assert "Lock Redis at Sentinel primary 'mymaster' (127.0.0.1:" in logs, logs[-3000:]
+        assert "?:?" not in logs
+        print(f"\n{fault}: key freed {gap * 1000:.0f} ms after the promoted replica "
+              "took writes")
+    finally:
+        if frozen is not None:
+            frozen.resume()
+        discard(worker)
+        group.cleanup()
