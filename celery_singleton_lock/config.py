@@ -147,6 +147,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("wait_replicas", 0, check_count),
     Setting("wait_timeout", 100, check_ms),
     Setting("wait_policy", "release", choice(WAIT_POLICIES)),
+    # when no replica acknowledged at all (none connected, as on a shard just
+    # failed over): "" does as wait_policy says
+    Setting("wait_no_replica", "", choice(("", *WAIT_POLICIES))),
 )
 
 TASK_OPTIONS = tuple(s for s in SETTINGS if s.per_task)
@@ -279,6 +282,7 @@ class SingletonConfig:
     wait_replicas: int
     wait_timeout: int
     wait_policy: str
+    wait_no_replica: str
 
     @classmethod
     def from_app(cls, app: Any) -> SingletonConfig:
