@@ -267,3 +267,103 @@ def test_a_release_sent_to_a_killed_primary_reaches_the_promoted_replica(
               "promoted replica first served the slot")
     finally:
         discard(worker)
+
+
+class Load:
+    """Calls of ``t.hold`` over some keys, one every 50 ms, each result's
+    ready time noted (wall clock, as the workers' events): run by :meth:`step`
+    from the test's own loop."""
+
+    def __init__(self, hold: Any, keys: list[str], seed: int) -> None:
+        import random
+
+        self.hold, self.keys, self.rng = hold, keys, random.Random(seed)
+        self.pending: list[Any] = []
+        self.ready: list[tuple[Any, float]] = []
+        self._next = 0.0
+
+    def step(self, sending: bool = True) -> None:
+        now = time.monotonic()
+        if sending and now >= self._next:
+            self._next = now + 0.05
+            self.pending.append(self.hold.delay(self.rng.choice(self.keys),
+                                                self.rng.uniform(0.1, 0.5), "load"))
+        still = []
+        for res in self.pending:
+            if res.ready():
+                self.ready.append((res, time.time()))
+            else:
+                still.append(res)
+        self.pending = still
+        time.sleep(0.01)
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            self.step(sending=False)
+        assert not self.pending, f"{len(self.pending)} calls not final"
+
+    def late_skips(self, ends: dict[str, float], promoted: float) -> list[float]:
+        """Seconds past the holder's end of every skip that came more than 1 s
+        after both the holder ended and the promotion."""
+        late = []
+        for res, at in self.ready:
+            result = res.result
+            if is_skipped(result) and result["holder"] in ends:
+                ended = ends[result["holder"]]
+                if at > ended + 1.0 and at > promoted + 1.0:
+                    late.append(at - ended)
+        return late
+
+
+@pytest.mark.worker
+def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
+        cluster, redis_server, events):
+    """Two workers, calls of four keys of one shard sent every 50 ms (0.1-0.5 s
+    each, the default 30 s lease), that shard's primary killed mid-run: after
+    the promotion no call is skipped against a holder that had finished more
+    than a second before (before: 1-9 such skips per run, up to 25.5 s late)."""
+    conf = {"singleton_ttl": 30.0}
+    queue = f"cll-{uuid.uuid4().hex[:8]}"
+    workers = [Worker(redis_server.url(), queue, concurrency=3, lock_url=cluster.url(),
+                      conf=conf, name=n).start() for n in ("a", "b")]
+    victim = primary_of(cluster, 0)
+    try:
+        app = make_app(redis_server.url(), queue, lock_url=cluster.url(), conf=conf)
+        hold = app.tasks["t.hold"]
+        assert victim is not None
+        keys: list[str] = []
+        while len(keys) < 4:
+            name = uuid.uuid4().hex[:8]
+            node = primary_of(cluster, slot_of(hold.singleton_keys(name).lock))
+            if node is not None and node.port == victim.port:
+                keys.append(name)
+        load = Load(hold, keys, 45)
+        started = time.monotonic()
+        while time.monotonic() - started < 3:
+            load.step()
+        victim.stop()  # kill -9
+        while True:
+            load.step()
+            node = primary_of(cluster, 0)
+            if node is not None and node.port != victim.port:
+                promoted = time.time()
+                break
+            assert time.monotonic() - started < 40, "no promotion"
+        after = time.monotonic()
+        while time.monotonic() - after < 6:
+            load.step()
+        load.drain(60)
+        ends = {e["id"]: e["t"] for e in events.ends("load")}
+        late = load.late_skips(ends, promoted)
+        skips = sum(1 for res, _ in load.ready if is_skipped(res.result))
+        print(f"\nCluster under load: {len(load.ready)} calls, {skips} skipped, "
+              f"{len(late)} skipped against a holder finished over 1 s before (after the "
+              "promotion)" + (f", up to {max(late):.1f} s" if late else ""))
+        assert late == []
+    finally:
+        for w in workers:
+            discard(w)
+        if victim is not None and not victim.running:
+            victim.start()
+            wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
