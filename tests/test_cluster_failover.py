@@ -367,3 +367,53 @@ def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
         if victim is not None and not victim.running:
             victim.start()
             wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+
+
+@pytest.mark.worker
+def test_a_shard_with_no_replica_after_its_failover_does_as_its_setting_says(
+        cluster, redis_server, events):
+    """WAIT 1 on a Cluster; a shard's primary killed: the promoted replica has
+    no replica until the old primary rejoins. A worker with
+    singleton_wait_no_replica='proceed' runs a task of that shard at once,
+    with a warning naming the setting; one left as singleton_wait_policy says
+    (release) gives each grant back, says why in its log, retries, and runs
+    the task once the old primary is back as a replica."""
+    base = {"singleton_wait_replicas": 1, "singleton_wait_timeout": 200}
+    runs_conf = {**base, "singleton_wait_no_replica": "proceed"}
+    queues = [f"nr-{uuid.uuid4().hex[:6]}-{n}" for n in ("p", "r")]
+    proceed = Worker(redis_server.url(), queues[0], concurrency=1, lock_url=cluster.url(),
+                     conf=runs_conf, name="p").start()
+    release = Worker(redis_server.url(), queues[1], concurrency=1, lock_url=cluster.url(),
+                     conf=base, name="r").start()
+    victim = primary_of(cluster, 0)
+    assert victim is not None
+    try:
+        runs_app = make_app(redis_server.url(), queues[0], lock_url=cluster.url(),
+                            conf=runs_conf)
+        waits_app = make_app(redis_server.url(), queues[1], lock_url=cluster.url(), conf=base)
+        name = ""
+        while not name:
+            candidate = uuid.uuid4().hex[:8]
+            lock = runs_app.tasks["t.hold"].singleton_keys(candidate).lock
+            if primary_of(cluster, slot_of(lock)) == victim:
+                name = candidate
+        victim.stop()  # kill -9
+        wait_for(lambda: (n := primary_of(cluster, 0)) is not None and n.port != victim.port,
+                 30, interval=0.05, what="the replica promoted")
+        ran = runs_app.tasks["t.hold"].delay(name, 0.0, "proceeds").get(timeout=30)
+        assert not is_skipped(ran) and ran["tag"] == "proceeds"
+        assert "(singleton_wait_no_replica: proceed)" in proceed.logs()
+        waiting = waits_app.tasks["t.hold"].delay(f"{name}", 0.0, "waits")
+        wait_for(lambda: "No replica acknowledged the grant" in release.logs()
+                 and "TooFewReplicasError): retrying later" in release.logs(), 30,
+                 what="a grant given back, saying why")
+        assert not events.starts("waits")
+        victim.start()  # rejoins as the promoted node's replica
+        wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+        assert waiting.get(timeout=60)["tag"] == "waits"
+    finally:
+        discard(proceed)
+        discard(release)
+        if not victim.running:
+            victim.start()
+            wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
