@@ -74,7 +74,7 @@ def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int
     """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1);
     without a done window (``done`` False) the fence's key stands for the marker's."""
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    return ([keys.fence, keys.fin, keys.done if done else keys.fence,
+    return ([keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
              *(k.lock for k in keys.slots(slots))],
             [task_id, exec_id, lease_ms, rest])
 
@@ -141,9 +141,21 @@ def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
 def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_ms: int,
                  hostname: str, retries: int, task_name: str, fin_ms: int
                  ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``reclaim.lua``: write back a held lock the server forgot."""
+    """KEYS and ARGV of ``reclaim.lua``: write back a held lock the server forgot.
+
+    The key's ``back`` hash, which tells the other slots of a ``singleton_limit``
+    key that the counter they find was recreated by a write-back, lives one
+    renewal interval and a second: every holder's renewer asks within that.
+    """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    return [keys.lock, keys.fence], [exec_id, lease_ms, token, rest]
+    return [keys.lock, keys.fence, keys.back], [exec_id, lease_ms, token, rest,
+                                                back_ms(lease_ms)]
+
+
+def back_ms(lease_ms: int) -> int:
+    """How long a key's ``back`` hash lives after a write-back (reclaim.lua):
+    a third of the lease (the renewal interval) and a second."""
+    return lease_ms // 3 + 1000
 
 
 def fence_call(keys: LockKeys, exec_id: str, token: int) -> tuple[list[str], list[Any]]:

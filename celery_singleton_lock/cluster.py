@@ -11,18 +11,27 @@ sends the call again to the new owner; an ASK reply (a slot half migrated)
 sends it once to the importing node after ``ASKING``. A broken connection
 marks the map stale, so the call after a node's failover asks the cluster
 where its slot went.
+
+A release (or the undo of an acquire whose reply never came) that could not
+reach its primary is owed, here rather than to that node's wire: a thread
+sends it again, reading the slot map each time, until the node answers or
+the replica promoted in its place does. The release is owner-checked, so it
+is safe to send late, and the key is freed as soon as the promotion is done,
+not when its lease runs out.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import redis
 from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError
 
-from .outage import Answered
+from .outage import PROBE_FIRST, PROBE_GIVE_UP, PROBE_MAX, Answered, Owed, unreachable
 from .process import ForkSafeLock
 from .scripts import Script
 from .wire import BROKEN, Wire
@@ -70,6 +79,10 @@ class ClusterWire:
         #: goes up each time the slot map is read
         self.map_version = 0
         self._mutex = ForkSafeLock()
+        #: calls owed to whichever node serves their slot (see the module doc)
+        self._owed: list[Owed] = []
+        self._owed_mutex = ForkSafeLock()
+        self._sender: Optional[threading.Thread] = None
 
     # -- the slot map ------------------------------------------------------------
 
@@ -179,35 +192,103 @@ class ClusterWire:
     def call_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
                    answered: Answered, owe: bool = False) -> None:
         """:meth:`Wire.call_later` on the owning node; a redirection in the reply
-        sends the command again, waiting, to the new owner."""
+        sends the command again, waiting, to the new owner. ``owe`` (a
+        release): when the node does not answer, the command is owed to
+        whichever node serves the slot next (the module doc)."""
         def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
             if isinstance(error, AskError):  # MOVED too
                 try:
                     reply, again = self.call(script, keys, args)
                 except redis.RedisError as exc:
+                    if owe and unreachable(exc):
+                        self._keep(Owed(script, keys, args, answered))
+                        return
                     answered(None, exc, repeated)
                 else:
                     answered(reply, None, repeated or again)
                 return
             if isinstance(error, BROKEN):
                 self.stale()
+                if owe and unreachable(error):
+                    self._keep(Owed(script, keys, args, answered))
+                    return
             answered(reply, error, repeated)
 
         try:
-            self.wire_for(keys[0]).call_later(script, keys, args, done, owe)
-        except BROKEN:
+            wire = self.wire_for(keys[0])
+        except BROKEN as exc:
             self.stale()
-            raise
+            if not owe:
+                raise
+            self._keep(Owed(script, keys, args, answered))
+            logger.debug("Owed a lock call for %s: %r", keys[0], exc)
+            return
+        # the node's wire never keeps it: its probe would wait for that node,
+        # not for the replica promoted in its place
+        wire.call_later(script, keys, args, done, False)
 
     def owe(self, error: BaseException, script: Script, keys: Sequence[str],
             args: Sequence[Any]) -> None:
-        """:meth:`Wire.owe` on the node owning the slot."""
-        try:
-            wire = self.wire_for(keys[0])
-        except redis.RedisError as exc:  # no map now: the key's TTL frees it
-            logger.warning("Could not keep an undo for %s: %r", keys[0], exc)
-            return
-        wire.owe(error, script, keys, args)
+        """:meth:`Wire.owe` for the slot of ``keys``, to whichever node serves
+        it once one answers (sent twice, as :mod:`.outage` says)."""
+        self._keep(Owed(script, keys, args, twice=True))
+
+    def _keep(self, owed: Owed) -> None:
+        with self._owed_mutex:
+            self._owed.append(owed)
+            if self._sender is None or not self._sender.is_alive():
+                self._sender = threading.Thread(target=self._send_owed, daemon=True,
+                                                name="singleton-cluster-owed")
+                self._sender.start()
+
+    @property
+    def owed(self) -> int:
+        """Calls owed to a slot whose node has not answered since."""
+        return len(self._owed)
+
+    def _send_owed(self) -> None:
+        """Send every owed call, in order, to the node serving its slot now,
+        reading the map again after each failure, backing off, until all went
+        or :data:`~.outage.PROBE_GIVE_UP` x 5 passed (each key's TTL frees it)."""
+        backoff, started = PROBE_FIRST, time.monotonic()
+        while True:
+            with self._owed_mutex:
+                if not self._owed:
+                    self._sender = None
+                    return
+                owed = self._owed[0]
+            try:
+                reply, _ = self.call(owed.script, owed.keys, owed.args)
+                if owed.twice:
+                    reply, _ = self.call(owed.script, owed.keys, owed.args)
+            except redis.RedisError as exc:
+                if time.monotonic() - started > PROBE_GIVE_UP * 5:
+                    self._drop_owed(exc)
+                    continue
+                logger.debug("An owed lock call for %s failed again: %r", owed.keys[0], exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, PROBE_MAX)
+                continue
+            with self._owed_mutex:
+                self._owed.remove(owed)
+            backoff = PROBE_FIRST
+            if owed.answered is not None:
+                try:
+                    owed.answered(reply, None, True)
+                except Exception:
+                    logger.exception("Handling a lock reply failed")
+
+    def _drop_owed(self, error: Exception) -> None:
+        with self._owed_mutex:
+            dropped, self._owed = self._owed, []
+        logger.warning("%d lock call(s) owed to the Cluster not sent (%r): the keys they "
+                       "were for free when their TTLs run out", len(dropped), error)
+        for owed in dropped:
+            if owed.answered is not None:
+                try:
+                    owed.answered(None, error, True)
+                except Exception:
+                    logger.exception("Handling a lock reply failed")
 
     def settle(self) -> None:
         for wire in list(self._by_node.values()):

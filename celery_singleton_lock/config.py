@@ -152,6 +152,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("wait_replicas", 0, check_count),
     Setting("wait_timeout", 100, check_ms),
     Setting("wait_policy", "release", choice(WAIT_POLICIES)),
+    # when no replica acknowledged at all (none connected, as on a shard just
+    # failed over): "" does as wait_policy says
+    Setting("wait_no_replica", "", choice(("", *WAIT_POLICIES))),
     # while a fleet moves over from celery-singleton or celery-once: their lock
     # for the same call is taken too (docs/migration.md)
     Setting("also_lock", None, check_also_lock, per_task=True),
@@ -322,6 +325,7 @@ class SingletonConfig:
     wait_replicas: int
     wait_timeout: int
     wait_policy: str
+    wait_no_replica: str
     also_lock: Optional[dict[str, Any]]
 
     @classmethod

@@ -36,7 +36,7 @@ from .calls import (
 from .cluster import ClusterWire, LazyCluster
 from .clusterrenew import renew_per_slot
 from .config import SingletonConfig
-from .exceptions import TooFewReplicasError
+from .exceptions import TooFewReplicasError, UnconfirmedHolderError
 from .keys import LockKeys
 from .outage import RedisUnanswered
 from .process import HOST_KEY, Holder, forget_seen, pid_alive
@@ -50,6 +50,14 @@ logger = logging.getLogger("celery_singleton_lock")
 #: locks renewed by one script call: each costs Redis a few microseconds, so a
 #: call stays well under 5 ms however many locks a process holds
 RENEW_CHUNK = 250
+#: how long past ``singleton_wait_timeout`` a grant's WAIT marker lives (its
+#: holder confirms or gives it back well within it; one that died meanwhile
+#: leaves a marker that expires then)
+PENDING_MARGIN_MS = 2000
+#: how often a refused execution looks again at a grant still waiting on WAIT
+PENDING_POLL = 0.02
+#: at most one warning per this many seconds that no replica acknowledged
+NO_REPLICA_EVERY = 30.0
 
 
 class LockEngine:
@@ -78,6 +86,7 @@ class LockEngine:
         #: sent right after each grant and renewal, in the same write
         self._wait: tuple[Any, ...] = (
             ("WAIT", config.wait_replicas, config.wait_timeout) if config.wait_replicas else ())
+        self._no_replica_said = float("-inf")
 
     @classmethod
     def from_config(cls, config: SingletonConfig) -> LockEngine:
@@ -136,7 +145,57 @@ class LockEngine:
         ``slots`` > 1: one of that many slots (``singleton_limit``), named by
         the answer's ``slot``. ``done`` False: the task keeps no done window
         (``singleton_done_ttl``), so no done marker is looked for, on every path.
+
+        With ``singleton_wait_replicas``, a grant is not its holder's until
+        WAIT confirms it: it is marked meanwhile (:meth:`.LockKeys.waiting`),
+        and an execution refused by such a grant looks again every
+        :data:`PENDING_POLL` s until it is confirmed (refused then, as by any
+        running holder) or given back (and so free for it), instead of being
+        refused for good by a holder that may never run. Still unconfirmed
+        after that long (grants that keep being given back, no replica to
+        acknowledge any): :class:`.UnconfirmedHolderError`, a Redis error, so
+        ``singleton_on_backend_error`` decides (by default: retry later).
         """
+        answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
+                                    task_name, scope, throttle_ms, slots, replace, done)
+        if not self._wait or answer.status is not Acquire.HELD:
+            return answer
+        # one pending grant is decided within WAIT's timeout and a round trip;
+        # grants that keep being given back to each other, within a few
+        each = (self.config.wait_timeout + PENDING_MARGIN_MS) / 1000
+        started = time.monotonic()
+        last, deadline = "", 0.0
+        while True:
+            pending = self._pending(keys, answer, slots)
+            if not pending:
+                return answer  # confirmed, or a holder that never waited: running
+            now = time.monotonic()
+            if pending != last:
+                last, deadline = pending, now + each
+            if now > deadline or now - started > 2 * each:
+                raise UnconfirmedHolderError(keys.base, pending, now - started)
+            time.sleep(PENDING_POLL)
+            answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
+                                        task_name, scope, throttle_ms, slots, replace, done)
+            if answer.status is not Acquire.HELD:
+                return answer
+
+    def _pending(self, keys: LockKeys, answer: Acquired, slots: int) -> str:
+        """The execution id of a holder in the way of this refusal whose grant
+        still waits on WAIT, or ''."""
+        if slots == 1:
+            execs = [answer.holder.exec_id] if answer.holder is not None else []
+        else:
+            execs = [self.owner(slot).get("exec", "") for slot in keys.slots(slots)]
+        for exec_id in execs:
+            if exec_id and self.client.execute_command(  # type: ignore[no-untyped-call]
+                    "GET", keys.waiting(exec_id)) is not None:
+                return exec_id
+        return ""
+
+    def _acquire_once(self, keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
+                      hostname: str, retries: int, task_name: str, scope: str,
+                      throttle_ms: int, slots: int, replace: bool, done: bool) -> Acquired:
         if slots > 1:
             script = self._acquire_slots
             keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
@@ -149,7 +208,12 @@ class LockEngine:
             if not self._wait:
                 reply, _ = self.wire.call(script, keys_, args)
                 return replies.acquired(reply)
-            reply, _, acked = self.wire.call_with(script, keys_, args, after=self._wait)
+            # marked before the grant, in the same write: no one sees the grant unmarked
+            marker = keys.waiting(exec_id)
+            reply, _, acked = self.wire.call_with(
+                script, keys_, args, after=self._wait,
+                before=("SET", marker, exec_id, "PX",
+                        self.config.wait_timeout + PENDING_MARGIN_MS))
         except BROKEN as exc:
             if not isinstance(exc, RedisUnanswered):
                 # Redis may still run it (a frozen server runs what it has
@@ -160,27 +224,49 @@ class LockEngine:
             raise
         answer = replies.acquired(reply)
         if answer.status is Acquire.GRANTED:
-            self._replicated(keys.slot(answer.slot), acked, exec_id, task_id)
+            self._replicated(keys.slot(answer.slot), acked, exec_id, task_id, marker)
         return answer
 
-    def _replicated(self, keys: LockKeys, acked: Any, exec_id: str, task_id: str) -> None:
-        """Act on WAIT's answer after a grant (``singleton_wait_policy``)."""
+    def _replicated(self, keys: LockKeys, acked: Any, exec_id: str, task_id: str,
+                    marker: str) -> None:
+        """Act on WAIT's answer after a grant (``singleton_wait_policy``, and
+        ``singleton_wait_no_replica`` when none acknowledged): the grant is
+        confirmed (its WAIT marker deleted) or given back (the marker left to
+        expire, so an execution it refused meanwhile looks again)."""
         wanted = self.config.wait_replicas
         count = acked if isinstance(acked, int) else 0
         if count >= wanted:
+            self._confirm(marker, exec_id)
             return
         if isinstance(acked, Exception):
             logger.warning("WAIT after granting %s failed: %r", keys.base, acked)
-        if self.config.wait_policy == "proceed":
+        none = count == 0 and bool(self.config.wait_no_replica)
+        policy = self.config.wait_no_replica if none else self.config.wait_policy
+        setting = "singleton_wait_no_replica" if none else "singleton_wait_policy"
+        if policy == "proceed":
             logger.warning("Singleton lock %s granted but only %d of %d replicas acknowledged "
-                           "it: a failover now could lose it (policy: proceed)",
-                           keys.base, count, wanted)
+                           "it: a failover now could lose it (%s: proceed)",
+                           keys.base, count, wanted, setting)
+            self._confirm(marker, exec_id)
             return
         try:
             self.release(keys, exec_id, task_id, finished=False)
         except redis.RedisError as exc:  # it expires with its lease
             logger.warning("Could not give back %s after WAIT fell short: %r", keys.base, exc)
+        now = time.monotonic()
+        if count == 0 and now - self._no_replica_said >= NO_REPLICA_EVERY:
+            self._no_replica_said = now
+            logger.warning(
+                "No replica acknowledged the grant of singleton lock %s within %d ms (none "
+                "connected, as on a primary just promoted, or none in step): grants are given "
+                "back and their tasks retried until one does (%s: release; 'proceed' runs "
+                "them with a warning instead)", keys.base, self.config.wait_timeout, setting)
         raise TooFewReplicasError(keys.base, count, wanted)
+
+    def _confirm(self, marker: str, exec_id: str) -> None:
+        """The grant is its holder's: delete its WAIT marker, not waiting for the
+        reply (a marker left behind expires within PENDING_MARGIN_MS)."""
+        self.wire.call_later(self._unqueue, [marker], [exec_id], _ignored)
 
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
                 always_record: bool = False, done_ttl: float = 0.0, task_name: str = ""
@@ -387,3 +473,7 @@ class LockEngine:
             time.sleep(0.05)
         forget_seen(holder.pid)  # seen gone just now: no remembered answer
         return self.clear_dead_holder(keys, holder)
+
+
+def _ignored(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+    """The reply of a call whose outcome nobody waits for (a WAIT marker's delete)."""

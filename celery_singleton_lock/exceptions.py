@@ -191,6 +191,24 @@ class TooFewReplicasError(SingletonError, redis.RedisError):
                 f"within singleton_wait_timeout; released it")
 
 
+class UnconfirmedHolderError(TooFewReplicasError):
+    """The key is held by a grant that ``WAIT`` has not confirmed yet (too few
+    replicas have acknowledged it), and did not within the time an execution
+    waits for that: its holder is not known to run, so the refused execution
+    is not dropped as its duplicate; ``singleton_on_backend_error`` decides
+    (by default: retry later)."""
+
+    def __init__(self, key: Optional[str], holder: str, waited: float) -> None:
+        super().__init__(key, 0, 0)
+        self.holder = holder
+        self.waited = waited
+
+    def __str__(self) -> str:
+        return (f"the lock {self.key} is held by a grant still waiting on WAIT for its "
+                f"replicas (execution {self.holder}) after {self.waited:.1f} s: not known "
+                "to run")
+
+
 class QuorumError(SingletonError, redis.ConnectionError):
     """Too few masters of a ``redlock://`` URL answered for a majority to decide.
 

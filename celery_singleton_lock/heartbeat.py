@@ -49,6 +49,9 @@ logger = logging.getLogger("celery_singleton_lock")
 RENEW_FRACTION = 3.0
 #: how soon a renewal round that got no answer is tried again
 RETRY_FAILED = 0.5
+#: how soon the renewer reads the replies of releases sent without waiting
+#: when no lock call of the process has read them
+SETTLE_WITHIN = 0.5
 #: how long the renewer waits, when its watch got an answer, for the wire's
 #: lock calls to go through again (its owed calls sent first: see outage.py)
 RESUME_WAIT = 0.5
@@ -78,6 +81,8 @@ class Heartbeat:
         self.failed_rounds = 0  # in a row, since the last round that got through
         #: a server came back: a round is owed at once, until one gets through
         self._owed = False
+        #: when to read the replies of releases sent since (see :meth:`discard`)
+        self._settle_at: Optional[float] = None
 
     def add(self, lock: SingletonLock) -> None:
         with self._mutex.lock:
@@ -92,8 +97,16 @@ class Heartbeat:
                 os.write(self._wake_w, b"x")
 
     def discard(self, lock: SingletonLock) -> None:
+        """``lock`` is no longer held; its release follows, sent without
+        waiting: the renewer reads its reply within :data:`SETTLE_WITHIN` if
+        no lock call of this process does first, so a release the server
+        never answers (frozen, failing over) is owed and sent again at once,
+        not a round later (one wake-up per that long, however many end)."""
         with self._mutex.lock:
             self._held.pop(id(lock), None)
+            if self._settle_at is None and self._thread is not None:
+                self._settle_at = time.monotonic() + SETTLE_WITHIN
+                os.write(self._wake_w, b"s")
 
     def held(self) -> list[SingletonLock]:
         with self._mutex:
@@ -136,11 +149,16 @@ class Heartbeat:
         retry_in = self.watch.retry_in
         if retry_in is not None:
             timeout = min(timeout, retry_in)
+        settle_at = self._settle_at
+        if settle_at is not None:
+            timeout = min(timeout, max(settle_at - time.monotonic(), 0.0))
         ready, _, _ = select.select([self._wake_r, *fds], [], [], timeout)
         if self._wake_r in ready:
             self._drain_wake()
         try:
             # replies of releases sent without waiting, when no later call read them
+            if settle_at is not None and time.monotonic() >= settle_at:
+                self._settle_at = None
             self.engine.settle()
         except Exception:
             logger.exception("Reading singleton lock replies failed")

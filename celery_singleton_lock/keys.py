@@ -162,6 +162,9 @@ class LockKeys:
     ``replaced`` hash: superseded task id -> the task id that replaced it, and
     ``""`` -> when the burst's first send took the key, server ms
     (``singleton_on_duplicate="replace"``)
+    ``back``  hash: the lock keys (slots) written back since the server forgot
+    the key -> their tokens, ``""`` -> 1 (``lua/reclaim.lua``)
+    ``wait:<exec>`` string: a grant still waiting on ``WAIT`` (:meth:`waiting`)
     """
 
     __slots__ = ("base", "done", "fence", "fin", "lock")
@@ -186,6 +189,15 @@ class LockKeys:
     @property
     def replaced(self) -> str:
         return f"{self.base}:replaced"
+
+    @property
+    def back(self) -> str:
+        return f"{self.base}:back"
+
+    def waiting(self, exec_id: str) -> str:
+        """The marker of execution ``exec_id``'s grant while it waits on
+        ``WAIT`` (``singleton_wait_replicas``): its holder is not running yet."""
+        return f"{self.base}:wait:{exec_id}"
 
     def slot(self, number: int) -> LockKeys:
         """These keys with slot ``number``'s owner record as ``lock``

@@ -16,6 +16,14 @@ whose reply never came is sent again. An undo is sent twice, the second time
 after the first one's reply: by then the server has run every command that
 reached it before, on any connection, so nothing of the abandoned call is
 left behind it.
+
+A release that could not be sent at all (a refused or reset connection) is
+owed too: a replicated deployment still has the key on the replica it
+promotes (Sentinel), and the release, owner-checked, is safe to send late. A
+Sentinel-managed wire's probe asks the sentinels for the primary on every
+try and reads for :data:`PROBE_READ_MOVING` only, so a frozen old primary does
+not hold it while the promoted one already takes writes. (A Cluster's owed
+calls follow the slot to its new primary: :mod:`.cluster`.)
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ PROBE_FIRST, PROBE_MAX = 0.02, 0.25
 #: how long the probe's PING waits for a reply before it asks again: a frozen
 #: server's reply arrives the moment it runs again
 PROBE_READ = 5.0
+#: the same where the primary can move (Sentinel): each try asks the
+#: sentinels anew, so a frozen old primary holds the probe this long at most
+PROBE_READ_MOVING = 0.5
 #: a probe with nothing owed stops after this long, and the next call tries
 #: for real (a Cluster node failed over for good is not probed for ever); with
 #: calls owed, after five times as long (each lock's TTL frees what they would)
@@ -81,10 +92,13 @@ class Owed:
 class Outage:
     """The outage state of one wire: since when, what is owed, the probe."""
 
-    def __init__(self, name: Callable[[], str], connect: Callable[[], Any], call: Call) -> None:
+    def __init__(self, name: Callable[[], str], connect: Callable[[], Any], call: Call,
+                 resumed: Optional[Callable[[], None]] = None) -> None:
         self._name = name
         self._connect = connect
         self._call = call
+        #: called when the probe got an answer, before the owed calls are sent
+        self._resumed = resumed
         self._mutex = ForkSafeLock()
         #: monotonic time the server stopped answering; None while it answers
         self.since: Optional[float] = None
@@ -134,11 +148,14 @@ class Outage:
                 self._thread.start()
 
     def owe(self, owed: Owed) -> bool:
-        """Keep ``owed`` for when the server answers, if it went silent (its
-        buffers may still hold commands); False otherwise: the caller sends it
-        itself, or reports that it could not."""
+        """Keep ``owed`` (a release: owner-checked, safe to send late) for when
+        the server answers, while it is not answering, however the outage
+        began: a silent server may still run what it read, and one that
+        refused may come back with the key (a restart with persistence, a
+        replica promoted in its place). False while it answers: the caller
+        sends it itself, or reports that it could not."""
         with self._mutex:
-            if self.since is None or not self.silent:
+            if self.since is None:
                 return False
             self._owed.append(owed)
             return True
@@ -162,6 +179,8 @@ class Outage:
                 if not self._wait_for_server():
                     self._give_up()
                     return
+                if self._resumed is not None:
+                    self._resumed()
                 if not self._send_owed():
                     continue
                 with self._mutex:

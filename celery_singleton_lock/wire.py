@@ -31,7 +31,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from .link import Link
-from .outage import PROBE_READ, Answered, Outage, Owed
+from .outage import PROBE_READ, PROBE_READ_MOVING, Answered, Outage, Owed
 from .process import ForkSafeLock
 from .scripts import Script, evalsha, pack
 
@@ -78,14 +78,23 @@ class Wire:
         self._unsettled: list[tuple[Link, _Pending]] = []
         self._made = 0
         self._making = ForkSafeLock()
-        self.outage = Outage(lambda: self.name, self._probe_connection, self._call_owed)
+        #: the sentinels name the primary (``sentinel://``): it can move
+        self._service = getattr(self._connection_kwargs.get("connection_pool"),
+                                "service_name", None)
+        self.outage = Outage(lambda: self.name, self._probe_connection, self._call_owed,
+                             self._drop_idle if self._service is not None else None)
 
     @property
     def name(self) -> str:
-        """Where it goes, for messages: ``host:port``, or the socket path."""
+        """Where it goes, for messages: ``host:port``, the socket path, or the
+        Sentinel service and the primary it was last seen on."""
         kw = self._connection_kwargs
         if "path" in kw:
             return str(kw["path"])
+        if self._service is not None:
+            address = getattr(kw["connection_pool"], "master_address", None)
+            where = f"{address[0]}:{address[1]}" if address else "not known yet"
+            return f"Sentinel primary {self._service!r} ({where})"
         return f"{kw.get('host', '?')}:{kw.get('port', '?')}"
 
     @property
@@ -123,9 +132,25 @@ class Wire:
 
     def _probe_connection(self) -> Any:
         """The outage probe's connection: its PING waits longer than a lock
-        call would, so a frozen server's reply is read the moment it runs again."""
-        return self._connection_class(**{**self._connection_kwargs,
-                                         "socket_timeout": PROBE_READ})
+        call would, so a frozen server's reply is read the moment it runs again;
+        under Sentinel not that long, since each try asks the sentinels where
+        the primary is now (a frozen one is replaced)."""
+        read = PROBE_READ if self._service is None else PROBE_READ_MOVING
+        return self._connection_class(**{**self._connection_kwargs, "socket_timeout": read})
+
+    def _drop_idle(self) -> None:
+        """The server answers again, maybe as another primary (Sentinel): the
+        idle connections reconnect when next used, asking where it is now
+        (one still open to a frozen old primary would wait out its timeout)."""
+        idle: list[Link] = []
+        while True:
+            try:
+                idle.append(self._idle.pop())
+            except IndexError:
+                break
+        for link in idle:
+            link.disconnect()
+        self._idle.extend(idle)
 
     def _call_owed(self, script: Script, keys: Sequence[str], args: Sequence[Any]
                    ) -> tuple[Any, bool]:

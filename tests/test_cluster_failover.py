@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from typing import Any, Iterator, Optional
 
@@ -211,3 +212,208 @@ def test_a_worker_keeps_its_lock_through_a_failover_and_skips_duplicates(
         wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
     finally:
         discard(worker)
+
+
+@pytest.mark.worker
+def test_a_release_sent_to_a_killed_primary_reaches_the_promoted_replica(
+        cluster, redis_server, events, key):
+    """Twice: a task's primary is killed, then the task ends, so its release
+    meets a refused connection. The release is owed to whichever node serves
+    the slot, and the promoted replica frees the key as soon as it serves it:
+    long before the 60 s lease, and a duplicate sent then runs instead of
+    being skipped against the finished holder (before: the key stayed for the
+    rest of its lease)."""
+    conf = {"singleton_ttl": 60.0}
+    worker = Worker(redis_server.url(), f"clr-{uuid.uuid4().hex[:8]}", concurrency=2,
+                    lock_url=cluster.url(), conf=conf).start()
+    gaps: list[float] = []
+    try:
+        app = make_app(redis_server.url(), worker.queue, lock_url=cluster.url(), conf=conf)
+        hold = app.tasks["t.hold"]
+        for i in range(2):
+            name = f"{key}-{i}"
+            lock = hold.singleton_keys(name).lock
+            first = hold.delay(name, 120.0, f"ends{i}")
+            wait_for(lambda t=f"ends{i}": events.starts(t), 15, what="start")
+            wait_for(lambda k=lock: on_replica(cluster, k), 10, what="the lock on the replica")
+            old = primary_of(cluster, slot_of(lock))
+            assert old is not None
+            old.stop()  # kill -9
+            events.client.set(f"finish:{name}", 1)  # the task ends: its release is refused
+            assert first.get(timeout=30)["lost"] is False
+
+            def promoted(k: str = lock, was: int = old.port) -> Any:
+                node = primary_of(cluster, slot_of(k))
+                return node if node is not None and node.port != was else None
+
+            new = wait_for(promoted, 30, interval=0.02, what="the replica promoted")
+            promoted_at = time.monotonic()
+
+            def freed(k: str = lock, node: RedisServer = new) -> bool:
+                try:
+                    return not node.client().exists(k)
+                except redis.RedisError:
+                    return False
+
+            # well within the 60 s lease: only the owed release frees it this soon
+            wait_for(freed, 10, interval=0.01, what="the key freed on the promoted replica")
+            gaps.append(time.monotonic() - promoted_at)
+            after = hold.delay(name, 0.0, f"after{i}").get(timeout=30)
+            assert not is_skipped(after), after
+            old.start()
+            wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+        assert "Could not release singleton lock" not in worker.logs()
+        print(f"\nkey freed {', '.join(f'{g * 1000:.0f}' for g in gaps)} ms after the "
+              "promoted replica first served the slot")
+    finally:
+        discard(worker)
+
+
+class Load:
+    """Calls of ``t.hold`` over some keys, one every 50 ms, each result's
+    ready time noted (wall clock, as the workers' events): run by :meth:`step`
+    from the test's own loop."""
+
+    def __init__(self, hold: Any, keys: list[str], seed: int) -> None:
+        import random
+
+        self.hold, self.keys, self.rng = hold, keys, random.Random(seed)
+        self.pending: list[Any] = []
+        self.ready: list[tuple[Any, float]] = []
+        self._next = 0.0
+
+    def step(self, sending: bool = True) -> None:
+        now = time.monotonic()
+        if sending and now >= self._next:
+            self._next = now + 0.05
+            self.pending.append(self.hold.delay(self.rng.choice(self.keys),
+                                                self.rng.uniform(0.1, 0.5), "load"))
+        still = []
+        for res in self.pending:
+            if res.ready():
+                self.ready.append((res, time.time()))
+            else:
+                still.append(res)
+        self.pending = still
+        time.sleep(0.01)
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            self.step(sending=False)
+        assert not self.pending, f"{len(self.pending)} calls not final"
+
+    def late_skips(self, ends: dict[str, float], promoted: float) -> list[float]:
+        """Seconds past the holder's end of every skip that came more than 1 s
+        after both the holder ended and the promotion."""
+        late = []
+        for res, at in self.ready:
+            result = res.result
+            if is_skipped(result) and result["holder"] in ends:
+                ended = ends[result["holder"]]
+                if at > ended + 1.0 and at > promoted + 1.0:
+                    late.append(at - ended)
+        return late
+
+
+@pytest.mark.worker
+def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
+        cluster, redis_server, events):
+    """Two workers, calls of four keys of one shard sent every 50 ms (0.1-0.5 s
+    each, the default 30 s lease), that shard's primary killed mid-run: after
+    the promotion no call is skipped against a holder that had finished more
+    than a second before (before: 1-9 such skips per run, up to 25.5 s late)."""
+    conf = {"singleton_ttl": 30.0}
+    queue = f"cll-{uuid.uuid4().hex[:8]}"
+    workers = [Worker(redis_server.url(), queue, concurrency=3, lock_url=cluster.url(),
+                      conf=conf, name=n).start() for n in ("a", "b")]
+    victim = primary_of(cluster, 0)
+    try:
+        app = make_app(redis_server.url(), queue, lock_url=cluster.url(), conf=conf)
+        hold = app.tasks["t.hold"]
+        assert victim is not None
+        keys: list[str] = []
+        while len(keys) < 4:
+            name = uuid.uuid4().hex[:8]
+            node = primary_of(cluster, slot_of(hold.singleton_keys(name).lock))
+            if node is not None and node.port == victim.port:
+                keys.append(name)
+        load = Load(hold, keys, 45)
+        started = time.monotonic()
+        while time.monotonic() - started < 3:
+            load.step()
+        victim.stop()  # kill -9
+        while True:
+            load.step()
+            node = primary_of(cluster, 0)
+            if node is not None and node.port != victim.port:
+                promoted = time.time()
+                break
+            assert time.monotonic() - started < 40, "no promotion"
+        after = time.monotonic()
+        while time.monotonic() - after < 6:
+            load.step()
+        load.drain(60)
+        ends = {e["id"]: e["t"] for e in events.ends("load")}
+        late = load.late_skips(ends, promoted)
+        skips = sum(1 for res, _ in load.ready if is_skipped(res.result))
+        print(f"\nCluster under load: {len(load.ready)} calls, {skips} skipped, "
+              f"{len(late)} skipped against a holder finished over 1 s before (after the "
+              "promotion)" + (f", up to {max(late):.1f} s" if late else ""))
+        assert late == []
+    finally:
+        for w in workers:
+            discard(w)
+        if victim is not None and not victim.running:
+            victim.start()
+            wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+
+
+@pytest.mark.worker
+def test_a_shard_with_no_replica_after_its_failover_does_as_its_setting_says(
+        cluster, redis_server, events):
+    """WAIT 1 on a Cluster; a shard's primary killed: the promoted replica has
+    no replica until the old primary rejoins. A worker with
+    singleton_wait_no_replica='proceed' runs a task of that shard at once,
+    with a warning naming the setting; one left as singleton_wait_policy says
+    (release) gives each grant back, says why in its log, retries, and runs
+    the task once the old primary is back as a replica."""
+    base = {"singleton_wait_replicas": 1, "singleton_wait_timeout": 200}
+    runs_conf = {**base, "singleton_wait_no_replica": "proceed"}
+    queues = [f"nr-{uuid.uuid4().hex[:6]}-{n}" for n in ("p", "r")]
+    proceed = Worker(redis_server.url(), queues[0], concurrency=1, lock_url=cluster.url(),
+                     conf=runs_conf, name="p").start()
+    release = Worker(redis_server.url(), queues[1], concurrency=1, lock_url=cluster.url(),
+                     conf=base, name="r").start()
+    victim = primary_of(cluster, 0)
+    assert victim is not None
+    try:
+        runs_app = make_app(redis_server.url(), queues[0], lock_url=cluster.url(),
+                            conf=runs_conf)
+        waits_app = make_app(redis_server.url(), queues[1], lock_url=cluster.url(), conf=base)
+        name = ""
+        while not name:
+            candidate = uuid.uuid4().hex[:8]
+            lock = runs_app.tasks["t.hold"].singleton_keys(candidate).lock
+            if primary_of(cluster, slot_of(lock)) == victim:
+                name = candidate
+        victim.stop()  # kill -9
+        wait_for(lambda: (n := primary_of(cluster, 0)) is not None and n.port != victim.port,
+                 30, interval=0.05, what="the replica promoted")
+        ran = runs_app.tasks["t.hold"].delay(name, 0.0, "proceeds").get(timeout=30)
+        assert not is_skipped(ran) and ran["tag"] == "proceeds"
+        assert "(singleton_wait_no_replica: proceed)" in proceed.logs()
+        waiting = waits_app.tasks["t.hold"].delay(f"{name}", 0.0, "waits")
+        wait_for(lambda: "No replica acknowledged the grant" in release.logs()
+                 and "TooFewReplicasError): retrying later" in release.logs(), 30,
+                 what="a grant given back, saying why")
+        assert not events.starts("waits")
+        victim.start()  # rejoins as the promoted node's replica
+        wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+        assert waiting.get(timeout=60)["tag"] == "waits"
+    finally:
+        discard(proceed)
+        discard(release)
+        if not victim.running:
+            victim.start()
+            wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")

@@ -13,14 +13,14 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.replies import Acquire
 from celery_singleton_lock.testing import assert_skipped
 from tests.deployments import SentinelGroup
-from tests.support import Worker, owner_field, wait_for
+from tests.support import Worker, discard, owner_field, wait_for
 from tests.workerapp import make_app
 
 #: the promise the docs state: kill -9 of the primary to locks working again
@@ -103,3 +103,118 @@ def test_a_real_worker_keeps_locking_through_a_failover_without_restart(group, r
         assert all(e["concurrent"] == 1 for e in events.starts())
     finally:
         worker.stop()
+
+
+def _freed_on(server: Any, lock: str) -> bool:
+    try:
+        return not server.client(2).exists(lock)
+    except redis.RedisError:
+        return False
+
+
+@pytest.mark.worker
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_release_the_old_primary_never_ran_is_sent_to_the_promoted_one(
+        redis_server, events, fault):
+    """The primary is killed (or frozen) while a task holds its lock, then the
+    task ends: its release meets a refused connection (or gets no reply). It
+    is owed, and sent to the replica the sentinels promote, which frees the
+    key long before the 60 s lease: a duplicate sent then runs. The outage is
+    logged naming the Sentinel service, not '?:?'. (Before: the refused
+    release was dropped and the key stayed for its whole lease.)"""
+    group = SentinelGroup(replicas=2).start()
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    conf = {"singleton_ttl": 60.0}
+    worker = Worker(redis_server.url(), queue, concurrency=2, lock_url=group.url(2),
+                    conf=conf).start()
+    frozen = None
+    try:
+        app = make_app(redis_server.url(), queue, lock_url=group.url(2), conf=conf)
+        hold = app.tasks["t.hold"]
+        key = uuid.uuid4().hex[:8]
+        lock = hold.singleton_keys(key).lock
+        first = hold.delay(key, 120.0, "ends")
+        wait_for(lambda: events.starts("ends"), 20, what="the task to start")
+        group.primary.client(2).execute_command("WAIT", 2, 2000)  # replicated
+        old_port = group.master_port()
+        assert old_port is not None
+        old = group.server_on(old_port)
+        if fault == "kill":
+            old.stop()
+        else:
+            old.pause()
+            frozen = old
+        events.client.set(f"finish:{key}", 1)  # the task ends; its release cannot land
+        assert first.get(timeout=30)["lost"] is False
+        new_port = wait_for(lambda: (p := group.master_port()) not in (None, old_port) and p,
+                            30, interval=0.05, what="the sentinels to promote a replica")
+        new = group.server_on(int(new_port))
+        wait_for(lambda: new.client().info("replication").get("role") == "master", 30,
+                 interval=0.02, what="the replica to take writes")
+        promoted_at = time.monotonic()
+        # well within the 60 s lease: only the owed release frees it this soon
+        wait_for(lambda: _freed_on(new, lock), 10, interval=0.01,
+                 what="the key freed on the promoted replica")
+        gap = time.monotonic() - promoted_at
+        assert not is_skipped(hold.delay(key, 0.0, "after").get(timeout=30))
+        logs = worker.logs()
+        assert "Could not release singleton lock" not in logs
+        assert "Lock Redis at Sentinel primary 'mymaster' (127.0.0.1:" in logs, logs[-3000:]
+        assert "?:?" not in logs
+        print(f"\n{fault}: key freed {gap * 1000:.0f} ms after the promoted replica "
+              "took writes")
+    finally:
+        if frozen is not None:
+            frozen.resume()
+        discard(worker)
+        group.cleanup()
+
+
+@pytest.mark.worker
+def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
+        redis_server, events):
+    """Two workers, calls of four keys sent every 50 ms (0.1-0.5 s each, the
+    default 30 s lease), the primary killed mid-run: after the sentinels'
+    promotion no call is skipped against a holder that had finished more than
+    a second before (before: 54 such skips, up to 7.8 s late). (A frozen
+    primary under this load showed none before either: each busy process
+    reads its releases' replies, and owed the timed-out ones, at once.)"""
+    from tests.test_cluster_failover import Load
+
+    group = SentinelGroup(replicas=2).start()
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    conf = {"singleton_ttl": 30.0}
+    workers = [Worker(redis_server.url(), queue, concurrency=3, lock_url=group.url(2),
+                      conf=conf, name=n).start() for n in ("a", "b")]
+    try:
+        app = make_app(redis_server.url(), queue, lock_url=group.url(2), conf=conf)
+        load = Load(app.tasks["t.hold"], [uuid.uuid4().hex[:8] for _ in range(4)], 45)
+        started = time.monotonic()
+        while time.monotonic() - started < 3:
+            load.step()
+        old_port = group.master_port()
+        assert old_port is not None
+        group.server_on(old_port).stop()  # kill -9
+        while True:
+            load.step()
+            port = group.master_port()
+            if port not in (None, old_port) and group.server_on(int(port)).client().info(
+                    "replication").get("role") == "master":
+                promoted = time.time()
+                break
+            assert time.monotonic() - started < 40, "no promotion"
+        after = time.monotonic()
+        while time.monotonic() - after < 6:
+            load.step()
+        load.drain(60)
+        ends = {e["id"]: e["t"] for e in events.ends("load")}
+        late = load.late_skips(ends, promoted)
+        skips = sum(1 for res, _ in load.ready if is_skipped(res.result))
+        print(f"\nSentinel under load: {len(load.ready)} calls, {skips} skipped, "
+              f"{len(late)} skipped against a holder finished over 1 s before (after the "
+              "promotion)" + (f", up to {max(late):.1f} s" if late else ""))
+        assert late == []
+    finally:
+        for w in workers:
+            discard(w)
+        group.cleanup()

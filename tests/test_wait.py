@@ -4,12 +4,13 @@ is stopped with SIGSTOP to make WAIT fall short."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any, Iterator
 
 import pytest
 
-from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
 from celery_singleton_lock.exceptions import TooFewReplicasError
@@ -123,3 +124,71 @@ def test_a_worker_retries_a_grant_too_few_replicas_saw_and_runs_it_once_they_do(
     finally:
         replica.resume()
         discard(worker)
+
+
+@pytest.mark.worker
+def test_a_grant_waiting_on_wait_is_no_running_holder_for_a_duplicate(pair, key):
+    """Two workers, WAIT 1 (300 ms) with policy release, the replica stopped:
+    every grant waits 300 ms on WAIT and is given back. A holder and five
+    duplicates of its key sent meanwhile keep meeting each other's pending
+    grants; none is skipped as "duplicate of X (running)" while nothing can
+    run (before: most were, against grants that were then given back). Once
+    the replica answers, one runs; a call skipped then names a holder that
+    started."""
+    primary, replica = pair
+    conf = {"singleton_wait_replicas": 1, "singleton_wait_timeout": 300,
+            "singleton_wait_policy": "release"}
+    queue = f"wait-{uuid.uuid4().hex[:8]}"
+    workers = [Worker(primary.url(), queue, concurrency=2, conf=conf, name=n).start()
+               for n in ("a", "b")]
+    events = Events(primary)
+    events.client.delete("events")
+    try:
+        app = make_app(primary.url(), queue, conf=conf)
+        hold = app.tasks["t.hold"]
+        replica.pause()
+        calls = [hold.delay(key, 0.5, "holder")]
+        for i in range(5):
+            time.sleep(0.15)  # spread over the grants' WAIT windows, not racing a lease
+            calls.append(hold.delay(key, 0.5, f"dup{i}"))
+        given_back = "(server:TooFewReplicasError): retrying later"
+
+        def backs() -> int:
+            return sum(w.log.read_text().count(given_back) for w in workers)
+
+        wait_for(lambda: backs() >= 30, 60, what="30 grants given back for too few replicas")
+        assert events.starts() == []
+        skipped = [c.id for c in calls if c.ready() and is_skipped(c.result)]
+        assert skipped == [], f"skipped against grants that never ran: {skipped}"
+        replica.resume()
+        results = [c.get(timeout=60) for c in calls]
+        started = {e["id"] for e in events.starts()}
+        assert started
+        for r in results:
+            if is_skipped(r):
+                assert r["holder"] in started, r
+        assert max(e["concurrent"] for e in events.starts()) == 1
+    finally:
+        replica.resume()
+        for w in workers:
+            discard(w)
+
+
+def test_no_replica_at_all_follows_its_own_setting(pair, caplog):
+    """singleton_wait_no_replica: with no replica acknowledging (stopped),
+    'proceed' keeps the grant with a warning naming the setting although
+    singleton_wait_policy is 'release'; left unset, the policy decides and
+    the grant is given back, with a warning that says why and what to set."""
+    primary, replica = pair
+    replica.pause()
+    keys = LockKeys("singleton:", "none")
+    runs = engine_for(primary, wait_replicas=1, wait_timeout=100, wait_policy="release",
+                      wait_no_replica="proceed")
+    with caplog.at_level(logging.WARNING, "celery_singleton_lock"):
+        assert take(runs, keys).status is Acquire.GRANTED
+        assert "singleton_wait_no_replica: proceed" in caplog.text
+        refuses = engine_for(primary, wait_replicas=1, wait_timeout=100, wait_policy="release")
+        with pytest.raises(TooFewReplicasError):
+            take(refuses, LockKeys("singleton:", "none2"))
+    assert "No replica acknowledged the grant" in caplog.text
+    assert not primary.client(2).exists(LockKeys("singleton:", "none2").lock)

@@ -48,7 +48,7 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         start = {"ev": "start", "tag": tag, "id": task.request.id, "pid": os.getpid(),
                  "token": task.singleton.token, "lockkey": task.singleton.key,
                  "concurrent": n, "retries": task.request.retries, "key": key,
-                 "t": time.time()}
+                 "slot": task.singleton.slot, "t": time.time()}
         rec.rpush("events", json.dumps(start))
         try:
             deadline, polls = time.monotonic() + seconds, 0

@@ -6,7 +6,10 @@
 -- KEYS[2] fin     string: id of a task that finished while a copy of it waited
 -- KEYS[3] done    string: the task whose success keeps the key done (the
 --                 fence's key in its place when the task keeps no done window)
--- KEYS[4..]       the slots' owner records, slot 1 first (slot 1 is the key's
+-- KEYS[4] back    hash: the slots written back since the server forgot the key
+--                 (reclaim.lua): while it lives, a free slot missing from it
+--                 is not granted (its holder may be about to write it back)
+-- KEYS[5..]       the slots' owner records, slot 1 first (slot 1 is the key's
 --                 lock of singleton_limit = 1)
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
@@ -14,11 +17,12 @@
 --
 -- Returns
 --   {1, token, slot}            granted slot number 'slot'
---   {0, record, 0, slot}        every slot held by other tasks ('slot': the first)
+--   {0, record, 0, slot}        every slot held by other tasks ('slot': the first),
+--                               or kept for a holder writing it back
 --   {2, record, slot}           held by another execution of this task id
 --   {3, task}                   this task id already finished
 --   {4, task}                   done: another task succeeded within done_ttl
-local fence, fin, done = KEYS[1], KEYS[2], KEYS[3]
+local fence, fin, done, back = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if done == fence then done = nil end  -- no done window: no marker to look for
 local task_id, exec_id = ARGV[1], ARGV[2]
 local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
@@ -35,14 +39,14 @@ local function grant(slot)
     token = string.format('%.0f', tonumber(last) + 1)
     redis.call('SET', fence, token, 'PX', '86400000')
   end
-  redis.call('SET', KEYS[3 + slot], exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' ..
+  redis.call('SET', KEYS[4 + slot], exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' ..
     ARGV[4], 'PX', ARGV[3])
   return {1, token, slot}
 end
 
 local records, free = {}, nil
-for slot = 1, #KEYS - 3 do
-  local record = redis.call('GET', KEYS[3 + slot])
+for slot = 1, #KEYS - 4 do
+  local record = redis.call('GET', KEYS[4 + slot])
   records[slot] = record
   if not record then
     free = free or slot
@@ -53,11 +57,11 @@ for slot = 1, #KEYS - 3 do
         return grant(slot)  -- the retry takes back the slot its attempt kept for it
       end
       if exec == exec_id then
-        redis.call('PEXPIRE', KEYS[3 + slot], ARGV[3])
+        redis.call('PEXPIRE', KEYS[4 + slot], ARGV[3])
         return {1, string.match(record, '^[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)'), slot}
       end
       if copies ~= '1' then
-        redis.call('SET', KEYS[3 + slot], exec .. '\n' .. handoff .. '\n1' ..
+        redis.call('SET', KEYS[4 + slot], exec .. '\n' .. handoff .. '\n1' ..
           string.sub(record, #exec + #handoff + #copies + 3), 'KEEPTTL')
       end
       return {2, record, slot}
@@ -71,8 +75,23 @@ if done_by then
   if done_by == task_id then return {3, task_id} end
   return {4, done_by}
 end
+if free and redis.call('HGET', back, '') then
+  -- the server forgot the key and some of its slots are written back: the
+  -- others may be too, by holders still running; none is granted until
+  -- 'back' expires (reclaim.lua)
+  free = nil
+  for slot = 1, #KEYS - 4 do
+    if not records[slot] and redis.call('HGET', back, KEYS[4 + slot]) then
+      free = slot  -- written back, then released: its holder is done
+      break
+    end
+  end
+end
 if not free then
-  return {0, records[1], 0, 1}
+  for slot = 1, #KEYS - 4 do
+    if records[slot] then return {0, records[slot], 0, slot} end
+  end
+  return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n', 0, 1}
 end
 if redis.call('GET', fin) == task_id then
   return {3, task_id}
