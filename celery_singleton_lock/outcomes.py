@@ -133,8 +133,8 @@ def send_again(task: Any, config: SingletonConfig, args: Sequence[Any],
     """Send this very request again (same task id, same retries) after a
     backoff, or ``at`` seconds from now (a throttle window reopens then).
 
-    The countdown is one the broker can carry (whole seconds under RabbitMQ's
-    native delayed delivery), and the message carries the headers Celery
+    The countdown is one the broker can carry (at least a second under
+    RabbitMQ's native delayed delivery), and the message carries the headers Celery
     would put on a retry: the request's own, less the broker's bookkeeping
     (``x-death`` and the like, ``x-delivery-count``; :mod:`.transport`).
     """

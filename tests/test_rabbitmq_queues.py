@@ -38,12 +38,12 @@ DELIVERY_LIMIT = 20
 LATE = 5.0
 HOLD = float(os.environ.get("SLT_QUORUM_HOLD", "7"))
 DUPLICATES = int(os.environ.get("SLT_QUORUM_DUPLICATES", "6"))
-#: singleton_retry_delay and singleton_retry_max_delay: every wait is 2-3 s,
-#: 3 s on quorum queues (binary 11: the delay queues of 2 s, then of 1 s), so
-#: a message sent again with the ``x-death`` of its last wait, which names the
-#: 1 s queue, comes back into that queue by dead-lettering: RabbitMQ before
-#: 4.0.1 takes it for a cycle
-DELAYS = [float(x) for x in os.environ.get("SLT_QUORUM_DELAYS", "2.5,2.5").split(",")]
+#: singleton_retry_delay and singleton_retry_max_delay: every wait is
+#: 2.56-3.84 s, routed through the delay queues as 2 s or (5 times in 8) 3 s,
+#: binary 11: the 2 s queue, then the 1 s one. A message sent again with the
+#: ``x-death`` of an earlier 3 s wait, which names the 1 s queue, comes back
+#: into it by dead-lettering: RabbitMQ before 4.0.1 takes that for a cycle
+DELAYS = [float(x) for x in os.environ.get("SLT_QUORUM_DELAYS", "3.2,3.2").split(",")]
 
 QUEUE_TYPES = ["quorum", "classic"]
 
