@@ -50,10 +50,13 @@ QUEUE_TYPES = ["quorum", "classic"]
 
 @pytest.fixture(scope="module")
 def rabbit() -> Iterator[RabbitNode]:
-    node = RabbitNode().start()
-    node.set_policy("delivery-limit", ".*", {"delivery-limit": DELIVERY_LIMIT})
-    yield node
-    node.cleanup()
+    node = RabbitNode()
+    try:
+        node.start()
+        node.set_policy("delivery-limit", ".*", {"delivery-limit": DELIVERY_LIMIT})
+        yield node
+    finally:
+        node.cleanup()
 
 
 def broker_conf(url: str, queue_type: str, **extra: Any) -> dict[str, Any]:
