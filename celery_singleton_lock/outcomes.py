@@ -21,6 +21,7 @@ from .lock import REQUEST_ATTR, SingletonLock
 from .policies import Decision, Do
 from .results import skip_result
 from .skiplog import log_skip
+from .transport import schedulable, without_broker_headers
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -130,12 +131,19 @@ def send_again(task: Any, config: SingletonConfig, args: Sequence[Any],
                kwargs: Mapping[str, Any], backend_error: bool = False,
                at: Optional[float] = None) -> tuple[Any, float]:
     """Send this very request again (same task id, same retries) after a
-    backoff, or ``at`` seconds from now (a throttle window reopens then)."""
+    backoff, or ``at`` seconds from now (a throttle window reopens then).
+
+    The countdown is one the broker can carry (at least a second under
+    RabbitMQ's native delayed delivery), and the message carries the headers Celery
+    would put on a retry: the request's own, less the broker's bookkeeping
+    (``x-death`` and the like, ``x-delivery-count``; :mod:`.transport`).
+    """
     req = task.request
     waits = int(getattr(req, WAITS_HEADER, None) or 0)
-    countdown = policies.backoff(config, waits, backend_error=backend_error) if (
-        at is None) else at + policies.THROTTLE_SLACK
-    headers = dict(req.headers or {}) if isinstance(req.headers, dict) else {}
+    countdown = schedulable(task.app, policies.backoff(
+        config, waits, backend_error=backend_error) if (
+        at is None) else at + policies.THROTTLE_SLACK)
+    headers = without_broker_headers(req.headers)
     headers[WAITS_HEADER] = waits + 1
     sig = task.signature_from_request(
         req, list(args), dict(kwargs), countdown=countdown, retries=req.retries,

@@ -19,6 +19,7 @@ from celery import states
 from . import monitor
 from .config import SingletonConfig
 from .results import skip_result
+from .transport import schedulable
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -30,14 +31,15 @@ def replace_args(config: SingletonConfig) -> Optional[tuple[int, int]]:
     return int(config.debounce * 1000), int(config.debounce_max * 1000)
 
 
-def debounced(options: dict[str, Any], countdown_ms: Optional[int],
+def debounced(app: Any, options: dict[str, Any], countdown_ms: Optional[int],
               config: SingletonConfig) -> dict[str, Any]:
-    """The send's options with the debounce countdown the script gave, unless
-    the caller chose a countdown or an ETA of its own."""
+    """The send's options with the debounce countdown the script gave (as the
+    app's broker can carry it: :func:`.transport.schedulable`), unless the
+    caller chose a countdown or an ETA of its own."""
     if not config.debounce or countdown_ms is None or (
             options.get("countdown") is not None or options.get("eta") is not None):
         return options
-    return {**options, "countdown": countdown_ms / 1000.0}
+    return {**options, "countdown": schedulable(app, countdown_ms / 1000.0)}
 
 
 def supersede(task: Any, key: str, successor: str, superseded: Sequence[str]) -> None:

@@ -275,7 +275,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                                       refused_id=task_id, task=self)
         try:
             sent = super().apply_async(args, kwargs, task_id=task_id,
-                                       **debounced(options, answer.countdown_ms, config))
+                                       **debounced(self.app, options, answer.countdown_ms,
+                                                  config))
         except BaseException:
             if decision.keyed:
                 with contextlib.suppress(redis.RedisError):  # else it expires on its own

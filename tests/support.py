@@ -21,9 +21,9 @@ from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, 
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "dead_port", "free_port",
-           "marker", "owner_field", "owner_record", "serve_on_free_port", "wait_for",
-           "write_owner"]
+__all__ = ["ROOT", "CuttableProxy", "RedisServer", "ReplyDroppingProxy", "Worker", "dead_port",
+           "free_port", "marker", "owner_field", "owner_record", "serve_on_free_port",
+           "wait_for", "write_owner"]
 
 #: the sockets behind dead_port(), bound for as long as this process lives
 _HELD: list[socket.socket] = []
@@ -219,3 +219,36 @@ class PausableProxy(_Proxy):
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_RDWR)
+
+
+class CuttableProxy(_Proxy):
+    """A proxy (to any TCP server: Redis, RabbitMQ) whose connections can all
+    be broken at once, a lost network path: while cut, a new connection is
+    closed as soon as it is made."""
+
+    def __init__(self, target_port: int) -> None:
+        self.is_cut = False
+        self._open: list[socket.socket] = []
+        self._guard = threading.Lock()
+        super().__init__(target_port)
+
+    def cut(self) -> None:
+        with self._guard:
+            self.is_cut = True
+            broken, self._open = self._open, []
+        for sock in broken:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, state: dict[str, bool]) -> None:
+        with self._guard:
+            if not self.is_cut:
+                self._open += [client, upstream]
+        if self.is_cut:
+            for sock in (client, upstream):
+                with contextlib.suppress(OSError):
+                    sock.close()
+            return
+        self._pipe(client, upstream)

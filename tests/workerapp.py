@@ -41,6 +41,8 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
     app.conf.update(conf or {})
     rec = recorder(redis_url)
     task = functools.partial(app.task, shared=False)
+    if app.conf.get("slt_record_received"):
+        record_received(app, rec)
     one_server = not str(app.conf.singleton_redis_url).startswith("redlock")
 
     def body(task: Any, key: str, seconds: float, tag: str, fail: bool = False) -> Any:
@@ -215,6 +217,11 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         def debounce(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
             return body(self, key, seconds, tag)
 
+        @task(base=SingletonTask, bind=True, name="t.debounce_short", singleton_key=("key",),
+              singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=0.5)
+        def debounce_short(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+            return body(self, key, seconds, tag)
+
         @task(base=SingletonTask, bind=True, name="t.debounce_max", singleton_key=("key",),
               singleton_scope="queue", singleton_on_duplicate="replace", singleton_debounce=1.0,
               singleton_debounce_max=2.5)
@@ -241,6 +248,27 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         return {"tag": tag}
 
     return app
+
+
+def record_received(app: Celery, rec: redis.Redis) -> None:
+    """The worker's main process records every message it receives (event
+    ``received``): when, the ETA it carries, and the broker's headers on it
+    (a quorum queue's ``x-delivery-count``, the ``x-death`` entries)."""
+    from celery.signals import task_received
+
+    def received(sender: Any = None, request: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:  # another app's worker in this process
+            return
+        headers = getattr(request.message, "headers", None) or {}
+        eta = request.eta
+        rec.rpush("events", json.dumps({
+            "ev": "received", "id": request.id, "name": request.name, "t": time.time(),
+            "eta": eta.timestamp() if eta is not None else None,
+            "delivery_count": headers.get("x-delivery-count"),
+            "deaths": len(headers.get("x-death") or ()),
+            "waits": headers.get("singleton_waits"), "hostname": request.hostname}))
+
+    task_received.connect(received, weak=False)
 
 
 def _from_env() -> Celery:
