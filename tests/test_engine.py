@@ -18,9 +18,18 @@ from celery_singleton_lock.engines import connect
 from celery_singleton_lock.heartbeat import Heartbeat
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
+from celery_singleton_lock.process import HOST_KEY as PROCESS_HOST_KEY
 from celery_singleton_lock.process import PROCESS
 from celery_singleton_lock.replies import Acquire, Enqueue, Reclaim, Release, Released
-from tests.support import ROOT, marker, owner_field, owner_record, wait_for, write_owner
+from tests.support import (
+    ROOT,
+    held_on_another_host,
+    marker,
+    owner_field,
+    owner_record,
+    wait_for,
+    write_owner,
+)
 
 
 @pytest.fixture
@@ -296,6 +305,43 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
     assert take(engine, keys, "task-b").status is Acquire.GRANTED
     # our own process is alive: its lock stays
     assert engine.clear_dead_holder(keys, take(engine, keys, "task-c").holder) is False
+
+
+def test_a_holder_on_another_host_is_never_declared_dead_here(engine, r):
+    """A pid in another machine's record means nothing here: no local lookup
+    frees that lock (a duplicate's, the reaper's, a slot of singleton_limit's),
+    however dead the pid looks on this host; the very record with our host key
+    is freed, so the host key alone is what keeps it."""
+    from celery_singleton_lock.listing import liveness
+
+    keys = new_keys()
+    take(engine, keys, "remote", "e-remote", lease_ms=60_000)
+    pid = held_on_another_host(r, keys.lock)
+    before = r.get(keys.lock)
+    held = take(engine, keys, "dup")
+    assert held.status is Acquire.HELD and held.holder.pid == pid
+    assert held.holder.hostname == "w1@other-machine"
+    assert engine.clear_dead_holder(keys, held.holder) is False
+    assert engine.reap(keys, "remote", wait=0.2) is False
+    assert liveness(owner_record(r, keys.lock)) == "unknown"
+    assert take(engine, keys, "dup-2").status is Acquire.HELD
+    assert r.get(keys.lock) == before, "the other host's lock is untouched"
+
+    # singleton_limit: a slot held on another host stays taken too
+    slotted = new_keys()
+    for n in (1, 2):
+        assert take(engine, slotted, f"s{n}", f"e-s{n}", lease_ms=60_000,
+                    slots=2).status is Acquire.GRANTED
+    held_on_another_host(r, slotted.slot(2).lock)
+    assert take(engine, slotted, "s3", slots=2).status is Acquire.HELD
+    assert engine.clear_dead_slots(slotted, 2) is False
+    assert owner_field(r, slotted.slot(2).lock, "task") == "s2"
+
+    # control: the same dead pid under this host's key is freed at once
+    write_owner(r, keys.lock, hostkey=PROCESS_HOST_KEY)
+    mine = take(engine, keys, "dup-3").holder
+    assert mine.pid == pid and engine.clear_dead_holder(keys, mine) is True
+    assert take(engine, keys, "dup-4").status is Acquire.GRANTED
 
 
 def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, r,
