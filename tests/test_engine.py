@@ -114,19 +114,53 @@ def test_tokens_increase_with_every_grant_even_when_the_counter_is_gone(engine, 
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
-def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r):
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r, slots):
     """The grant writes the clock and reads the counter back in one call; a
     counter at or above the clock (a clock set back, a failover to a server
-    whose clock is behind) gives the counter + 1, written in place of the clock."""
+    whose clock is behind) gives the counter + 1, written in place of the clock.
+    The same under ``singleton_limit`` (acquire_slots.lua), slot after slot."""
     keys = new_keys()
     ahead = int(r.time()[0]) * 1_000_000 + 3_600_000_000  # an hour ahead, in µs
     r.set(keys.fence, str(ahead), px=60_000)
-    got = take(engine, keys, "task-a", "exec-a")
+    got = take(engine, keys, "task-a", "exec-a", slots=slots)
     assert got.token == ahead + 1 and int(r.get(keys.fence)) == ahead + 1
-    assert int(owner_field(r, keys.lock, "token")) == ahead + 1
-    engine.release(keys, "exec-a", "task-a")
-    assert take(engine, keys, "task-b", "exec-b").token == ahead + 2
+    assert int(owner_field(r, keys.slot(got.slot).lock, "token")) == ahead + 1
+    if slots > 1:  # the next slot, while the first is held
+        other = take(engine, keys, "task-c", "exec-c", slots=slots)
+        assert other.slot != got.slot and other.token == ahead + 2
+        ahead += 1
+    engine.release(keys.slot(got.slot), "exec-a", "task-a")
+    assert take(engine, keys, "task-b", "exec-b", slots=slots).token == ahead + 2
     assert 86_000_000 < r.pttl(keys.fence) <= 86_400_000  # the counter's own TTL again
+
+
+def test_a_throttle_window_lets_no_other_task_start_before_it_ends(engine, r):
+    """``singleton_throttle``: a start opens a window of exactly the throttle,
+    by the server clock; other task ids asking all along are refused, each told
+    when it reopens, and the first one granted starts at its end or later
+    (both instants are the server's own, from the owner records)."""
+    keys = new_keys()
+    window_ms = 1500
+    assert take(engine, keys, "opener", "e-opener", throttle_ms=window_ms).token > 0
+    opened_at = int(owner_field(r, keys.lock, "at"))  # the grant's server time, ms
+    engine.release(keys, "e-opener", "opener")
+    name, ends, by = r.get(keys.throttle).split("\n")
+    assert (name, by, int(ends)) == ("t.x", "opener", opened_at + window_ms)
+    refusals: list[int] = []
+
+    def started() -> bool:
+        got = take(engine, keys, f"later-{len(refusals)}", throttle_ms=window_ms)
+        if got.status is Acquire.THROTTLED:
+            assert got.holder.task_id == "opener" and 0 < got.reopens_ms <= window_ms
+            refusals.append(got.reopens_ms)
+            return False
+        assert got.status is Acquire.GRANTED, got
+        return True
+
+    wait_for(started, 15, interval=0.02, what="a start once the window ends")
+    assert refusals, "asked only after the window had ended"
+    assert int(owner_field(r, keys.lock, "at")) >= int(ends), "started inside the window"
 
 
 @pytest.mark.parametrize("path", [{}, {"scope": "queue"}, {"scope": "queue_and_run"},
@@ -223,6 +257,36 @@ def test_heartbeat_keeps_a_short_lease_alive_for_many_leases(engine, r):
         assert not lock.lost
     finally:
         hb.discard(lock)
+
+
+def test_a_short_lease_added_while_the_renewer_sleeps_on_a_long_one_is_kept(engine, r):
+    """The worker process's renewer sleeps a third of the longest-lived need
+    (here a 30 s lock: 10 s); a task with a 1.5 s lease taken meanwhile wakes
+    it, and is renewed through several of its leases, never lost."""
+    assert engine.config.ttl == 30.0
+    long_keys, short_keys = new_keys(), new_keys()
+    got = take(engine, long_keys, "long", "e-long", lease_ms=30_000)
+    long_lock = SingletonLock(long_keys, task_id="long", exec_id="e-long", token=got.token,
+                              lease=30.0, started=time.monotonic(), held=True)
+    hb = Heartbeat(engine)
+    hb.add(long_lock)
+    short: Any = None
+    try:
+        wait_for(lambda: hb._sleeping == 10.0, 10, what="the renewer asleep for 10 s")
+        got = take(engine, short_keys, "short", "e-short", lease_ms=1500)
+        short = SingletonLock(short_keys, task_id="short", exec_id="e-short", token=got.token,
+                              lease=1.5, started=time.monotonic(), held=True)
+        rounds = hb.rounds
+        hb.add(short)
+        # six rounds of a 0.5 s interval: three of the short lease's lifetimes
+        wait_for(lambda: hb.rounds >= rounds + 6, 30, what="six rounds after the short lock")
+        assert not short.lost
+        assert owner_field(r, short_keys.lock, "exec") == "e-short"
+        assert owner_field(r, long_keys.lock, "exec") == "e-long"
+    finally:
+        hb.discard(long_lock)
+        if short is not None:
+            hb.discard(short)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
