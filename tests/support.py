@@ -15,7 +15,9 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, NoReturn, Optional
+
+import pytest
 
 from celery_singleton_lock.calls import marker_task
 from celery_singleton_lock.replies import RECORD_FIELDS, record
@@ -23,9 +25,23 @@ from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, 
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "RedisServer", "ReplyDroppingProxy", "Worker", "dead_port", "free_port",
-           "held_on_another_host", "marker", "owner_field", "owner_record",
-           "serve_on_free_port", "wait_for", "write_owner"]
+__all__ = ["REQUIRE_SERVICES", "ROOT", "RedisServer", "ReplyDroppingProxy", "Worker",
+           "dead_port", "free_port", "held_on_another_host", "marker", "missing",
+           "owner_field", "owner_record", "serve_on_free_port", "wait_for", "write_owner"]
+
+#: where set to 1 (.ci/run sets it), a test whose service or version is missing fails
+REQUIRE_SERVICES = "SINGLETON_REQUIRE_SERVICES"
+
+
+def missing(why: str, env: Optional[Mapping[str, str]] = None) -> NoReturn:
+    """A test cannot run here: ``why`` names the service, program or version it
+    needs. Skipped, saying so; where SINGLETON_REQUIRE_SERVICES=1 (CI), a
+    failure instead, so a machine without it cannot pass unnoticed. The
+    README says which tests may skip."""
+    if (os.environ if env is None else env).get(REQUIRE_SERVICES) == "1":
+        pytest.fail(f"{REQUIRE_SERVICES}=1 and {why}", pytrace=False)
+    pytest.skip(why)
+
 
 #: the sockets behind dead_port(), bound for as long as this process lives
 _HELD: list[socket.socket] = []
