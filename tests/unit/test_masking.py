@@ -27,8 +27,12 @@ SECRET = "s3cret-Pw"
     (f"sentinel://h:26379/0?sentinel_password={SECRET}&auth_token={SECRET}#x",
      f"sentinel://h:26379/0?sentinel_password={MASK}&auth_token={MASK}#x"),
     (f"redis://u:{SECRET}@h/0?password={SECRET}", f"redis://u:{MASK}@h/0?password={MASK}"),
+    # a password holding ':' or '@' is hidden whole, and the user stays the user
+    ("redis://locks:pa:ss@w@h:6379/2", f"redis://locks:{MASK}@h:6379/2"),
+    # a blank value is kept as given (and a blank password is masked all the same)
+    ("redis://h/0?password=&db=2&client_name=", f"redis://h/0?password={MASK}&db=2&client_name="),
 ], ids=["password", "user-and-password", "password-alone", "tls", "query", "query-among-others",
-        "query-secret-names", "both"])
+        "query-secret-names", "both", "colon-and-at-in-password", "blank-values"])
 def test_a_url_is_shown_with_every_password_masked_and_the_rest_as_given(url, shown):
     assert mask_url(url) == shown
     assert SECRET not in mask_url(url)
@@ -43,6 +47,8 @@ def test_a_url_without_a_password_is_shown_unchanged(url):
 def test_an_unparsable_url_is_not_shown_at_all():
     """Fails closed: what cannot be parsed may hold a password anywhere."""
     assert mask_url(f"redis://:{SECRET}@[::1/0") == "redis://<unparsable url hidden>"
+    assert mask_url(f"redis://[::1/0?next=rediss://:{SECRET}@h") == (
+        "redis://<unparsable url hidden>")
 
 
 def test_options_mask_secret_names_nested_mappings_and_urls():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from dataclasses import replace as dataclasses_replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,6 +36,19 @@ from celery_singleton_lock.ticks import (
 
 UTC = dt.timezone.utc
 T = dt.datetime(2026, 3, 4, 10, 15, 30, 250000, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def _local_time_is_not_utc(monkeypatch):
+    """Beats on hosts in other time zones name the same ticks: run every test
+    in a local zone far from UTC, so a conversion to local time shows."""
+    import time
+
+    monkeypatch.setenv("TZ", "Asia/Kathmandu")  # UTC+05:45
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
 
 
 def test_milliseconds_since_the_epoch_both_ways():
@@ -69,6 +83,12 @@ def test_the_next_crontab_fire_is_strictly_after_the_reference_in_utc():
     assert next_fire_after(every_five, on_it) == on_it.replace(minute=25)
     naive = T.replace(tzinfo=None)  # taken as UTC
     assert next_fire_after(every_five, naive) == T.replace(minute=20, second=0, microsecond=0)
+    # within a fire minute, past its start: the next one, not this one
+    inside = T.replace(minute=20, second=30, microsecond=5)
+    assert next_fire_after(every_five, inside) == T.replace(minute=25, second=0, microsecond=0)
+    every_minute = next_fire_after(crontab(), inside)
+    assert every_minute == T.replace(minute=21, second=0, microsecond=0)
+    assert every_minute.tzinfo is not None and every_minute.utcoffset() == dt.timedelta(0)
 
 
 def test_a_one_off_clocked_schedule_fires_once_then_never():
@@ -151,10 +171,33 @@ def test_a_tick_header_that_is_not_a_time_is_let_through_with_a_warning(caplog):
     request = SimpleNamespace(id="t1", headers={ENTRY_HEADER: "nightly", TICK_HEADER: "soon"})
     with caplog.at_level("WARNING", logger="celery_singleton_lock"):
         assert claim_tick_run(None, "app:", request) is True  # type: ignore[arg-type]
-    assert "Beat tick header 'soon' of entry 'nightly' is not a time" in caplog.text
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "Beat tick header 'soon' of entry 'nightly' is not a time: not checked")]
 
 
-def test_a_tick_runs_once_its_own_id_again_and_another_copy_never(redis_server, r):
+@pytest.mark.parametrize("look_only,level", [(False, "WARNING"), (True, "DEBUG")])
+def test_redis_down_lets_the_tick_run_and_says_so_once_it_claims(caplog, look_only, level):
+    """The task's own lock and its backend-error policy decide then; the look
+    before the lock is a shortcut, so it only says so at DEBUG."""
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engines import connect
+    from tests.support import dead_port
+
+    config = SingletonConfig.defaults(f"redis://127.0.0.1:{dead_port()}/0")
+    engine = connect(dataclasses_replace(config, redis_options={
+        "socket_connect_timeout": 0.5, "retry_on_timeout": False}))
+    request = SimpleNamespace(id="t1", headers={ENTRY_HEADER: "nightly",
+                                                TICK_HEADER: tick_name(T)})
+    with caplog.at_level("DEBUG", logger="celery_singleton_lock"):
+        assert claim_tick_run(engine, "app:", request, look_only=look_only) is True
+    [said] = [r for r in caplog.records if "beat tick" in r.getMessage()]
+    assert said.levelname == level
+    assert re.fullmatch(r"Could not check whether beat tick 2026-03-04T10:15:30\.250\+00:00 "
+                        r"of 'nightly' already ran \(.*ConnectionError.*\)",
+                        said.getMessage()), said.getMessage()
+
+
+def test_a_tick_runs_once_its_own_id_again_and_another_copy_never(redis_server, r, caplog):
     """The run marker, on a real redis-server (the one test here with a server)."""
     from celery_singleton_lock import SingletonConfig
     from celery_singleton_lock.engines import connect
@@ -171,10 +214,18 @@ def test_a_tick_runs_once_its_own_id_again_and_another_copy_never(redis_server, 
     assert 3_500_000 < r.pttl(marker) <= ticks.RUN_MARKER_TTL_MS == 3600 * 1000
     assert claim_tick_run(engine, "app:", first) is True  # its retry, a redelivery
     assert claim_tick_run(engine, "app:", first, look_only=True) is True
-    assert claim_tick_run(engine, "app:", copy) is False
+    with caplog.at_level("INFO", logger="celery_singleton_lock"):
+        assert claim_tick_run(engine, "app:", copy) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "Dropped t2 of beat entry 'nightly' tick 2026-03-04T10:15:30.250+00:00: that tick was "
+        "already taken by t1 (it started, or was refused for good)"]
     assert claim_tick_run(engine, "app:", copy, look_only=True) is False
     mapping = {"id": "t3", ENTRY_HEADER: "nightly", TICK_HEADER: tick_name(T)}
     assert claim_tick_run(engine, "app:", mapping) is False
     later = {ENTRY_HEADER: "nightly", TICK_HEADER: tick_name(T + dt.timedelta(minutes=1))}
     assert claim_tick_run(engine, "app:", SimpleNamespace(id="t4", headers=later)) is True
     assert r.get(marker) == "t1"
+    # a message without an id claims with an empty one
+    anonymous = {ENTRY_HEADER: "hourly", TICK_HEADER: tick_name(T)}
+    assert claim_tick_run(engine, "app:", SimpleNamespace(headers=anonymous)) is True
+    assert r.get(run_key("app:", "hourly", T)) == ""
