@@ -79,3 +79,39 @@ def test_the_slots_of_a_limit_share_every_key_but_the_owner_record():
     assert keys.lock == "p:{" + "ab" * 16 + "}:lock", "the first slot's keys are unchanged"
     assert [k.lock for k in keys.slots(3)] == [keys.lock, f"{keys.lock}:2", f"{keys.lock}:3"]
     assert keys.slots(1) == [keys] and keys.slots(0) == []
+
+
+@pytest.mark.parametrize("check,good,bad,message", [
+    ("check_limit", [1, 2, 50], [0, -1, 1.0, True, "2", None],
+     "expected a whole number >= 1, got {!r}"),
+    ("check_positive_count", [1, 10], [0, -3, 2.5, False, "10"],
+     "expected a whole number >= 1, got {!r}"),
+    ("check_count", [0, 1, 3], [-1, 0.0, True, "1", None],
+     "expected a whole number >= 0, got {!r}"),
+    ("check_ms", [1, 100], [0, -5, 100.0, True, "100"],
+     "expected milliseconds, a whole number > 0, got {!r}"),
+    ("check_str", ["", "singleton:"], [None, 3, b"x"], "expected a string, got {!r}"),
+    ("check_dict", [{}, {"password": "x"}], [None, [], "x"], "expected a dict, got {!r}"),
+])
+def test_each_value_check_passes_good_values_and_names_the_bad(check, good, bad, message):
+    from celery_singleton_lock import config
+
+    checker = getattr(config, check)
+    for value in good:
+        assert checker("singleton_x", value) == value
+    for value in bad:
+        with pytest.raises(ConfigurationError) as info:
+            checker("singleton_x", value)
+        assert info.value.setting == "singleton_x"
+        assert str(info.value) == "singleton_x: " + message.format(value), value
+
+
+def test_a_choice_names_every_allowed_value():
+    from celery_singleton_lock.config import choice
+
+    policy = choice(("skip", "retry", "raise"), "policy")
+    assert policy("singleton_on_duplicate", "retry") == "retry"
+    with pytest.raises(ConfigurationError) as info:
+        policy("singleton_on_duplicate", "drop")
+    assert str(info.value) == ("singleton_on_duplicate: unknown policy 'drop'; expected one "
+                               "of: skip, retry, raise")
