@@ -92,6 +92,40 @@ def test_same_task_copy_waits_and_is_dropped_once_the_original_finished(engine, 
     assert take(engine, keys, "task-b").status is Acquire.GRANTED
 
 
+def test_under_a_limit_the_same_task_id_finds_its_own_slot(engine, r):
+    """acquire_slots.lua, with the task in slot 2 (slot 1 another task's): the
+    same execution asking again keeps its slot, token and a fresh lease; a copy
+    of it waits (SAME_TASK, naming it, its record marked as copied); an id that
+    merely ends like it is another task; its retry takes back the slot its
+    hand-off kept; then a done marker names its task, a finished id is dropped."""
+    keys = new_keys()
+    take(engine, keys, "other", "e-other", slots=2)
+    first = take(engine, keys, "task-a", "exec-a", slots=2)
+    assert (first.status, first.slot) == (Acquire.GRANTED, 2)
+    slot = keys.slot(2)
+    again = take(engine, keys, "task-a", "exec-a", lease_ms=9000, slots=2)
+    assert (again.status, again.token, again.slot) == (Acquire.GRANTED, first.token, 2)
+    assert 8000 < r.pttl(slot.lock) <= 9000
+    copy = take(engine, keys, "task-a", "exec-copy", slots=2)
+    assert (copy.status, copy.holder.exec_id, copy.slot) == (Acquire.SAME_TASK, "exec-a", 2)
+    assert owner_field(r, slot.lock, "copies") == "1"
+    assert take(engine, keys, "task-a", "exec-copy-2", slots=2).status is Acquire.SAME_TASK
+    assert owner_field(r, slot.lock, "copies") == "1"
+    assert owner_field(r, keys.lock, "copies") is None, "slot 1 is another task's"
+    suffix = take(engine, keys, "x-task-a", slots=2)
+    assert suffix.status is Acquire.HELD and suffix.holder.task_id == "other"
+    assert engine.hand_off(slot, "exec-a", 1, 3000) is True
+    retried = take(engine, keys, "task-a", "exec-a2", retries=1, slots=2)
+    assert (retried.status, retried.slot) == (Acquire.GRANTED, 2)
+    assert retried.token > first.token and owner_field(r, slot.lock, "exec") == "exec-a2"
+    engine.release(slot, "exec-a2", "task-a")
+    engine.release(keys, "e-other", "other")
+    r.set(keys.done, "t.x\ntask-d", px=60_000)
+    done = take(engine, keys, "task-e", slots=2)
+    assert (done.status, done.holder.task_id) == (Acquire.DONE, "task-d")
+    assert take(engine, keys, "task-d", slots=2).status is Acquire.FINISHED
+
+
 def test_finish_is_recorded_without_a_copy_only_when_asked(engine, r):
     keys = new_keys()
     take(engine, keys, "task-a", "exec-a")
