@@ -78,7 +78,9 @@ def run_cell(session: nox.Session, cell: str) -> None:
     celery, kombu, redis_py, server = CELLS[cell]
     session.install("-e", ".", f"celery[redis]=={celery}", f"kombu=={kombu}",
                     f"redis=={redis_py}", *TEST_TOOLS)
-    env = {}
+    # a cell pins an older stack on purpose: its tests that need a newer
+    # redis-py or server skip there, even where CI requires every service
+    env = {"SINGLETON_REQUIRE_SERVICES": "0"}
     if server in _SERVER_PATH:
         out = session.run("python", "-c", _SERVER_PATH[server], silent=True)
         env["SINGLETON_TEST_REDIS_SERVER"] = str(out).strip().splitlines()[-1]

@@ -48,6 +48,8 @@ def mask_url(url: str) -> str:
             if any(_SECRET_NAME.search(k) for k, _ in pairs):
                 query = urlencode(
                     [(k, MASK if _SECRET_NAME.search(k) else v) for k, v in pairs], safe="*")
+        if netloc == parts.netloc and query == parts.query:
+            return url  # nothing to hide: as given (urlunsplit drops unix:///'s empty host)
         return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     except ValueError:
         return f"{url.split('://', 1)[0]}://<unparsable url hidden>"
@@ -115,8 +117,12 @@ def installed() -> bool:
 
 
 _URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^@\s]*@")
+#: a secret-named parameter of a URL's query string (``?password=...``)
+_QUERY_SECRET = re.compile(
+    r"([?&][^=&#\s]*(?:pass|secret|token|credential|auth)[^=&#\s]*=)[^&#\s]*", re.IGNORECASE)
 
 
 def scrub(text: str) -> str:
-    """Any URL password in a message masked (an error may quote a setting)."""
-    return _URL_PASSWORD.sub(rf"\1{MASK}@", text)
+    """Any URL password in a message masked, in the user part or the query
+    string (an error may quote a setting)."""
+    return _QUERY_SECRET.sub(rf"\1{MASK}", _URL_PASSWORD.sub(rf"\1{MASK}@", text))

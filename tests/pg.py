@@ -1,6 +1,7 @@
 """A PostgreSQL database of the test's own on the machine's server (127.0.0.1:5432,
 trust auth), created with a random name and dropped at the end; the test is
-skipped, saying why, when no PostgreSQL answers."""
+skipped, saying why, when no PostgreSQL answers (a failure where
+SINGLETON_REQUIRE_SERVICES=1)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import uuid
 from typing import Iterator
 
-import pytest
+from tests.support import missing
 
 PG_HOST = os.environ.get("SLT_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("SLT_PG_PORT", "5432"))
@@ -23,11 +24,14 @@ def admin_dsn(dbname: str = "postgres") -> str:
 @contextlib.contextmanager
 def own_database() -> Iterator[str]:
     """Yields the DSN of a fresh database ``slt_<random>``; drops it afterwards."""
-    psycopg = pytest.importorskip("psycopg", reason="psycopg is not installed (the test extra)")
+    try:
+        import psycopg
+    except ImportError:
+        missing("psycopg is not installed (the test extra)")
     try:
         admin = psycopg.connect(admin_dsn(), autocommit=True)
     except psycopg.OperationalError as exc:
-        pytest.skip(f"no PostgreSQL answers on {PG_HOST}:{PG_PORT}: {exc}".strip())
+        missing(f"no PostgreSQL answers on {PG_HOST}:{PG_PORT}: {exc}".strip())
     name = f"slt_{uuid.uuid4().hex[:12]}"
     with admin:
         admin.execute(f'CREATE DATABASE "{name}"')

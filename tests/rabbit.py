@@ -20,10 +20,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-import pytest
 from kombu import Connection
 
-from tests.support import free_port, wait_for
+from tests.support import free_port, missing, wait_for
 
 #: Debian installs the real start script here; the one on PATH (/usr/sbin)
 #: switches to the rabbitmq user, who cannot write our temporary folder
@@ -35,13 +34,6 @@ def _script(name: str) -> Optional[str]:
     if own.exists():
         return str(own)
     return shutil.which(name)
-
-
-def unavailable(reason: str) -> None:
-    """Skip the test, or fail it where the services are required (CI)."""
-    if os.environ.get("SINGLETON_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"{reason} (SINGLETON_REQUIRE_SERVICES=1)")
-    pytest.skip(reason)
 
 
 class RabbitNode:
@@ -85,7 +77,7 @@ class RabbitNode:
     def start(self, timeout: float = 60) -> RabbitNode:
         server = _script("rabbitmq-server")
         if server is None or _script("rabbitmqctl") is None:
-            unavailable("no rabbitmq-server on this machine")
+            missing("no rabbitmq-server on this machine")
         assert server is not None
         for _attempt in range(3):
             self.port = free_port()
@@ -106,8 +98,8 @@ class RabbitNode:
             text = self.log()
             self._kill()
             if "eaddrinuse" not in text and "already_used" not in text:
-                unavailable(f"rabbitmq-server did not start:\n{text[-3000:]}")
-        unavailable("rabbitmq-server: three free ports in a row were taken first")
+                missing(f"rabbitmq-server did not start:\n{text[-3000:]}")
+        missing("rabbitmq-server: three free ports in a row were taken first")
         return self
 
     def ctl(self, *args: str, timeout: float = 60) -> str:

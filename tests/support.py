@@ -11,9 +11,13 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
+import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, NoReturn, Optional
+
+import pytest
 
 from celery_singleton_lock.calls import marker_task
 from celery_singleton_lock.replies import RECORD_FIELDS, record
@@ -21,9 +25,23 @@ from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, 
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "CuttableProxy", "RedisServer", "ReplyDroppingProxy", "Worker", "dead_port",
-           "free_port", "marker", "owner_field", "owner_record", "serve_on_free_port",
-           "wait_for", "write_owner"]
+__all__ = ["REQUIRE_SERVICES", "ROOT", "CuttableProxy", "RedisServer", "ReplyDroppingProxy",
+           "Worker", "dead_port", "free_port", "held_on_another_host", "marker", "missing",
+           "owner_field", "owner_record", "serve_on_free_port", "wait_for", "write_owner"]
+
+#: where set to 1 (.ci/run sets it), a test whose service or version is missing fails
+REQUIRE_SERVICES = "SINGLETON_REQUIRE_SERVICES"
+
+
+def missing(why: str, env: Optional[Mapping[str, str]] = None) -> NoReturn:
+    """A test cannot run here: ``why`` names the service, program or version it
+    needs. Skipped, saying so; where SINGLETON_REQUIRE_SERVICES=1 (CI), a
+    failure instead, so a machine without it cannot pass unnoticed. The
+    README says which tests may skip."""
+    if (os.environ if env is None else env).get(REQUIRE_SERVICES) == "1":
+        pytest.fail(f"{REQUIRE_SERVICES}=1 and {why}", pytrace=False)
+    pytest.skip(why)
+
 
 #: the sockets behind dead_port(), bound for as long as this process lives
 _HELD: list[socket.socket] = []
@@ -85,6 +103,29 @@ def write_owner(client: Any, lock_key: str, **fields: Any) -> None:
     current.update({k: str(v) for k, v in fields.items()})
     client.set(lock_key, "\n".join(current.get(f, "") for f in RECORD_FIELDS),
                keepttl=bool(client.exists(lock_key)))
+
+
+def pid_gone_here() -> int:
+    """A pid no process on this machine has: one that just exited (and was reaped)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True, timeout=30)
+    return int(proc.stdout)
+
+
+def held_on_another_host(client: Any, lock_key: str, host: str = "w1@other-machine") -> int:
+    """Make a held lock's owner record the one a worker on a second machine
+    writes: that machine's host key (its own boot id; docs/redis-keys.md), its
+    host name, and the pid of its worker child, which here names no process
+    (the case where a local pid lookup would wrongly say "dead"). The key's TTL
+    is kept. Returns that pid."""
+    from celery_singleton_lock.process import HOST_KEY, pid_alive
+
+    pid = pid_gone_here()
+    assert not pid_alive(pid), "the pid must name no process here"
+    other = f"{uuid.uuid4()}:4026531836"
+    assert other != HOST_KEY
+    write_owner(client, lock_key, hostkey=other, host=host, pid=pid)
+    return pid
 
 
 def discard(worker: CeleryWorker) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import is_skipped
-from tests.support import RedisServer, Worker, discard, wait_for
+from tests.support import RedisServer, Worker, discard, missing, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -41,7 +41,7 @@ def broker_conf(broker: str) -> dict[str, Any]:
     conf: dict[str, Any] = {"singleton_ttl": 30.0}
     if broker == "amqp":
         if not amqp_reachable():
-            pytest.skip(f"no RabbitMQ at {AMQP_URL} (set SLT_AMQP_URL)")
+            missing(f"no RabbitMQ at {AMQP_URL} (set SLT_AMQP_URL)")
         conf["broker_url"] = AMQP_URL
     return conf
 

@@ -24,7 +24,7 @@ from celery_singleton_lock.engine import LockEngine
 from celery_singleton_lock.engines import connect
 from celery_singleton_lock.findings import ERROR, OK, WARNING, Finding
 from celery_singleton_lock.keys import LockKeys
-from tests.support import ROOT, RedisServer, Worker, discard, wait_for
+from tests.support import ROOT, RedisServer, Worker, discard, missing, wait_for
 from tests.workerapp import make_app
 
 DOCS = ROOT / "docs" / "redis-acl.md"
@@ -123,7 +123,7 @@ def test_each_command_taken_from_the_rule_is_named(acl_server, command):
     command (inside scripts Redis does not name it: the checks find it), and the
     worker start-up check refuses to start."""
     if "|" in command and server_version(acl_server) < (7, 0):
-        pytest.skip("Redis before 7.0 cannot take one subcommand away (-script|load)")
+        missing("redis-server before 7.0 cannot take one subcommand away (-script|load)")
     acl_server.client().execute_command("ACL", "SETUSER", "locks", f"-{command}")
     engine = engine_for_url(locks_url(acl_server))
     findings = checks.run_checks(engine.client, engine.config)
@@ -264,7 +264,7 @@ def test_both_protocols_give_the_same_findings(own_redis, protocol):
     """RESP2 and RESP3 (redis-py 5 and later) answer CONFIG GET, INFO and the
     scripts in other shapes: the findings are the same."""
     if protocol == 3 and int(redis.__version__.split(".")[0]) < 5:
-        pytest.skip("redis-py before 5.0 speaks RESP2 only")
+        missing("redis-py before 5.0 speaks RESP2 only")
     engine = engine_for_url(own_redis.url(2) + ("?protocol=3" if protocol == 3 else ""))
     findings = by_code(checks.run_checks(engine.client, engine.config))
     assert {code: f.level for code, f in findings.items()} == {

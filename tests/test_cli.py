@@ -17,7 +17,16 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import LockKeys
-from tests.support import ROOT, RedisServer, Worker, dead_port, discard, marker, wait_for
+from tests.support import (
+    ROOT,
+    RedisServer,
+    Worker,
+    dead_port,
+    discard,
+    held_on_another_host,
+    marker,
+    wait_for,
+)
 from tests.workerapp import make_app
 
 #: an argument value that must never be printed by any command
@@ -225,6 +234,53 @@ def test_release_frees_a_dead_holders_lock_without_force(scene):
     assert out.returncode == 0, out.stdout + out.stderr
     answer = json.loads(out.stdout)
     assert (answer["action"], answer["holder"], answer["live"]) == ("released", task_id, "dead")
+    assert not scene.locks.exists(keys.lock)
+
+
+def hold_on_another_host(scene: Scene, keys: LockKeys, name: str) -> str:
+    """A lock a worker on a second machine holds (its host key, its host name,
+    a pid that names no process here): the holder's task id."""
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engines import connect
+
+    task_id = f"remote-{uuid.uuid4().hex[:8]}"
+    engine = connect(SingletonConfig.defaults(scene.server.url(2)))
+    engine.acquire(keys, task_id=task_id, exec_id=f"{task_id}-exec", lease_ms=120_000,
+                   hostname="w1@other-machine", retries=0, task_name=name)
+    held_on_another_host(scene.locks, keys.lock)
+    return task_id
+
+
+def test_release_and_purge_keep_a_lock_held_on_another_host_without_force(scene):
+    """Nothing here can tell whether a process on another machine lives: its
+    lock is "unknown", and release (exit 1, "runs on another host") and purge
+    (kept, exit 1) leave it without --force, however dead its pid looks here;
+    release --force frees it."""
+    fenced = scene.app.tasks["t.fenced"]
+    keys = fenced.singleton_keys(f"remote-{SECRET}")
+    task_id = hold_on_another_host(scene, keys, "t.fenced")
+    record = scene.locks.get(keys.lock)
+    listed = rows(cli(scene, "list", "--task", "t.fenced", "--json"))[(keys.base, "run")]
+    assert (listed["holder"], listed["host"], listed["live"]) == (
+        task_id, "w1@other-machine", "unknown")
+
+    refused = cli(scene, "release", keys.base, "--json")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    answer = json.loads(refused.stdout)
+    assert (answer["action"], answer["holder"], answer["live"]) == ("refused", task_id,
+                                                                     "unknown")
+    assert "runs on another host" in cli(scene, "release", keys.base).stdout
+    dry = json.loads(cli(scene, "purge", "--task", "t.fenced", "--json").stdout)
+    assert (keys.base, "would keep: may run") in {(e["key"], e["action"]) for e in dry["keys"]}
+    kept = cli(scene, "purge", "--task", "t.fenced", "--yes", "--json")
+    assert kept.returncode == 1, kept.stdout + kept.stderr
+    assert (keys.base, "unknown", "kept: may run") in {
+        (e["key"], e["live"], e["action"]) for e in json.loads(kept.stdout)["keys"]}
+    assert scene.locks.get(keys.lock) == record, "the other host's lock is untouched"
+
+    forced = cli(scene, "release", keys.base, "--force", "--json")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert json.loads(forced.stdout)["action"] == "released"
     assert not scene.locks.exists(keys.lock)
 
 

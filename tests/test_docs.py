@@ -33,7 +33,7 @@ from typing import Optional
 import pytest
 
 from celery_singleton_lock.testing import CeleryWorker, RedisServer
-from tests.support import ROOT, discard
+from tests.support import ROOT, discard, missing
 
 DOCS = ROOT / "docs"
 MARKED = re.compile(
@@ -132,7 +132,7 @@ def test_marked_blocks_run_and_print_what_the_page_says(sc: Scenario, tmp_path: 
     """Each scenario's files, worker command and scripts, run as a reader runs them,
     print exactly the output the page shows."""
     if sc.needs_rabbitmq and not rabbitmq_reachable():
-        pytest.skip("no RabbitMQ answers on 127.0.0.1:5672")
+        missing("no RabbitMQ answers on 127.0.0.1:5672")
     queue = f"docs-{uuid.uuid4().hex[:8]}"
     with RedisServer() as server:
         here = f"127.0.0.1:{server.port}"

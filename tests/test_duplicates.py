@@ -149,3 +149,35 @@ def test_storm_of_duplicates_never_overlaps(client_app, events, key):
     starts = events.starts()
     assert starts, "nothing ran"
     assert max(e["concurrent"] for e in starts) == 1
+
+
+@pytest.mark.parametrize("task_name", ["t.hold", "t.limit2"])
+def test_a_key_held_on_another_host_is_skipped_never_taken_over(client_app, redis_server, r,
+                                                                events, key, task_name):
+    """A worker on a second machine holds the key (every slot of it, under
+    ``singleton_limit``): its records carry that machine's host key, its host
+    name and its worker child's pid, which names no process here. Every
+    duplicate reaching this host's worker is skipped naming that holder; none
+    runs, and the records are untouched: a pid lookup here says nothing about
+    a process there."""
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engines import connect
+    from tests.support import held_on_another_host
+
+    task = client_app.tasks[task_name]
+    keys = task.singleton_keys(key)
+    remote = connect(SingletonConfig.defaults(redis_server.url(2)))
+    slots = keys.slots(task.singleton_settings().config.limit)
+    for n, slot in enumerate(slots, 1):
+        granted = remote.acquire(keys, task_id=f"remote-{n}", exec_id=f"remote-exec-{n}",
+                                 lease_ms=60_000, hostname="w1@other-machine", retries=0,
+                                 task_name=task_name, slots=len(slots))
+        assert granted.token > 0 and r.get(slot.lock) is not None
+        held_on_another_host(r, slot.lock)
+    records = [r.get(slot.lock) for slot in slots]
+    dups = [task.delay(key, 0.0, f"dup{i}") for i in range(3)]
+    for dup in dups:
+        result = dup.get(timeout=15)
+        assert is_skipped(result) and result["holder"] == "remote-1", result
+    assert events.starts() == [], "a duplicate ran while the other host held the key"
+    assert [r.get(slot.lock) for slot in slots] == records

@@ -18,9 +18,18 @@ from celery_singleton_lock.engines import connect
 from celery_singleton_lock.heartbeat import Heartbeat
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
+from celery_singleton_lock.process import HOST_KEY as PROCESS_HOST_KEY
 from celery_singleton_lock.process import PROCESS
 from celery_singleton_lock.replies import Acquire, Enqueue, Reclaim, Release, Released
-from tests.support import ROOT, marker, owner_field, owner_record, wait_for, write_owner
+from tests.support import (
+    ROOT,
+    held_on_another_host,
+    marker,
+    owner_field,
+    owner_record,
+    wait_for,
+    write_owner,
+)
 
 
 @pytest.fixture
@@ -83,6 +92,40 @@ def test_same_task_copy_waits_and_is_dropped_once_the_original_finished(engine, 
     assert take(engine, keys, "task-b").status is Acquire.GRANTED
 
 
+def test_under_a_limit_the_same_task_id_finds_its_own_slot(engine, r):
+    """acquire_slots.lua, with the task in slot 2 (slot 1 another task's): the
+    same execution asking again keeps its slot, token and a fresh lease; a copy
+    of it waits (SAME_TASK, naming it, its record marked as copied); an id that
+    merely ends like it is another task; its retry takes back the slot its
+    hand-off kept; then a done marker names its task, a finished id is dropped."""
+    keys = new_keys()
+    take(engine, keys, "other", "e-other", slots=2)
+    first = take(engine, keys, "task-a", "exec-a", slots=2)
+    assert (first.status, first.slot) == (Acquire.GRANTED, 2)
+    slot = keys.slot(2)
+    again = take(engine, keys, "task-a", "exec-a", lease_ms=9000, slots=2)
+    assert (again.status, again.token, again.slot) == (Acquire.GRANTED, first.token, 2)
+    assert 8000 < r.pttl(slot.lock) <= 9000
+    copy = take(engine, keys, "task-a", "exec-copy", slots=2)
+    assert (copy.status, copy.holder.exec_id, copy.slot) == (Acquire.SAME_TASK, "exec-a", 2)
+    assert owner_field(r, slot.lock, "copies") == "1"
+    assert take(engine, keys, "task-a", "exec-copy-2", slots=2).status is Acquire.SAME_TASK
+    assert owner_field(r, slot.lock, "copies") == "1"
+    assert owner_field(r, keys.lock, "copies") is None, "slot 1 is another task's"
+    suffix = take(engine, keys, "x-task-a", slots=2)
+    assert suffix.status is Acquire.HELD and suffix.holder.task_id == "other"
+    assert engine.hand_off(slot, "exec-a", 1, 3000) is True
+    retried = take(engine, keys, "task-a", "exec-a2", retries=1, slots=2)
+    assert (retried.status, retried.slot) == (Acquire.GRANTED, 2)
+    assert retried.token > first.token and owner_field(r, slot.lock, "exec") == "exec-a2"
+    engine.release(slot, "exec-a2", "task-a")
+    engine.release(keys, "e-other", "other")
+    r.set(keys.done, "t.x\ntask-d", px=60_000)
+    done = take(engine, keys, "task-e", slots=2)
+    assert (done.status, done.holder.task_id) == (Acquire.DONE, "task-d")
+    assert take(engine, keys, "task-d", slots=2).status is Acquire.FINISHED
+
+
 def test_finish_is_recorded_without_a_copy_only_when_asked(engine, r):
     keys = new_keys()
     take(engine, keys, "task-a", "exec-a")
@@ -105,19 +148,53 @@ def test_tokens_increase_with_every_grant_even_when_the_counter_is_gone(engine, 
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
-def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r):
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r, slots):
     """The grant writes the clock and reads the counter back in one call; a
     counter at or above the clock (a clock set back, a failover to a server
-    whose clock is behind) gives the counter + 1, written in place of the clock."""
+    whose clock is behind) gives the counter + 1, written in place of the clock.
+    The same under ``singleton_limit`` (acquire_slots.lua), slot after slot."""
     keys = new_keys()
     ahead = int(r.time()[0]) * 1_000_000 + 3_600_000_000  # an hour ahead, in µs
     r.set(keys.fence, str(ahead), px=60_000)
-    got = take(engine, keys, "task-a", "exec-a")
+    got = take(engine, keys, "task-a", "exec-a", slots=slots)
     assert got.token == ahead + 1 and int(r.get(keys.fence)) == ahead + 1
-    assert int(owner_field(r, keys.lock, "token")) == ahead + 1
-    engine.release(keys, "exec-a", "task-a")
-    assert take(engine, keys, "task-b", "exec-b").token == ahead + 2
+    assert int(owner_field(r, keys.slot(got.slot).lock, "token")) == ahead + 1
+    if slots > 1:  # the next slot, while the first is held
+        other = take(engine, keys, "task-c", "exec-c", slots=slots)
+        assert other.slot != got.slot and other.token == ahead + 2
+        ahead += 1
+    engine.release(keys.slot(got.slot), "exec-a", "task-a")
+    assert take(engine, keys, "task-b", "exec-b", slots=slots).token == ahead + 2
     assert 86_000_000 < r.pttl(keys.fence) <= 86_400_000  # the counter's own TTL again
+
+
+def test_a_throttle_window_lets_no_other_task_start_before_it_ends(engine, r):
+    """``singleton_throttle``: a start opens a window of exactly the throttle,
+    by the server clock; other task ids asking all along are refused, each told
+    when it reopens, and the first one granted starts at its end or later
+    (both instants are the server's own, from the owner records)."""
+    keys = new_keys()
+    window_ms = 1500
+    assert take(engine, keys, "opener", "e-opener", throttle_ms=window_ms).token > 0
+    opened_at = int(owner_field(r, keys.lock, "at"))  # the grant's server time, ms
+    engine.release(keys, "e-opener", "opener")
+    name, ends, by = r.get(keys.throttle).split("\n")
+    assert (name, by, int(ends)) == ("t.x", "opener", opened_at + window_ms)
+    refusals: list[int] = []
+
+    def started() -> bool:
+        got = take(engine, keys, f"later-{len(refusals)}", throttle_ms=window_ms)
+        if got.status is Acquire.THROTTLED:
+            assert got.holder.task_id == "opener" and 0 < got.reopens_ms <= window_ms
+            refusals.append(got.reopens_ms)
+            return False
+        assert got.status is Acquire.GRANTED, got
+        return True
+
+    wait_for(started, 15, interval=0.02, what="a start once the window ends")
+    assert refusals, "asked only after the window had ended"
+    assert int(owner_field(r, keys.lock, "at")) >= int(ends), "started inside the window"
 
 
 @pytest.mark.parametrize("path", [{}, {"scope": "queue"}, {"scope": "queue_and_run"},
@@ -216,6 +293,36 @@ def test_heartbeat_keeps_a_short_lease_alive_for_many_leases(engine, r):
         hb.discard(lock)
 
 
+def test_a_short_lease_added_while_the_renewer_sleeps_on_a_long_one_is_kept(engine, r):
+    """The worker process's renewer sleeps a third of the longest-lived need
+    (here a 30 s lock: 10 s); a task with a 1.5 s lease taken meanwhile wakes
+    it, and is renewed through several of its leases, never lost."""
+    assert engine.config.ttl == 30.0
+    long_keys, short_keys = new_keys(), new_keys()
+    got = take(engine, long_keys, "long", "e-long", lease_ms=30_000)
+    long_lock = SingletonLock(long_keys, task_id="long", exec_id="e-long", token=got.token,
+                              lease=30.0, started=time.monotonic(), held=True)
+    hb = Heartbeat(engine)
+    hb.add(long_lock)
+    short: Any = None
+    try:
+        wait_for(lambda: hb._sleeping == 10.0, 10, what="the renewer asleep for 10 s")
+        got = take(engine, short_keys, "short", "e-short", lease_ms=1500)
+        short = SingletonLock(short_keys, task_id="short", exec_id="e-short", token=got.token,
+                              lease=1.5, started=time.monotonic(), held=True)
+        rounds = hb.rounds
+        hb.add(short)
+        # six rounds of a 0.5 s interval: three of the short lease's lifetimes
+        wait_for(lambda: hb.rounds >= rounds + 6, 30, what="six rounds after the short lock")
+        assert not short.lost
+        assert owner_field(r, short_keys.lock, "exec") == "e-short"
+        assert owner_field(r, long_keys.lock, "exec") == "e-long"
+    finally:
+        hb.discard(long_lock)
+        if short is not None:
+            hb.discard(short)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_renewer_that_ended_is_started_again_by_the_next_lock(engine, r):
     """Taking a lock checks no thread's liveness (it runs for every task): a
@@ -296,6 +403,43 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
     assert take(engine, keys, "task-b").status is Acquire.GRANTED
     # our own process is alive: its lock stays
     assert engine.clear_dead_holder(keys, take(engine, keys, "task-c").holder) is False
+
+
+def test_a_holder_on_another_host_is_never_declared_dead_here(engine, r):
+    """A pid in another machine's record means nothing here: no local lookup
+    frees that lock (a duplicate's, the reaper's, a slot of singleton_limit's),
+    however dead the pid looks on this host; the very record with our host key
+    is freed, so the host key alone is what keeps it."""
+    from celery_singleton_lock.listing import liveness
+
+    keys = new_keys()
+    take(engine, keys, "remote", "e-remote", lease_ms=60_000)
+    pid = held_on_another_host(r, keys.lock)
+    before = r.get(keys.lock)
+    held = take(engine, keys, "dup")
+    assert held.status is Acquire.HELD and held.holder.pid == pid
+    assert held.holder.hostname == "w1@other-machine"
+    assert engine.clear_dead_holder(keys, held.holder) is False
+    assert engine.reap(keys, "remote", wait=0.2) is False
+    assert liveness(owner_record(r, keys.lock)) == "unknown"
+    assert take(engine, keys, "dup-2").status is Acquire.HELD
+    assert r.get(keys.lock) == before, "the other host's lock is untouched"
+
+    # singleton_limit: a slot held on another host stays taken too
+    slotted = new_keys()
+    for n in (1, 2):
+        assert take(engine, slotted, f"s{n}", f"e-s{n}", lease_ms=60_000,
+                    slots=2).status is Acquire.GRANTED
+    held_on_another_host(r, slotted.slot(2).lock)
+    assert take(engine, slotted, "s3", slots=2).status is Acquire.HELD
+    assert engine.clear_dead_slots(slotted, 2) is False
+    assert owner_field(r, slotted.slot(2).lock, "task") == "s2"
+
+    # control: the same dead pid under this host's key is freed at once
+    write_owner(r, keys.lock, hostkey=PROCESS_HOST_KEY)
+    mine = take(engine, keys, "dup-3").holder
+    assert mine.pid == pid and engine.clear_dead_holder(keys, mine) is True
+    assert take(engine, keys, "dup-4").status is Acquire.GRANTED
 
 
 def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, r,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, missing
 
 pytestmark = pytest.mark.worker
 
@@ -43,7 +43,7 @@ def test_rabbitmq_broker_with_redis_only_for_locks_runs_one_recount_at_a_time():
     try:
         socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
     except OSError:
-        pytest.skip("no RabbitMQ answers on 127.0.0.1:5672")
+        missing("no RabbitMQ answers on 127.0.0.1:5672")
     out = run_demo("rabbitmq")
     assert "6 recounts of SKU-1234 sent through RabbitMQ: 1 ran, 5 skipped while it ran" in out
     assert "every skip names the running one: True" in out

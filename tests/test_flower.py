@@ -24,7 +24,15 @@ import pytest
 from celery import chain, chord
 
 from celery_singleton_lock import is_deduplicated, is_skipped
-from tests.support import ROOT, RedisServer, Worker, discard, serve_on_free_port, wait_for
+from tests.support import (
+    ROOT,
+    RedisServer,
+    Worker,
+    discard,
+    missing,
+    serve_on_free_port,
+    wait_for,
+)
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -354,21 +362,20 @@ IMG = ROOT / "docs" / "img"
 
 def check_browser(env: Mapping[str, str]) -> None:
     """Skip when chromium or chromedriver is not on ``env``'s PATH; fail instead
-    where SINGLETON_REQUIRE_BROWSER=1 (.ci/run sets it)."""
-    missing = [name for name in ("chromium", "chromedriver")
-               if shutil.which(name, path=env.get("PATH")) is None]
-    if missing:
-        why = (f"{' and '.join(missing)} not found on PATH: install Debian's chromium and "
-               "chromium-driver (.ci/run does, with --no-install-recommends)")
-        if env.get("SINGLETON_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"SINGLETON_REQUIRE_BROWSER=1 and {why}", pytrace=False)
-        pytest.skip(why)
+    where SINGLETON_REQUIRE_SERVICES=1 (.ci/run sets it)."""
+    missing_programs = [name for name in ("chromium", "chromedriver")
+                        if shutil.which(name, path=env.get("PATH")) is None]
+    if missing_programs:
+        missing(f"{' and '.join(missing_programs)} not found on PATH: install Debian's "
+                "chromium and chromium-driver (.ci/run does, with --no-install-recommends)",
+                env)
 
 
 def test_a_missing_browser_fails_where_ci_requires_it_and_is_skipped_elsewhere(tmp_path):
     empty = {"PATH": str(tmp_path)}
-    with pytest.raises(pytest.fail.Exception, match="SINGLETON_REQUIRE_BROWSER=1 and chromium"):
-        check_browser({**empty, "SINGLETON_REQUIRE_BROWSER": "1"})
+    with pytest.raises(pytest.fail.Exception,
+                       match="SINGLETON_REQUIRE_SERVICES=1 and chromium and chromedriver"):
+        check_browser({**empty, "SINGLETON_REQUIRE_SERVICES": "1"})
     with pytest.raises(pytest.skip.Exception, match="chromium and chromedriver not found"):
         check_browser(empty)
 

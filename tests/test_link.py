@@ -20,7 +20,7 @@ from celery_singleton_lock.engines import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.link import Link
 from celery_singleton_lock.scripts import pack
-from tests.support import RedisServer
+from tests.support import RedisServer, missing
 
 REDIS_PY = tuple(int(p) for p in redis.__version__.split(".")[:2])
 #: RESP3 in redis-py: from 5.0
@@ -265,9 +265,10 @@ def test_no_reply_in_time_is_a_timeout_error_and_the_connection_is_dropped(
     link.disconnect()
 
 
-@pytest.mark.skipif(REDIS_PY < (5, 0), reason="RESP3 push messages: redis-py 5.0 and later")
 def test_a_push_message_reaches_redis_pys_handler_and_the_reply_after_it_is_read(
         own_redis: RedisServer) -> None:
+    if REDIS_PY < (5, 0):
+        missing("redis-py before 5.0 has no RESP3 push messages")
     pushed: list[Any] = []
     conn = _connection(own_redis, 3, True)
     conn._parser.invalidation_push_handler_func = pushed.append

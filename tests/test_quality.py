@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -47,14 +48,32 @@ def test_readme_opens_with_the_demo_and_test_commands_ci_runs():
     assert ci[-2:] == [tests, "python -m nox -s oldest"]
 
 
-def test_ci_requires_the_browser_test_and_installs_chromium_without_recommends():
-    """CI fails, not skips, the Flower browser test when chromium is missing, and
+def test_ci_requires_every_service_and_installs_chromium_without_recommends():
+    """CI fails, not skips, a test whose service, program or version is missing
+    (RabbitMQ, PostgreSQL, chromium, a too-old redis-server or redis-py); it
+    starts RabbitMQ and PostgreSQL when they are installed but stopped, and
     installs chromium without the desktop packages it recommends."""
     script = (ROOT / ".ci" / "run").read_text()
-    assert "export SINGLETON_REQUIRE_BROWSER=1" in script
+    assert "export SINGLETON_REQUIRE_SERVICES=1" in script
+    assert "rabbitmq-server -detached" in script and "pg_ctlcluster" in script
     installs = [line for line in script.replace("\\\n", " ").splitlines()
-                if "apt-get install" in line and "chromium" in line]
+                if "apt_install" in line and "chromium" in line]
     assert installs and all("--no-install-recommends" in line for line in installs)
+
+
+def test_a_test_that_needs_a_service_or_version_skips_only_through_missing():
+    """Every skip for a missing service, program or version goes through
+    tests.support.missing, which the CI switch turns into a failure."""
+    needs = re.compile(r"RabbitMQ|PostgreSQL|psycopg|chromium|redis-server|Redis before|"
+                       r"redis-py|REDIS_PY", re.IGNORECASE)
+    bare = re.compile(r"pytest\.skip\(|skipif\(|importorskip\(")
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for n, line in enumerate(lines):
+            if bare.search(line) and needs.search(" ".join(lines[max(n - 1, 0):n + 2])):
+                found.append(f"{path.relative_to(ROOT)}:{n + 1}: {line.strip()}")
+    assert not found, found
 
 
 def test_public_api_is_exactly_all():

@@ -64,16 +64,39 @@ def sweeps(app: Any) -> Iterator[None]:
     thread.join(5)
 
 
+def in_broker(server: RedisServer, queue: str, task_id: str) -> bool:
+    """Whether the broker still holds a message of ``task_id``: waiting in the
+    queue, or delivered and not acknowledged (kombu's ``unacked`` hash, from
+    where a visibility timeout would deliver it again)."""
+    broker = server.client(0)
+    return any(task_id in m for m in (*broker.lrange(queue, 0, -1), *broker.hvals("unacked")))
+
+
+def settled(worker: Worker, server: RedisServer, name: str, task_id: str) -> bool:
+    """Every delivery of ``task_id`` the worker received was handled and
+    acknowledged: it ran to its end ("succeeded"), or Celery was told to let
+    it go ("ignored": a copy dropped, or sent again to wait for its running
+    original), and the broker holds no message of it, so no copy of it can
+    run any more."""
+    logs = worker.logs()
+    received = logs.count(f"Task {name}[{task_id}] received")
+    handled = (logs.count(f"Task {name}[{task_id}] succeeded")
+               + logs.count(f"Task {name}[{task_id}] ignored"))
+    return received > 0 and received == handled and not in_broker(server, worker.queue, task_id)
+
+
 @pytest.mark.usefixtures("sweeps")
-def test_visibility_timeout_copy_waits_for_original_then_is_dropped(app, worker, r, events,
-                                                                   key):
+def test_visibility_timeout_copy_waits_for_original_then_is_dropped(app, worker, redis_server,
+                                                                   r, events, key):
     """acks_late task running past the visibility timeout: the broker delivers it
     again with the same id while it runs; the copy neither runs alongside nor
     runs after the original finished."""
     res = app.tasks["t.hold_late"].delay(key, 6.0, "orig")
     wait_for(lambda: events.starts("orig"), 10, what="original start")
     assert res.get(timeout=30)["tag"] == "orig"
-    time.sleep(4)  # room for any copy still waiting to come back and (wrongly) run
+    # every copy the broker delivered was handled and acked: none is left to run
+    wait_for(lambda: settled(worker, redis_server, "t.hold_late", res.id), 30,
+             what="every delivery of the task handled and acknowledged")
     starts = [e for e in events.starts() if e["id"] == res.id]
     assert len(starts) == 1, starts
     # the broker did deliver a copy while the original ran, and it waited
@@ -100,13 +123,16 @@ def test_redelivery_after_child_killed_runs_at_once(app, r, events, key):
     assert not r.exists(app.tasks["t.hold_late"].singleton_keys(key).lock)
 
 
-def test_same_id_sent_again_after_finish_is_dropped(app, r, events, key):
+def test_same_id_sent_again_after_finish_is_dropped(app, worker, redis_server, r, events, key):
     """A late copy of a finished acks_late task does not run a second time and
     leaves the stored result alone."""
     task = app.tasks["t.hold_late"]
     res = task.delay(key, 0.0, "done")
     assert res.get(timeout=10)["tag"] == "done"
     task.apply_async((key, 0.0, "done-again"), task_id=res.id)
-    time.sleep(2)
+    wait_for(lambda: f"Dropped redelivered t.hold_late[{res.id}]" in worker.logs()
+             or len(events.starts("done")) > 1, 20, what="the late copy handled")
+    wait_for(lambda: settled(worker, redis_server, "t.hold_late", res.id), 20,
+             what="both deliveries handled and acknowledged")
     assert [e["tag"] for e in events.starts() if e["id"] == res.id] == ["done"]
     assert app.AsyncResult(res.id).get(timeout=5)["tag"] == "done"

@@ -172,6 +172,34 @@ def test_far_eta_keeps_the_key_and_revoke_frees_it(client_app, events, key, r):
     assert [e["tag"] for e in events.starts()] == ["again"]
 
 
+@pytest.mark.parametrize("when", ["countdown", "eta", "eta-iso"])
+def test_the_send_time_key_lasts_past_the_eta_plus_the_queue_ttl(redis_server, r, key, when):
+    """A message sent for an hour from now keeps its key until then plus
+    ``singleton_queue_ttl`` (300 s): the delay is counted whatever form it is
+    given in, so an hour-off ETA is not left keyless after five minutes. No
+    worker reads the queue: the message stays there."""
+    import datetime as dt
+
+    app = make_app(redis_server.url(), f"nobody-{key}")
+    try:
+        t = app.tasks["t.queue"]
+        queue_ttl = t.singleton_settings().config.queue_ttl
+        assert queue_ttl == 300.0
+        hour = 3600
+        eta = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=hour)
+        options: dict[str, Any] = {"countdown": {"countdown": hour}, "eta": {"eta": eta},
+                                   "eta-iso": {"eta": eta.isoformat()}}[when]
+        sent = t.apply_async((key, 0.0, "far"), **options)
+        keys = t.singleton_keys(key)
+        assert marker(r, keys.queued) == ("t.queue", sent.id)
+        most = (hour + queue_ttl) * 1000
+        # the time since the send is all that may be missing from the TTL
+        assert most - 60_000 < r.pttl(keys.queued) <= most
+    finally:
+        redis_server.client(0).delete(f"nobody-{key}")
+        app.close()
+
+
 def test_lost_queued_message_frees_its_key_within_the_queue_ttl(redis_server, r, key):
     """A purged queue leaves no key behind for longer than singleton_queue_ttl."""
     app = make_app(redis_server.url(), f"nobody-{key}", conf={"singleton_queue_ttl": 1.0})

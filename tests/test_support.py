@@ -99,3 +99,17 @@ def test_a_dead_port_refuses_connections_and_nobody_else_can_take_it():
         socket.create_connection(("127.0.0.1", port), timeout=5)
     with socket.socket() as other, pytest.raises(OSError, match="in use"):
         other.bind(("127.0.0.1", port))
+
+
+def test_a_missing_service_skips_and_fails_where_ci_requires_every_service():
+    """tests.support.missing: a skip naming what is missing; a failure naming it
+    where SINGLETON_REQUIRE_SERVICES=1."""
+    from tests.support import missing
+
+    with pytest.raises(pytest.skip.Exception, match="no RabbitMQ answers"):
+        missing("no RabbitMQ answers on 127.0.0.1:5672", {})
+    with pytest.raises(pytest.skip.Exception, match="no RabbitMQ answers"):
+        missing("no RabbitMQ answers on 127.0.0.1:5672", {"SINGLETON_REQUIRE_SERVICES": "0"})
+    with pytest.raises(pytest.fail.Exception,
+                       match="SINGLETON_REQUIRE_SERVICES=1 and no PostgreSQL answers"):
+        missing("no PostgreSQL answers on 127.0.0.1:5432", {"SINGLETON_REQUIRE_SERVICES": "1"})

