@@ -42,6 +42,9 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
 
+#: doctor's findings that leave nothing else to check: exit code 2
+UNUSABLE = ("unreachable", "not-redis", "auth")
+
 STATES = ("run", "queued", "done", "throttled", "replaced")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,10 +72,25 @@ def _guarded(func: F) -> F:
         except redis.exceptions.NoPermissionError as exc:
             _fail(f"lock Redis denied a command (NOPERM): {exc}; "
                   "run `celery singleton doctor` as this user for the missing permission")
+        except redis.exceptions.InvalidResponse as exc:
+            from .checks import not_redis
+
+            _fail(not_redis(masking.mask_url(_lock_url(args)), exc).advice())
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             _fail(f"lock Redis unreachable: {type(exc).__name__}: {exc}")
         return None
     return cast(F, wrapper)
+
+
+def _lock_url(args: Sequence[Any]) -> str:
+    """The lock Redis URL of the command's app (its first argument is the click
+    context), for a message; "?" when it cannot be read."""
+    try:
+        from .config import get_config
+
+        return str(get_config(args[0].obj.app).redis_url)
+    except Exception:
+        return "?"
 
 
 def _json_option(func: F) -> F:
@@ -346,7 +364,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check the lock Redis for what can make a lock lie or fail: credentials,
     ACL permissions, scripts, eviction, clock, version, persistence, replicas.
     Exits 0 when all is well, 1 on findings to look at, 2 when the lock Redis
-    is unreachable or refuses the credentials."""
+    is unreachable, is not a Redis, or refuses the credentials."""
     from .beat import schedule_modes
     from .checks import beat_check, engine_checks
     from .findings import ERROR, OK
@@ -354,7 +372,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     c = _Context(ctx)
     findings = engine_checks(c.engine)
     modes = schedule_modes(c.app)  # what a beat of this app needs; None: no beat_schedule
-    if modes is not None and not any(f.code in ("unreachable", "auth") for f in findings):
+    if modes is not None and not any(f.code in UNUSABLE for f in findings):
         findings += beat_check(c.engine, modes)
     if as_json:
         echo_json({"redis": c.url, "findings": [f.as_dict() for f in findings]})
@@ -364,8 +382,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
             if f.action:
                 click.echo(f"{'':8} {'':20} -> {f.action}")
     quorum = [f for f in findings if f.code == "redlock"]
-    if quorum[0].level == ERROR if quorum else any(f.code in ("unreachable", "auth")
-                                                   for f in findings):
+    if quorum[0].level == ERROR if quorum else any(f.code in UNUSABLE for f in findings):
         raise click.exceptions.Exit(EXIT_ERROR)
     if any(f.level != OK for f in findings):
         raise click.exceptions.Exit(EXIT_FINDINGS)

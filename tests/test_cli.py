@@ -17,7 +17,16 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import LockKeys
-from tests.support import ROOT, RedisServer, Worker, dead_port, discard, marker, wait_for
+from tests.support import (
+    ROOT,
+    NotRedis,
+    RedisServer,
+    Worker,
+    dead_port,
+    discard,
+    marker,
+    wait_for,
+)
 from tests.workerapp import make_app
 
 #: an argument value that must never be printed by any command
@@ -362,6 +371,32 @@ def test_redis_down_exits_2_and_says_unreachable(scene):
     listing = run_cli(env, "list")
     assert listing.returncode == 2 and "unreachable" in listing.stderr
     assert "Traceback" not in listing.stderr
+
+
+def test_a_lock_url_at_a_server_that_is_not_redis_is_named_without_a_traceback(scene):
+    """An HTTP server at the lock URL: doctor reports `not-redis` and exits 2;
+    list and key say the same in one line and exit 2, with no traceback."""
+    other = NotRedis()
+    try:
+        env = env_with_lock_url(scene, other.url(2))
+        doctor = run_cli(env, "doctor", "--json")
+        listing = run_cli(env, "list")
+        key = run_cli(env, "key", "t.hold", "--args", '["x"]')
+    finally:
+        other.close()
+    assert doctor.returncode == 2, doctor.stdout + doctor.stderr
+    [finding] = json.loads(doctor.stdout)["findings"]
+    assert finding["code"] == "not-redis" and finding["level"] == "error"
+    assert 'it said "HTTP/1.1 400 Bad Request"' in finding["message"]
+    for out in (listing, key):
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines() == [
+            f"lock Redis at {other.url(2)} answers, but not as Redis does: it said "
+            "\"HTTP/1.1 400 Bad Request\". What to do: point singleton_redis_url at the Redis "
+            "host and port (rediss:// if that port speaks TLS); that address serves something "
+            "else"], out.stderr
+    for out in (doctor, listing, key):
+        assert "Traceback" not in out.stderr and "InvalidResponse" not in out.stderr
 
 
 def test_a_wrong_password_is_named_and_never_printed():
