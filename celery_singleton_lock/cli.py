@@ -9,6 +9,7 @@ never argument values, and every URL goes out with its password masked.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import re
@@ -107,11 +108,39 @@ class _Context:
         from .engines import engine_for
 
         self.app = ctx.obj.app
+        if _no_app_given(self.app):
+            _fail("no app given: pass -A with your Celery app's module, as for the worker "
+                  "(celery -A proj singleton ...)")
         self.app.loader.import_default_modules()  # tasks listed in `include`
         self.config = get_config(self.app)
         self.engine = engine_for(self.app)
         self.client = self.engine.client
         self.url = masking.mask_url(self.config.redis_url)
+
+    def singleton_task(self, name: str) -> Any:
+        """The app's singleton task called ``name``; a usage error (exit 2)
+        naming the closest singleton task names when there is none."""
+        task = self.app.tasks.get(name)
+        if task is None or not callable(getattr(task, "singleton_keys", None)):
+            _fail(f"no singleton task named {name!r} in this app{self.did_you_mean(name)}")
+        return task
+
+    def known_task(self, name: str) -> None:
+        """``--task NAME`` matched no key: a usage error (exit 2) when NAME is no
+        singleton task of this app either, naming the closest ones. A name
+        this app does not register but keys in Redis carry (an older release's
+        task) is fine: its rows were listed."""
+        task = self.app.tasks.get(name)
+        if task is None or not callable(getattr(task, "singleton_keys", None)):
+            _fail(f"no keys of task {name!r}, and no singleton task of that name in this "
+                  f"app{self.did_you_mean(name)}")
+
+    def did_you_mean(self, name: str) -> str:
+        """``; did you mean tasks.charge?`` for the closest singleton task names."""
+        names = sorted(n for n, t in self.app.tasks.items()
+                       if callable(getattr(t, "singleton_keys", None)))
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        return f"; did you mean {' or '.join(close)}?" if close else ""
 
     @property
     def servers(self) -> list[tuple[str, redis.Redis]]:
@@ -168,6 +197,17 @@ class _Context:
                     raise
 
 
+def _no_app_given(app: Any) -> bool:
+    """`celery singleton ...` without -A (nor CELERY_APP): Celery hands over its
+    default app, which has no settings of ours, nor a broker, to read. One
+    configured by a config module (CELERY_CONFIG_MODULE) is used as it is."""
+    from celery import _state
+
+    conf = app.conf
+    return bool(app is _state.default_app and not conf.get("singleton_redis_url")
+                and not conf.get("broker_url"))
+
+
 # -- the commands ------------------------------------------------------------------
 
 @click.group(name="singleton")
@@ -191,6 +231,8 @@ def list_(ctx: click.Context, task_name: Optional[str], state: Optional[str],
     """Every held lock, send-time marker, window and replaced record, found with SCAN."""
     c = _Context(ctx)
     rows = filtered(c.rows(), task_name, state)
+    if task_name is not None and not rows:
+        c.known_task(task_name)
     if as_json:
         echo_json({"redis": c.url, "locks": [asdict(r) for r in rows]})
     elif rows:
@@ -213,9 +255,7 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     """The key a call of TASK maps to, and who holds it. The arguments are
     hashed, never printed."""
     c = _Context(ctx)
-    task = c.app.tasks.get(task_name)
-    if task is None or not callable(getattr(task, "singleton_keys", None)):
-        _fail(f"no singleton task named {task_name!r} in this app")
+    task = c.singleton_task(task_name)
     args = _parse_json(args_json, list, "--args", "a JSON list")
     kwargs = _parse_json(kwargs_json, dict, "--kwargs", "a JSON object")
     # only the arguments the key is made of are needed (the rest are not asked for)
@@ -337,6 +377,8 @@ def purge(ctx: click.Context, task_name: str, yes: bool, force: bool, as_json: b
 
     c = _Context(ctx)
     rows = filtered(c.rows(), task_name, None)
+    if not rows:
+        c.known_task(task_name)
     outcome = purge_rows(rows, yes, force, lambda row: _purge_row(c, row))
     if report(task_name, outcome, yes, force, as_json):
         raise click.exceptions.Exit(EXIT_FINDINGS)

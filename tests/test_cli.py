@@ -5,6 +5,7 @@ window, and stale ones whose holder process is dead."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -203,6 +204,38 @@ def test_key_usage_errors_exit_2_without_echoing_the_value(scene):
     assert not_singleton.returncode == 2
     bad = cli(scene, "key", "t.hold", "--args", "{" + SECRET)  # cli() asserts it is not echoed
     assert bad.returncode == 2 and "--args" in bad.stderr
+
+
+def test_a_misspelt_task_name_gets_the_closest_singleton_task_names(scene):
+    """`key`, `list --task` and `purge --task` with a typo of a task name exit 2
+    naming the singleton tasks it is close to, as a misspelt setting does."""
+    key = cli(scene, "key", "t.hlod", "--args", '["x"]')
+    assert key.returncode == 2
+    assert key.stderr.startswith("no singleton task named 't.hlod' in this app; did you mean "
+                                 "t.hold"), key.stderr
+    for command in ("list", "purge"):
+        out = cli(scene, command, "--task", "t.fencd")
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert out.stderr.strip() == ("no keys of task 't.fencd', and no singleton task of "
+                                      "that name in this app; did you mean t.fenced?")
+    nothing_close = cli(scene, "list", "--task", "zzz.qqq")
+    assert nothing_close.returncode == 2 and "did you mean" not in nothing_close.stderr
+    # a singleton task of the app with no such keys now is no error
+    assert rows(cli(scene, "list", "--json", "--task", "t.throttle", "--state", "replaced")) == {}
+
+
+def test_without_an_app_the_commands_say_to_pass_it():
+    """`celery singleton list` with no -A (and no CELERY_APP): Celery's default
+    app has none of our settings; the command says to pass -A, not that the
+    lock Redis URL is unset."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
+    for command in (["list"], ["doctor"], ["key", "tasks.charge", "--args", "[42]"]):
+        out = subprocess.run([sys.executable, "-m", "celery", "singleton", *command],
+                             env=env, cwd=ROOT / "docs", capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert out.stderr.strip() == ("no app given: pass -A with your Celery app's module, "
+                                      "as for the worker (celery -A proj singleton ...)")
 
 
 def test_release_refuses_a_live_holder_without_force_then_force_frees_it(scene):
