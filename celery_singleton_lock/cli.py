@@ -363,16 +363,17 @@ def _report(result: dict[str, Any], as_json: bool, action: str, text: str) -> No
 @click.option("--yes", is_flag=True, cls=CeleryOption, help_group="Purge Options",
               help="Delete; without it, only say what would be deleted.")
 @click.option("--force", is_flag=True, cls=CeleryOption, help_group="Purge Options",
-              help="Free locks whose holder may still run too (they will see .lost).")
+              help="Free locks whose holder may still run (they will see .lost) and keys "
+                   "of tasks waiting in the queue too.")
 @_json_option
 @click.pass_context
 @_guarded
 def purge(ctx: click.Context, task_name: str, yes: bool, force: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
-    done and throttle windows. A dry run unless --yes. A lock whose holder may
-    still run is kept unless --force, as with release; so is the record of
-    replaced calls (their callers were told). Fencing counters stay: tokens
-    only go up."""
+    done and throttle windows. A dry run unless --yes. As with release, a lock
+    whose holder may still run and a key taken when a task was sent (it waits
+    in the queue) are kept unless --force; so is the record of replaced calls
+    (their callers were told). Fencing counters stay: tokens only go up."""
     from .purging import purge_rows, report
 
     c = _Context(ctx)

@@ -329,11 +329,36 @@ def test_purge_by_task_frees_its_send_time_markers_and_done_windows(scene):
     key = f"pq-{uuid.uuid4().hex}"
     sent = scene.app.tasks["t.queue"].apply_async(kwargs={"key": key}, countdown=60)
     queued_keys = scene.app.tasks["t.queue"].singleton_keys(key)
-    out = cli(scene, "purge", "--task", "t.queue", "--yes", "--json")
+    out = cli(scene, "purge", "--task", "t.queue", "--yes", "--force", "--json")
     assert out.returncode == 0, out.stderr
     assert (queued_keys.base, "queued", "deleted") in {
         (e["key"], e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]}
     assert not scene.locks.exists(queued_keys.queued)
+    sent.revoke()
+
+
+def test_purge_keeps_a_queued_tasks_send_time_key_without_force_as_release_does(scene):
+    """A key taken when a task was sent belongs to a task waiting in the queue:
+    `release` frees it only with --force, and `purge --yes` keeps it the same way
+    (exit 1, saying what to pass); with --force both free it."""
+    t = scene.app.tasks["t.queue"]
+    key = f"pk-{uuid.uuid4().hex}"
+    sent = t.apply_async(kwargs={"key": key}, countdown=60)
+    keys = t.singleton_keys(key)
+    assert marker(scene.locks, keys.queued) == ("t.queue", sent.id)
+    assert cli(scene, "release", keys.base).returncode == 1
+    dry = json.loads(cli(scene, "purge", "--task", "t.queue", "--json").stdout)
+    assert {(e["key"], e["action"]) for e in dry["keys"]} >= {(keys.base, "would keep: queued")}
+    kept = cli(scene, "purge", "--task", "t.queue", "--yes")
+    assert kept.returncode == 1, kept.stdout + kept.stderr
+    assert "taken when their task was sent, which waits in the queue" in kept.stdout
+    assert keys.base in kept.stdout and "--force" in kept.stdout
+    assert marker(scene.locks, keys.queued) == ("t.queue", sent.id)
+    forced = cli(scene, "purge", "--task", "t.queue", "--yes", "--force", "--json")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert (keys.base, "deleted") in {(e["key"], e["action"])
+                                      for e in json.loads(forced.stdout)["keys"]}
+    assert scene.locks.get(keys.queued) is None
     sent.revoke()
 
 
