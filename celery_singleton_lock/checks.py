@@ -114,7 +114,8 @@ def engine_checks(engine: LockEngine) -> list[Finding]:
     for master in engine.masters:
         config = dataclasses.replace(engine.config, redis_url=f"redis://{master.name}")
         own = run_checks(master.engine.client, config)
-        (silent if any(f.code in ("unreachable", "not-redis") for f in own) else answering).append(master.name)
+        down = any(f.code in ("unreachable", "not-redis") for f in own)
+        (silent if down else answering).append(master.name)
         findings.extend(dataclasses.replace(f, message=f"master {master.name}: {f.message}")
                         for f in own)
     total, quorum = len(engine.masters), engine.quorum

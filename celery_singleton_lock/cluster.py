@@ -22,6 +22,7 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError
 
+from .exceptions import describe
 from .outage import Answered
 from .process import ForkSafeLock
 from .scripts import Script
@@ -205,7 +206,7 @@ class ClusterWire:
         try:
             wire = self.wire_for(keys[0])
         except redis.RedisError as exc:  # no map now: the key's TTL frees it
-            logger.warning("Could not keep an undo for %s: %r", keys[0], exc)
+            logger.warning("Could not keep an undo for %s: %s", keys[0], describe(exc))
             return
         wire.owe(error, script, keys, args)
 

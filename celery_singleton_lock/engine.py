@@ -36,7 +36,7 @@ from .calls import (
 from .cluster import ClusterWire, LazyCluster
 from .clusterrenew import renew_per_slot
 from .config import SingletonConfig
-from .exceptions import TooFewReplicasError
+from .exceptions import TooFewReplicasError, describe
 from .keys import LockKeys
 from .outage import RedisUnanswered
 from .process import HOST_KEY, Holder, forget_seen, pid_alive
@@ -170,7 +170,7 @@ class LockEngine:
         if count >= wanted:
             return
         if isinstance(acked, Exception):
-            logger.warning("WAIT after granting %s failed: %r", keys.base, acked)
+            logger.warning("WAIT after granting %s failed: %s", keys.base, describe(acked))
         if self.config.wait_policy == "proceed":
             logger.warning("Singleton lock %s granted but only %d of %d replicas acknowledged "
                            "it: a failover now could lose it (policy: proceed)",
@@ -179,7 +179,8 @@ class LockEngine:
         try:
             self.release(keys, exec_id, task_id, finished=False)
         except redis.RedisError as exc:  # it expires with its lease
-            logger.warning("Could not give back %s after WAIT fell short: %r", keys.base, exc)
+            logger.warning("Could not give back %s after WAIT fell short: %s", keys.base,
+                           describe(exc))
         raise TooFewReplicasError(keys.base, count, wanted)
 
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,

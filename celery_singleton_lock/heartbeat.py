@@ -37,6 +37,7 @@ import redis
 from . import monitor, rollout
 from .cluster import ClusterWire
 from .engine import LockEngine
+from .exceptions import describe
 from .lock import SingletonLock
 from .process import ForkSafeLock
 from .redlock import RedlockEngine
@@ -125,8 +126,8 @@ class Heartbeat:
         fds, back = self.watch.poll()
         if back:
             restarted = any(b.restarted for b in back)
-            logger.warning("Lock Redis is back (%s): re-asserting held locks at once",
-                           "restarted" if restarted else "same server or not told")
+            logger.info("Lock Redis is back (%s): re-asserting held locks at once",
+                        "restarted" if restarted else "same server or not told")
             self._owed = True
             for b in back:  # the watch got an answer: so do lock calls, at once
                 if b.outage is not None:
@@ -210,15 +211,15 @@ class Heartbeat:
         except redis.RedisError as exc:
             # said once per outage: failed rounds are tried again every 0.5 s
             logger.log(logging.DEBUG if self.failed_rounds else logging.WARNING,
-                       "Could not renew %d singleton lock(s): %r", len(locks), exc)
+                       "Could not renew %d singleton lock(s): %s", len(locks), describe(exc))
             self.failed_rounds += 1
             for lock in locks:
                 monitor.count(self.engine, "renew_failed", lock.task_name)  # metrics
                 _ = lock.lost  # mark and log the ones whose deadline passed
             return False
         if self.failed_rounds:
-            logger.warning("Renewing singleton locks again, after %d failed round(s)",
-                           self.failed_rounds)
+            logger.info("Renewing singleton locks again, after %d failed round(s)",
+                        self.failed_rounds)
             self.failed_rounds = 0
         self.rounds += 1
         companions = []
@@ -264,7 +265,7 @@ class Heartbeat:
                 lease_ms=int(lock.lease * 1000), hostname=lock.hostname,
                 retries=lock.retries, task_name=lock.task_name)
         except redis.RedisError as exc:
-            logger.warning("Could not take back singleton lock %s: %r", lock.key, exc)
+            logger.warning("Could not take back singleton lock %s: %s", lock.key, describe(exc))
             return
         if answer.status is Reclaim.WRITTEN_BACK:
             self.reasserted += 1

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 import redis
 
+from .exceptions import describe
 from .process import ForkSafeLock, at_fork_in_child
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -204,7 +205,7 @@ class Publisher:
                     self._counts[name] = self._counts.get(name, 0) + amount
             if not self._warned and not quiet:
                 self._warned = True
-                logger.warning("Could not publish singleton lock stats: %r", exc)
+                logger.warning("Could not publish singleton lock stats: %s", describe(exc))
             return
         self._held_written = bool(locks)
 
