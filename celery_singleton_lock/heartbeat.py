@@ -147,7 +147,12 @@ class Heartbeat:
             logger.exception("Reading singleton lock replies failed")
         lost = [fd for fd in fds if fd in ready and self.watch.gone(fd)]
         if lost:
-            logger.warning("Lost the connection to the lock Redis: watching for its return")
+            # with nothing held nothing is at stake (a test suite's Redis
+            # stopping at its end, say): not a warning
+            held = len(self.held())
+            logger.log(logging.WARNING if held else logging.DEBUG,
+                       "Lost the connection to the lock Redis, holding %d lock(s): watching "
+                       "for its return", held)
             return next_round
         if self._wake_r in ready:
             # woken by a shorter lease: reschedule (never later than planned)

@@ -5,12 +5,19 @@ error category, and its return is news, not a warning."""
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 import uuid
 from typing import Any, Iterator
 
 import pytest
 
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.engines import connect
+from celery_singleton_lock.heartbeat import Heartbeat
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.lock import SingletonLock
 from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
@@ -104,3 +111,40 @@ def test_an_outage_names_what_failed_and_its_end_is_logged_at_info(
     back = [line for line in log.splitlines()
             if "answers again, after" in line or "is back (" in line]
     assert back and all("INFO/" in line for line in back), back
+
+
+@pytest.mark.parametrize("holding", [1, 0])
+def test_losing_the_lock_redis_is_a_warning_only_while_a_lock_is_held(
+        holding: int, caplog: pytest.LogCaptureFixture) -> None:
+    """The renewal thread watches the lock Redis's connection: losing it while
+    it holds a lock is a WARNING naming how many; losing it with none held (a
+    test suite's Redis stopped at the end of its session, with the renewer of
+    an in-process worker still watching) is DEBUG, so it never reaches a
+    terminal whose logging is not configured."""
+    caplog.set_level(logging.DEBUG, logger="celery_singleton_lock")
+    server = RedisServer().start()
+    try:
+        engine = connect(SingletonConfig.defaults(server.url(0)))
+        hb = Heartbeat(engine)
+        keys = LockKeys("singleton:", uuid.uuid4().hex)
+        got = engine.acquire(keys, task_id="t", exec_id="e", lease_ms=1500, hostname="h",
+                             retries=0, task_name="t.x")
+        lock = SingletonLock(keys, task_id="t", exec_id="e", token=got.token, lease=1.5,
+                             started=time.monotonic(), held=True)
+        hb.add(lock)
+        wait_for(lambda: hb.rounds >= 1, 10, what="a renewal round (the watch connected)")
+        if not holding:
+            hb.discard(lock)
+        caplog.clear()
+        server.stop()
+
+        def lost() -> list[logging.LogRecord]:
+            return [r for r in caplog.records
+                    if r.getMessage().startswith("Lost the connection to the lock Redis")]
+
+        [record] = wait_for(lost, 15, what="the renewer seeing the connection go")
+        hb.discard(lock)
+    finally:
+        server.cleanup()
+    assert record.levelno == (logging.WARNING if holding else logging.DEBUG), record
+    assert f"holding {holding} lock(s)" in record.getMessage()

@@ -70,3 +70,35 @@ def test_the_installed_wheel_runs_the_payment_demo(dist: Path, tmp_path: Path) -
     assert str(env_dir) in where and str(ROOT) not in where
     output = run(python, "run_demo.py", cwd=demo, env=clean, timeout=180)
     assert "Every order was paid exactly once." in output, output
+
+
+def test_the_testing_pages_example_runs_green_with_only_the_package_and_pytest(
+        dist: Path, tmp_path: Path) -> None:
+    """docs/testing.md's test suite, written out as its blocks say, in a fresh
+    venv holding the wheel and pytest and nothing else (no pytest-celery): it
+    passes, printing what the page shows, and nothing of ours gets into
+    pytest's own output."""
+    from tests.test_docs import scenarios, shape
+
+    [sc] = [s for s in scenarios() if s.id == "testing.md:user-tests"]
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = str(env_dir / "bin" / "python")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("PYTHONPATH", "REDIS_URL", "VIRTUAL_ENV")}
+    clean["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    run(python, "-m", "pip", "install", "-q", str(next(dist.glob("*.whl"))), "pytest",
+        cwd=tmp_path, env=clean, timeout=600)
+    installed = run(python, "-m", "pip", "list", "--format=freeze", cwd=tmp_path, env=clean)
+    assert "pytest-celery" not in installed.lower() and "pytest_celery" not in installed.lower()
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    for name, text in sc.files.items():
+        (suite / name).write_text(text)
+    [code], [expected] = sc.runs, sc.outputs
+    assert shape(run(python, "-c", code, cwd=suite, env=clean)) == shape(expected)
+    out = subprocess.run([python, "-m", "pytest", "-p", "no:cacheprovider", *sc.files],
+                         cwd=suite, env=clean, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    progress = out.stdout + out.stderr
+    assert "lock Redis" not in progress and "celery_singleton_lock" not in progress, progress
