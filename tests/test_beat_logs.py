@@ -1,0 +1,56 @@
+"""What each of several real `celery beat` processes says in its own log: that
+ticks are shared through Redis, and every tick of an entry, the ones it sent
+and the ones another beat claimed, so a 1 s entry reads as a 1 s entry in
+every log."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.support import wait_for
+from tests.test_beat import Beat, beat_worker, beats, clean_stats, tick_events  # noqa: F401
+
+pytestmark = pytest.mark.worker
+
+
+def test_each_beats_log_says_ticks_are_shared_and_names_the_ticks_another_beat_claimed(
+        redis_server, beat_worker, beats, events, clean_stats):  # noqa: F811
+    """Two beats, clocks 0.35 s apart, a 1 s entry: each beat logs at start that
+    it shares its ticks through the lock Redis, naming its own id; every tick
+    the other beat sent while this one ran is in this one's log at INFO, named,
+    with the id of the beat that claimed it."""
+    sched = {"every-second": {"task": "t.tick", "every": 1}}
+    for name, offset in (("a", 0.0), ("b", 0.35)):
+        beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name=name,
+                          offset=offset).start())
+
+    def sent_by() -> dict[str, str]:
+        return {e["singleton_beat_tick"]: e["singleton_beat_id"]
+                for e in tick_events(events, "every-second")}
+
+    wait_for(lambda: len(sent_by()) >= 8, 40, what="8 ticks from two beats")
+    for beat in beats:
+        beat.stop()
+    ticks = sent_by()
+    started = re.compile(
+        r"INFO/MainProcess\] celery-singleton-lock: beat (\S+) shares its ticks with every "
+        r"other beat of this app through redis://127\.0\.0\.1:\d+/2: each tick is sent by "
+        r"the beat that claims it first; a tick another beat claimed is logged as such")
+    other = re.compile(r"INFO/MainProcess\] Beat entry 'every-second' tick (\S+) claimed by "
+                       r"another beat \((\S+)\), which sends it")
+    ids = []
+    for beat in beats:
+        log = beat.logs()
+        [beat_id] = started.findall(log)
+        ids.append(beat_id)
+        logged = dict(other.findall(log))
+        mine = {t for t, by in ticks.items() if by == beat_id}
+        assert all(ticks.get(t) == by and by != beat_id for t, by in logged.items()), logged
+        span = sorted(mine | set(logged))
+        assert span, f"beat {beat.name} decided no tick"
+        theirs = {t for t, by in ticks.items() if by != beat_id and span[0] <= t <= span[-1]}
+        assert theirs <= set(logged), (beat.name, sorted(theirs - set(logged)))
+    assert set(ticks.values()) <= set(ids)
+    assert any(other.search(b.logs()) for b in beats), "one beat sent every tick: nothing shown"
