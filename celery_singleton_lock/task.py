@@ -299,7 +299,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request_stack.top
         if req is None or req.called_directly or getattr(req, _ENTERED_ATTR, False):
-            # A plain function call (also from inside a running task): no lock.
+            # A plain function call (also from inside a running task): no lock,
+            # but the task's options are checked, as on its first send
+            self.singleton_settings()
             return super().__call__(*args, **kwargs)
         setattr(req, _ENTERED_ATTR, True)
         if req.is_eager:
