@@ -6,9 +6,12 @@ every log."""
 from __future__ import annotations
 
 import re
+import time
+import uuid
 
 import pytest
 
+from celery_singleton_lock.ticks import from_ms, queue_key, tick_name
 from tests.support import wait_for
 from tests.test_beat import Beat, beat_worker, beats, clean_stats, tick_events  # noqa: F401
 
@@ -54,3 +57,41 @@ def test_each_beats_log_says_ticks_are_shared_and_names_the_ticks_another_beat_c
         assert theirs <= set(logged), (beat.name, sorted(theirs - set(logged)))
     assert set(ticks.values()) <= set(ids)
     assert any(other.search(b.logs()) for b in beats), "one beat sent every tick: nothing shown"
+
+
+def test_a_buffer_all_backlog_is_capped_outlives_every_beat_and_drains_oldest_first(
+        redis_server, beat_worker, beats, events, r, clean_stats):  # noqa: F811
+    """docs/beat.md, buffer_all with runs longer than the interval: the waiting
+    ticks grow to singleton_beat_buffer_max and stay there (newer ticks are
+    dropped); when every beat stops, the backlog stays in Redis for an hour
+    after its last tick was added, nothing taking from it; a beat started
+    again sends it, oldest first, one run at a time."""
+    key = uuid.uuid4().hex[:8]
+    sched = {"backlog": {"task": "t.tick_hold", "every": 1,
+                         "kwargs": {"key": key, "seconds": 1.5},
+                         "options": {"singleton_overlap": "buffer_all"}}}
+    conf = {"singleton_beat_buffer_max": 3}
+    queue = queue_key("singleton:", "backlog")
+    beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="first",
+                      conf=conf).start())
+    wait_for(lambda: "dropped: 3 ticks already wait" in beats[0].logs(), 30,
+             what="the backlog full and a tick dropped")
+    assert r.zcard(queue) == 3
+    beats[0].kill()
+    waiting = sorted(int(m) for m in r.zrange(queue, 0, -1))
+    assert len(waiting) == 3
+    assert 3_500_000 < r.pttl(queue) <= 3_600_000, "an hour after its last tick was added"
+    wait_for(lambda: len(tick_events(events, "backlog", "end")) == len(
+        tick_events(events, "backlog", "start")), 10, what="the running tick to end")
+    time.sleep(2.0)  # every beat down: nothing takes from the backlog
+    assert sorted(int(m) for m in r.zrange(queue, 0, -1)) == waiting
+    beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="second",
+                      conf=conf).start())
+
+    def started_after_restart() -> list[str]:
+        return [e["singleton_beat_tick"] for e in tick_events(events, "backlog", "start")
+                if e["singleton_beat_id"].split(":")[1] == str(beats[1].proc.pid)]
+
+    ran = wait_for(lambda: started_after_restart()[:3] if len(
+        started_after_restart()) >= 3 else None, 30, what="three runs after the restart")
+    assert ran == [tick_name(from_ms(ms)) for ms in waiting], (ran, waiting)
