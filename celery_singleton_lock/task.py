@@ -86,6 +86,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_debounce: Optional[float] = None
     singleton_debounce_max: Optional[float] = None
 
+    #: the worker's request class: it tells the pool process whether task
+    #: events are on now (a skip then shows as SKIPPED in Flower)
+    Request = "celery_singleton_lock.bootsteps:SingletonRequest"
+
     #: a duplicate refused under the ``raise`` policy is expected: Celery logs
     #: it as one INFO line, not as an ERROR with a traceback
     throws: tuple[type[BaseException], ...] = (DuplicateTaskError,)
