@@ -48,6 +48,7 @@ from celery.schedules import schedule as interval_schedule
 
 from .config import BEAT_SETTINGS, get_config
 from .engines import engine_for
+from .masking import mask_url
 from .overlap import OVERLAP_OPTION as OVERLAP_OPTION
 from .overlap import OverlapMixin, redis_failure
 from .permissions import beat_denied, beat_refusal
@@ -167,6 +168,12 @@ class SingletonSchedulerMixin(OverlapMixin):
         (not on the banner's lazy scheduler, which has no schedule)."""
         super().setup_schedule()  # type: ignore[misc]
         self._check_permissions()
+        # with several beats, each one's log would otherwise show only the
+        # ticks it won: a 10 s entry would look like a 20 s one
+        logger.info("celery-singleton-lock: beat %s shares its ticks with every other beat "
+                    "of this app through %s: each tick is sent by the beat that claims it "
+                    "first; a tick another beat claimed is logged as such",
+                    self.beat_id, mask_url(get_config(self.app).redis_url))
 
     def _check_permissions(self) -> None:
         """Stop the start when the lock Redis user may not run a command this
@@ -369,8 +376,8 @@ class SingletonSchedulerMixin(OverlapMixin):
         this beat sends the tick."""
         key = claim_key(get_config(self.app).key_prefix, entry.name, tick)
         try:
-            won, _ = engine_for(self.app).claim(key, self.beat_id,
-                                                self.singleton_beat.claim_ttl_ms)
+            won, holder = engine_for(self.app).claim(key, self.beat_id,
+                                                     self.singleton_beat.claim_ttl_ms)
         except redis.RedisError as exc:
             if self.singleton_beat.on_backend_error == "send":
                 self.singleton_stats["sent_unclaimed"] += 1
@@ -384,8 +391,8 @@ class SingletonSchedulerMixin(OverlapMixin):
             return False
         if not won:
             self.singleton_stats["claimed_elsewhere"] += 1
-            logger.debug("Beat entry %r tick %s is sent by another beat", entry.name,
-                         tick_name(tick))
+            logger.info("Beat entry %r tick %s claimed by another beat (%s), which sends it",
+                        entry.name, tick_name(tick), holder)
             return False
         return True
 

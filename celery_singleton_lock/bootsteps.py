@@ -1,7 +1,8 @@
 """The worker step: checks every setting at start, wires the signals and the
 revoke command, reports the lock backend and the held locks in ``celery
 inspect stats`` (Flower's worker page), and answers ``celery inspect
-singleton_locks``."""
+singleton_locks``; and the request class that tells a pool process whether
+task events are on now."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import redis
 from celery import bootsteps
 from celery import signals as celery_signals
 from celery.worker.control import inspect_command
+from celery.worker.request import Request
 
 from . import checks, masking, monitor, signals
 from .config import get_config
@@ -88,6 +90,28 @@ def _fill(future: Future[dict[str, Any]], app: Any, hostname: str) -> None:
         future.set_exception(exc)
 
 
+class SingletonRequest(Request):  # type: ignore[misc]
+    """A singleton task's request in the worker's main process
+    (``SingletonTask.Request``).
+
+    Task events can be switched on after the pool forked: Flower sends
+    ``enable_events`` to every worker it sees, ``celery control enable_events``
+    does the same. The main process then sends ``task-succeeded`` for every
+    task, while a pool process still knows only whether ``-E`` was given.
+    Handing a task to the pool, this tells it whether its own task events
+    would go out now, so a skip ends as SKIPPED in Flower whenever Celery
+    would have sent its ``task-succeeded``."""
+
+    @property
+    def request_dict(self) -> dict[str, Any]:
+        request: dict[str, Any] = self._request_dict
+        eventer = self._eventer
+        request[monitor.EVENTS_FIELD] = bool(
+            eventer is not None and eventer.enabled and self.task.send_events
+            and (not eventer.groups or "task" in eventer.groups))
+        return request
+
+
 class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Added to every app that has a SingletonTask; runs in the main worker process
     (pool children fork from it, so they inherit the wiring).
@@ -125,23 +149,35 @@ class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def info(self, parent: Any) -> dict[str, Any]:
         config = get_config(parent.app)
-        held = held_locks(parent.app, parent.hostname)
-        return {"singleton": {"redis": masking.mask_url(config.redis_url), "ttl": config.ttl,
-                              **held},
-                **lock_rows(held["locks"])}
+        return stats_rows(held_locks(parent.app, parent.hostname),
+                          masking.mask_url(config.redis_url), config.ttl)
 
 
-def lock_rows(locks: list[dict[str, Any]]) -> dict[str, str]:
-    """One ``stats`` entry per held lock, a line of text: Flower's worker page
-    (tab Other) shows each top-level entry as a row, and a nested value as its
-    Python repr, so the locks read as rows ``singleton lock 1``, ... beside the
-    machine-readable ``singleton`` entry."""
-    return {f"singleton lock {n}": (
-        f"{lock['task']}  id={lock['id']}  key={lock['key']}"
-        + (f"  slot={lock['slot']}" if lock.get("slot", 1) > 1 else "")
-        + f"  token={lock['token']}  age={lock['age']:.1f}s  pid={lock.get('pid')}"
-        + ("  LOST" if lock.get("lost") else ""))
-        for n, lock in enumerate(locks, 1)}
+#: the ``stats`` entry that sums up a worker's locks (the others are one per lock)
+SUMMARY_ROW = "singleton locks"
+
+
+def stats_rows(held: dict[str, Any], url: str, ttl: float) -> dict[str, str]:
+    """What ``celery inspect stats`` carries of the locks, laid out for
+    Flower's worker page, whose tab Other shows each top-level entry as a
+    row of text (and a nested value as its Python repr): one row summing up
+    the worker's locks, then one per held lock, ordered by key and slot and
+    labelled by them, with its task, holder id, token, age and pid.
+
+    ``celery inspect singleton_locks`` gives the same as data, for scripts."""
+    if held["held"] is None:
+        summary = f"unknown ({held.get('error', 'lock Redis: no answer')}); locks in {url}"
+    else:
+        summary = (f"{held['held']} held, in {url}, lease {ttl:g} s; since the counters "
+                   f"began: {held.get('lost', 0)} lost, {held.get('renew_failed', 0)} "
+                   "renewals failed")
+    rows = {SUMMARY_ROW: summary}
+    for lock in sorted(held["locks"], key=lambda lock: (lock["key"], lock.get("slot", 1))):
+        rows[f"{lock['key']} slot {lock.get('slot', 1)}"] = (
+            f"{lock['task']}, held by {lock['id']}, token {lock['token']}, "
+            f"age {lock['age']:.1f} s, pid {lock.get('pid')}"
+            + (", LOST" if lock.get("lost") else ""))
+    return rows
 
 
 def _flush_stats(**_: Any) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Sequence
 
 import redis
@@ -76,6 +77,8 @@ def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
             "set the user and password in singleton_redis_url "
             "(redis://user:password@host:port/db) or singleton_redis_options",
         )]
+    except redis.exceptions.InvalidResponse as exc:
+        return [not_redis(url, exc)]
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         return [Finding(
             ERROR, "unreachable",
@@ -84,6 +87,20 @@ def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
             "back, singleton tasks follow singleton_on_backend_error",
         )]
     return findings
+
+
+def not_redis(url: str, exc: BaseException) -> Finding:
+    """Something answered at the lock Redis's address, in another protocol (an
+    HTTP server, a database, a TLS port spoken to in plain text): no lock call
+    can ever work there."""
+    said = str(exc).removeprefix("Protocol Error:").strip() or type(exc).__name__
+    quoted = re.fullmatch(r"b(['\"])(.*)\1", said)  # redis-py shows the bytes' repr
+    said = f'"{quoted.group(2)}"' if quoted else said
+    return Finding(
+        ERROR, "not-redis",
+        f"lock Redis at {url} answers, but not as Redis does: it said {said}",
+        "point singleton_redis_url at the Redis host and port (rediss:// if that port "
+        "speaks TLS); that address serves something else")
 
 
 def engine_checks(engine: LockEngine) -> list[Finding]:
@@ -97,7 +114,8 @@ def engine_checks(engine: LockEngine) -> list[Finding]:
     for master in engine.masters:
         config = dataclasses.replace(engine.config, redis_url=f"redis://{master.name}")
         own = run_checks(master.engine.client, config)
-        (silent if any(f.code == "unreachable" for f in own) else answering).append(master.name)
+        down = any(f.code in ("unreachable", "not-redis") for f in own)
+        (silent if down else answering).append(master.name)
         findings.extend(dataclasses.replace(f, message=f"master {master.name}: {f.message}")
                         for f in own)
     total, quorum = len(engine.masters), engine.quorum

@@ -5,10 +5,16 @@ Tables for people, ``--json`` for scripts. Exit codes: 0 done / nothing to
 report, 1 refused, nothing to do, or findings to look at, 2 usage, settings or
 connection error, or credentials refused. Only key hashes are ever printed,
 never argument values, and every URL goes out with its password masked.
+
+Over 400 lines: one click group, whose commands share the context they read
+(app, settings, engine, the task a name means) and one way of failing (a line
+and an exit code, never a traceback); what they print lives in
+:mod:`.listing` and :mod:`.purging`.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import re
@@ -42,6 +48,9 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
 
+#: doctor's findings that leave nothing else to check: exit code 2
+UNUSABLE = ("unreachable", "not-redis", "auth")
+
 STATES = ("run", "queued", "done", "throttled", "replaced")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,10 +78,25 @@ def _guarded(func: F) -> F:
         except redis.exceptions.NoPermissionError as exc:
             _fail(f"lock Redis denied a command (NOPERM): {exc}; "
                   "run `celery singleton doctor` as this user for the missing permission")
+        except redis.exceptions.InvalidResponse as exc:
+            from .checks import not_redis
+
+            _fail(not_redis(masking.mask_url(_lock_url(args)), exc).advice())
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             _fail(f"lock Redis unreachable: {type(exc).__name__}: {exc}")
         return None
     return cast(F, wrapper)
+
+
+def _lock_url(args: Sequence[Any]) -> str:
+    """The lock Redis URL of the command's app (its first argument is the click
+    context), for a message; "?" when it cannot be read."""
+    try:
+        from .config import get_config
+
+        return str(get_config(args[0].obj.app).redis_url)
+    except Exception:
+        return "?"
 
 
 def _json_option(func: F) -> F:
@@ -89,11 +113,39 @@ class _Context:
         from .engines import engine_for
 
         self.app = ctx.obj.app
+        if _no_app_given(self.app):
+            _fail("no app given: pass -A with your Celery app's module, as for the worker "
+                  "(celery -A proj singleton ...)")
         self.app.loader.import_default_modules()  # tasks listed in `include`
         self.config = get_config(self.app)
         self.engine = engine_for(self.app)
         self.client = self.engine.client
         self.url = masking.mask_url(self.config.redis_url)
+
+    def singleton_task(self, name: str) -> Any:
+        """The app's singleton task called ``name``; a usage error (exit 2)
+        naming the closest singleton task names when there is none."""
+        task = self.app.tasks.get(name)
+        if task is None or not callable(getattr(task, "singleton_keys", None)):
+            _fail(f"no singleton task named {name!r} in this app{self.did_you_mean(name)}")
+        return task
+
+    def known_task(self, name: str) -> None:
+        """``--task NAME`` matched no key: a usage error (exit 2) when NAME is no
+        singleton task of this app either, naming the closest ones. A name
+        this app does not register but keys in Redis carry (an older release's
+        task) is fine: its rows were listed."""
+        task = self.app.tasks.get(name)
+        if task is None or not callable(getattr(task, "singleton_keys", None)):
+            _fail(f"no keys of task {name!r}, and no singleton task of that name in this "
+                  f"app{self.did_you_mean(name)}")
+
+    def did_you_mean(self, name: str) -> str:
+        """``; did you mean tasks.charge?`` for the closest singleton task names."""
+        names = sorted(n for n, t in self.app.tasks.items()
+                       if callable(getattr(t, "singleton_keys", None)))
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        return f"; did you mean {' or '.join(close)}?" if close else ""
 
     @property
     def servers(self) -> list[tuple[str, redis.Redis]]:
@@ -150,6 +202,17 @@ class _Context:
                     raise
 
 
+def _no_app_given(app: Any) -> bool:
+    """`celery singleton ...` without -A (nor CELERY_APP): Celery hands over its
+    default app, which has no settings of ours, nor a broker, to read. One
+    configured by a config module (CELERY_CONFIG_MODULE) is used as it is."""
+    from celery import _state
+
+    conf = app.conf
+    return bool(app is _state.default_app and not conf.get("singleton_redis_url")
+                and not conf.get("broker_url"))
+
+
 # -- the commands ------------------------------------------------------------------
 
 @click.group(name="singleton")
@@ -173,6 +236,8 @@ def list_(ctx: click.Context, task_name: Optional[str], state: Optional[str],
     """Every held lock, send-time marker, window and replaced record, found with SCAN."""
     c = _Context(ctx)
     rows = filtered(c.rows(), task_name, state)
+    if task_name is not None and not rows:
+        c.known_task(task_name)
     if as_json:
         echo_json({"redis": c.url, "locks": [asdict(r) for r in rows]})
     elif rows:
@@ -195,9 +260,7 @@ def key(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     """The key a call of TASK maps to, and who holds it. The arguments are
     hashed, never printed."""
     c = _Context(ctx)
-    task = c.app.tasks.get(task_name)
-    if task is None or not callable(getattr(task, "singleton_keys", None)):
-        _fail(f"no singleton task named {task_name!r} in this app")
+    task = c.singleton_task(task_name)
     args = _parse_json(args_json, list, "--args", "a JSON list")
     kwargs = _parse_json(kwargs_json, dict, "--kwargs", "a JSON object")
     # only the arguments the key is made of are needed (the rest are not asked for)
@@ -305,20 +368,23 @@ def _report(result: dict[str, Any], as_json: bool, action: str, text: str) -> No
 @click.option("--yes", is_flag=True, cls=CeleryOption, help_group="Purge Options",
               help="Delete; without it, only say what would be deleted.")
 @click.option("--force", is_flag=True, cls=CeleryOption, help_group="Purge Options",
-              help="Free locks whose holder may still run too (they will see .lost).")
+              help="Free locks whose holder may still run (they will see .lost) and keys "
+                   "of tasks waiting in the queue too.")
 @_json_option
 @click.pass_context
 @_guarded
 def purge(ctx: click.Context, task_name: str, yes: bool, force: bool, as_json: bool) -> None:
     """Free every key of TASK: its locks (owner-checked), send-time markers and
-    done and throttle windows. A dry run unless --yes. A lock whose holder may
-    still run is kept unless --force, as with release; so is the record of
-    replaced calls (their callers were told). Fencing counters stay: tokens
-    only go up."""
+    done and throttle windows. A dry run unless --yes. As with release, a lock
+    whose holder may still run and a key taken when a task was sent (it waits
+    in the queue) are kept unless --force; so is the record of replaced calls
+    (their callers were told). Fencing counters stay: tokens only go up."""
     from .purging import purge_rows, report
 
     c = _Context(ctx)
     rows = filtered(c.rows(), task_name, None)
+    if not rows:
+        c.known_task(task_name)
     outcome = purge_rows(rows, yes, force, lambda row: _purge_row(c, row))
     if report(task_name, outcome, yes, force, as_json):
         raise click.exceptions.Exit(EXIT_FINDINGS)
@@ -346,7 +412,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check the lock Redis for what can make a lock lie or fail: credentials,
     ACL permissions, scripts, eviction, clock, version, persistence, replicas.
     Exits 0 when all is well, 1 on findings to look at, 2 when the lock Redis
-    is unreachable or refuses the credentials."""
+    is unreachable, is not a Redis, or refuses the credentials."""
     from .beat import schedule_modes
     from .checks import beat_check, engine_checks
     from .findings import ERROR, OK
@@ -354,7 +420,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     c = _Context(ctx)
     findings = engine_checks(c.engine)
     modes = schedule_modes(c.app)  # what a beat of this app needs; None: no beat_schedule
-    if modes is not None and not any(f.code in ("unreachable", "auth") for f in findings):
+    if modes is not None and not any(f.code in UNUSABLE for f in findings):
         findings += beat_check(c.engine, modes)
     if as_json:
         echo_json({"redis": c.url, "findings": [f.as_dict() for f in findings]})
@@ -364,8 +430,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
             if f.action:
                 click.echo(f"{'':8} {'':20} -> {f.action}")
     quorum = [f for f in findings if f.code == "redlock"]
-    if quorum[0].level == ERROR if quorum else any(f.code in ("unreachable", "auth")
-                                                   for f in findings):
+    if quorum[0].level == ERROR if quorum else any(f.code in UNUSABLE for f in findings):
         raise click.exceptions.Exit(EXIT_ERROR)
     if any(f.level != OK for f in findings):
         raise click.exceptions.Exit(EXIT_FINDINGS)

@@ -45,10 +45,16 @@ def check_ttl(setting: str, value: Any) -> float:
 
 
 def check_optional_ttl(setting: str, value: Any) -> float:
-    """A number of seconds, or 0 / None for off."""
+    """A number of seconds, or 0 / None for off (the message says so)."""
     if value is None or (value == 0 and not isinstance(value, bool)):
         return 0.0
-    return check_ttl(setting, value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(setting, f"expected a number of seconds, or 0 or None for "
+                                          f"off, got {value!r}")
+    if not value > 0:
+        raise ConfigurationError(setting, f"must be greater than 0, or 0 or None for off, "
+                                          f"got {value!r}")
+    return float(value)
 
 
 def choice(choices: tuple[str, ...], what: str = "policy") -> Callable[[str, Any], str]:

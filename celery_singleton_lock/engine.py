@@ -36,7 +36,7 @@ from .calls import (
 from .cluster import ClusterWire, LazyCluster
 from .clusterrenew import renew_per_slot
 from .config import SingletonConfig
-from .exceptions import TooFewReplicasError, UnconfirmedHolderError
+from .exceptions import TooFewReplicasError, UnconfirmedHolderError, describe
 from .keys import LockKeys
 from .outage import RedisUnanswered
 from .process import HOST_KEY, Holder, forget_seen, pid_alive
@@ -239,7 +239,7 @@ class LockEngine:
             self._confirm(marker, exec_id)
             return
         if isinstance(acked, Exception):
-            logger.warning("WAIT after granting %s failed: %r", keys.base, acked)
+            logger.warning("WAIT after granting %s failed: %s", keys.base, describe(acked))
         none = count == 0 and bool(self.config.wait_no_replica)
         policy = self.config.wait_no_replica if none else self.config.wait_policy
         setting = "singleton_wait_no_replica" if none else "singleton_wait_policy"
@@ -252,7 +252,8 @@ class LockEngine:
         try:
             self.release(keys, exec_id, task_id, finished=False)
         except redis.RedisError as exc:  # it expires with its lease
-            logger.warning("Could not give back %s after WAIT fell short: %r", keys.base, exc)
+            logger.warning("Could not give back %s after WAIT fell short: %s", keys.base,
+                           describe(exc))
         now = time.monotonic()
         if count == 0 and now - self._no_replica_said >= NO_REPLICA_EVERY:
             self._no_replica_said = now

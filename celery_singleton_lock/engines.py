@@ -15,6 +15,7 @@ from typing import Any
 
 from .config import SingletonConfig, get_config
 from .engine import LockEngine
+from .exceptions import describe
 from .process import PROCESS, ForkSafeLock
 from .redlock import RedlockEngine
 from .servers import mode_of
@@ -55,7 +56,7 @@ def settle_all() -> None:
             try:
                 entry[1].settle()
             except Exception as exc:  # exiting: say so, never raise
-                logger.warning("Could not read a lock reply at exit: %r", exc)
+                logger.warning("Could not read a lock reply at exit: %s", describe(exc))
 
 
 _exit_settle_registered = False

@@ -23,6 +23,11 @@ class SingletonError(Exception):
     def __str__(self) -> str:
         return self._message()
 
+    def __repr__(self) -> str:
+        # what Celery's log line and Flower's "exception" show: the message,
+        # not the constructor's arguments
+        return f"{type(self).__name__}({self._message()!r})"
+
 
 class ConfigurationError(SingletonError):
     """A setting or task option has a value the library cannot work with.
@@ -239,3 +244,14 @@ class UnexpectedReplyError(SingletonError):
 
     def _message(self) -> str:
         return f"script {self.script!r} gave a reply it never gives: {self.args[1]}"
+
+
+def describe(error: Optional[BaseException]) -> str:
+    """An error as a log line shows it: ``ConnectionError: Error 111 connecting
+    to redis:6379. Connection refused.``, its type and its text. (redis-py 8
+    gives its errors a repr of their category alone, ``network:ConnectionError``,
+    which says neither what failed nor where.)"""
+    if error is None:
+        return "no error given"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

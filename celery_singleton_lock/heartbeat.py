@@ -37,6 +37,7 @@ import redis
 from . import monitor, rollout
 from .cluster import ClusterWire
 from .engine import LockEngine
+from .exceptions import describe
 from .lock import SingletonLock
 from .process import ForkSafeLock
 from .redlock import RedlockEngine
@@ -138,8 +139,8 @@ class Heartbeat:
         fds, back = self.watch.poll()
         if back:
             restarted = any(b.restarted for b in back)
-            logger.warning("Lock Redis is back (%s): re-asserting held locks at once",
-                           "restarted" if restarted else "same server or not told")
+            logger.info("Lock Redis is back (%s): re-asserting held locks at once",
+                        "restarted" if restarted else "same server or not told")
             self._owed = True
             for b in back:  # the watch got an answer: so do lock calls, at once
                 if b.outage is not None:
@@ -164,7 +165,12 @@ class Heartbeat:
             logger.exception("Reading singleton lock replies failed")
         lost = [fd for fd in fds if fd in ready and self.watch.gone(fd)]
         if lost:
-            logger.warning("Lost the connection to the lock Redis: watching for its return")
+            # with nothing held nothing is at stake (a test suite's Redis
+            # stopping at its end, say): not a warning
+            held = len(self.held())
+            logger.log(logging.WARNING if held else logging.DEBUG,
+                       "Lost the connection to the lock Redis, holding %d lock(s): watching "
+                       "for its return", held)
             return next_round
         if self._wake_r in ready:
             # woken by a shorter lease: reschedule (never later than planned)
@@ -228,15 +234,15 @@ class Heartbeat:
         except redis.RedisError as exc:
             # said once per outage: failed rounds are tried again every 0.5 s
             logger.log(logging.DEBUG if self.failed_rounds else logging.WARNING,
-                       "Could not renew %d singleton lock(s): %r", len(locks), exc)
+                       "Could not renew %d singleton lock(s): %s", len(locks), describe(exc))
             self.failed_rounds += 1
             for lock in locks:
                 monitor.count(self.engine, "renew_failed", lock.task_name)  # metrics
                 _ = lock.lost  # mark and log the ones whose deadline passed
             return False
         if self.failed_rounds:
-            logger.warning("Renewing singleton locks again, after %d failed round(s)",
-                           self.failed_rounds)
+            logger.info("Renewing singleton locks again, after %d failed round(s)",
+                        self.failed_rounds)
             self.failed_rounds = 0
         self.rounds += 1
         companions = []
@@ -282,7 +288,7 @@ class Heartbeat:
                 lease_ms=int(lock.lease * 1000), hostname=lock.hostname,
                 retries=lock.retries, task_name=lock.task_name)
         except redis.RedisError as exc:
-            logger.warning("Could not take back singleton lock %s: %r", lock.key, exc)
+            logger.warning("Could not take back singleton lock %s: %s", lock.key, describe(exc))
             return
         if answer.status is Reclaim.WRITTEN_BACK:
             self.reasserted += 1

@@ -12,7 +12,7 @@ import time
 from typing import Callable, Optional
 
 from . import monitor
-from .exceptions import LockLostError
+from .exceptions import LockLostError, describe
 from .keys import LockKeys
 from .replies import Release, Released
 from .rollout import OtherLock
@@ -136,8 +136,9 @@ class SingletonLock:
         """What the release's reply says about this lock (read after the task
         returned, on this process's next call to the lock Redis)."""
         if error is not None or reply is None:
-            logger.error("Could not release singleton lock %s of %s[%s] (%r): it frees "
-                         "within %ss", self.key, self.task_name, self.task_id, error, self.lease)
+            logger.error("Could not release singleton lock %s of %s[%s] (%s): it frees "
+                         "within %ss", self.key, self.task_name, self.task_id, describe(error),
+                         self.lease)
         elif reply.status is Release.FREE and reply.repeated:
             # The reply of the first attempt was lost with its connection;
             # finding the key free, the repeat most likely sees that attempt's work.

@@ -72,6 +72,17 @@ class SingletonCollector(Collector):
         config = get_config(app)
         return cls.from_url(config.redis_url, config.key_prefix, **config.redis_options)
 
+    def describe(self) -> Iterator[Metric]:
+        """The series without their samples, read from no Redis: registering
+        works while the lock Redis is down (Flower reads its configuration
+        file at start, perhaps before the lock Redis answers)."""
+        for series, doc, with_reason in SERIES.values():
+            yield CounterMetricFamily(series, doc, labels=[
+                "name", "hostname", *(["reason"] if with_reason else [])])
+        yield GaugeMetricFamily("celery_singleton_locks_held", "Locks held now",
+                                labels=["name", "hostname"])
+        yield _hold_histogram([])
+
     def collect(self) -> Iterator[Metric]:
         counts = monitor.read_counts(self.client, self.prefix)
         held = monitor.read_held(self.client, self.prefix)

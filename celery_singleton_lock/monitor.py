@@ -4,8 +4,8 @@ Three audiences, one module:
 
 * **Flower** learns of skips, waits and refused sends through task events
   (:func:`send_task_event`), sent only where events are on: a worker started
-  with ``-E`` (``worker_send_task_events``), a caller with
-  ``task_send_sent_event``.
+  with ``-E`` (``worker_send_task_events``) or whose events Flower switched on
+  since, a caller with ``task_send_sent_event``.
 * **``celery inspect stats``** (and Flower's worker page) and ``celery inspect
   singleton_locks`` show the locks a worker holds. Those live in its pool
   children, while the worker step answers in the main process: every child
@@ -34,10 +34,11 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import redis
 
+from .exceptions import describe
 from .process import ForkSafeLock, at_fork_in_child
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -89,13 +90,22 @@ def configure_worker(hostname: str, task_events: bool) -> None:
 
 # -- task events -----------------------------------------------------------------
 
+#: the request field by which the worker's main process tells a pool process
+#: whether task events go out now (:class:`.bootsteps.SingletonRequest`)
+EVENTS_FIELD = "singleton_task_events"
+
+
 def worker_events_on(task: Any) -> bool:
     """Whether a task running on this worker should send our task events.
 
-    In a worker the worker step said so at start (``-E`` or the setting);
-    reading the app's settings costs more than the rest of a skip's decision."""
+    As the main process handed the task over: events switched on after the
+    pool forked (by Flower, or ``celery control enable_events``) count. A
+    request without that word (a task class with a ``Request`` of its own):
+    as the worker step said at start (``-E`` or the setting); reading the
+    app's settings costs more than the rest of a skip's decision."""
     if NODE.worker:
-        return NODE.task_events
+        now = getattr(task.request, EVENTS_FIELD, None)
+        return NODE.task_events if now is None else bool(now)
     return bool(task.app.conf.worker_send_task_events)
 
 
@@ -204,7 +214,7 @@ class Publisher:
                     self._counts[name] = self._counts.get(name, 0) + amount
             if not self._warned and not quiet:
                 self._warned = True
-                logger.warning("Could not publish singleton lock stats: %r", exc)
+                logger.warning("Could not publish singleton lock stats: %s", describe(exc))
             return
         self._held_written = bool(locks)
 
@@ -295,6 +305,53 @@ def read_held(client: redis.Redis, prefix: str,
             client.hdel(held_key(prefix), *stale)
     rows.sort(key=lambda row: (row["hostname"], -row["age"]))
     return rows
+
+
+#: the field a task holding a lock shows on its Flower page (Flower: "Singleton lock")
+FLOWER_FIELD = "singleton_lock"
+
+
+def flower_format_task(url: str, prefix: str = "singleton:",
+                       every: float = PUBLISH_INTERVAL) -> Callable[[Any], Any]:
+    """A ``format_task`` for Flower's configuration file: the page of a task
+    that holds a lock shows, besides Flower's own fields, one named
+    "Singleton lock": its key and slot, fencing token and age::
+
+        # flowerconfig.py  (celery -A proj flower --conf=flowerconfig.py)
+        from celery_singleton_lock.monitor import flower_format_task
+        format_task = flower_format_task("redis://locks:CHANGE-ME@redis:6379/2")
+
+    ``url`` is the lock Redis (``singleton_redis_url``). The locks are read
+    from what the workers publish each second (:func:`read_held`), at most
+    once per ``every`` seconds, and only for tasks Flower shows as STARTED;
+    a lock Redis that does not answer adds nothing. Flower's task page shows
+    the fields a task object lists in ``_fields``: the copy Flower hands over
+    gets the field added there.
+    """
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    cache: dict[str, Any] = {"at": float("-inf"), "locks": {}}
+
+    def format_task(task: Any) -> Any:
+        if getattr(task, "state", None) != "STARTED":
+            return task
+        now = time.monotonic()
+        if now - cache["at"] >= every:
+            cache["at"] = now
+            try:
+                cache["locks"] = {row["id"]: row for row in read_held(client, prefix)}
+            except redis.RedisError:
+                cache["locks"] = {}
+        lock = cache["locks"].get(getattr(task, "uuid", None))
+        if lock is None:
+            return task
+        task._fields = (*type(task)._fields, FLOWER_FIELD)
+        setattr(task, FLOWER_FIELD,
+                f"{lock['key']} slot {lock.get('slot', 1)}, token {lock['token']}, "
+                f"held {lock['age']:.1f} s"
+                + (", LOST" if lock.get("lost") else ""))
+        return task
+
+    return format_task
 
 
 def read_counts(client: redis.Redis, prefix: str) -> list[tuple[str, str, str, str, float]]:

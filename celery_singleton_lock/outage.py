@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import redis
 
+from .exceptions import describe
 from .process import ForkSafeLock
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -140,8 +141,8 @@ class Outage:
                 self.since = time.monotonic()
                 self.silent = isinstance(error, redis.TimeoutError)
                 self.count += 1
-                logger.warning("Lock Redis at %s did not answer (%r): lock calls fail at once "
-                               "until it answers again", self._name(), error)
+                logger.warning("Lock Redis at %s did not answer (%s): lock calls fail at once "
+                               "until it answers again", self._name(), describe(error))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="singleton-outage",
                                                 daemon=True)
@@ -187,8 +188,8 @@ class Outage:
                     if self._owed:  # owed while the others were being sent
                         continue
                     since, self.since = self.since, None
-                logger.warning("Lock Redis at %s answers again, after %.1f s",
-                               self._name(), time.monotonic() - (since or time.monotonic()))
+                logger.info("Lock Redis at %s answers again, after %.1f s",
+                            self._name(), time.monotonic() - (since or time.monotonic()))
                 return
         except Exception:  # never leave calls failing for good
             logger.exception("Waiting for the lock Redis failed")

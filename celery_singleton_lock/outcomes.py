@@ -15,12 +15,12 @@ from . import monitor, policies
 from .canvas import send_on
 from .config import SingletonConfig
 from .engines import engine_for
-from .exceptions import LockBackendError, WaitingForKey
+from .exceptions import LockBackendError, WaitingForKey, describe
 from .keys import LockKeys
 from .lock import REQUEST_ATTR, SingletonLock
 from .policies import Decision, Do
 from .results import skip_result
-from .skiplog import log_skip
+from .skiplog import log_skip, log_wait
 from .transport import schedulable, without_broker_headers
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -61,12 +61,6 @@ def carry_out(task: Any, decision: Decision, config: SingletonConfig, keys: Lock
         send_again(task, config, args, kwargs)
         raise Ignore()
     if do is Do.WAIT:
-        if backend_error is not None:
-            logger.warning("Lock backend unavailable for %s[%s] (%r): retrying later",
-                           name, task_id, backend_error)
-        else:
-            logger.info("Duplicate %s[%s] waits: %s is held by %s (%s)", name, task_id,
-                        keys.base, decision.holder, decision.reason)
         try:
             sig, countdown = send_again(task, config, args, kwargs,
                                         backend_error=backend_error is not None,
@@ -75,8 +69,10 @@ def carry_out(task: Any, decision: Decision, config: SingletonConfig, keys: Lock
             if backend_error is None:
                 raise
             # Neither Redis nor the broker took it: fail loudly, never drop silently.
-            raise LockBackendError(keys.base, f"{backend_error!r}; retry not sent: "
-                                              f"{publish_exc!r}") from backend_error
+            raise LockBackendError(keys.base, f"{describe(backend_error)}; retry not sent: "
+                                              f"{describe(publish_exc)}") from backend_error
+        # one line per round, ours (Celery's "retry:" line for it is dropped)
+        log_wait(logger, name, task_id, keys.base, decision, countdown, backend_error)
         why = decision.reason if backend_error is not None else (
             f"{keys.base} is held by {decision.holder}")
         if backend_error is not None:
@@ -87,8 +83,8 @@ def carry_out(task: Any, decision: Decision, config: SingletonConfig, keys: Lock
         raise Retry(why, exc=WaitingForKey(name, keys.base, decision.holder),
                     when=countdown, sig=sig)
     if do is Do.RUN_UNLOCKED:
-        logger.warning("Lock backend unavailable for %s[%s] (%r): running WITHOUT the lock",
-                       name, task_id, backend_error)
+        logger.warning("Lock backend unavailable for %s[%s] (%s): running WITHOUT the lock",
+                       name, task_id, describe(backend_error))
         setattr(req, REQUEST_ATTR, SingletonLock(keys, task_id=task_id, task_name=name))
         return task.run(*args, **kwargs)
     assert do is Do.FAIL and decision.error is not None, decision

@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Optional
 
 from .config import SingletonConfig
-from .exceptions import DuplicateTaskError, LockBackendError
+from .exceptions import DuplicateTaskError, LockBackendError, describe
 from .replies import Acquire, Acquired, Enqueue, Enqueued
 
 
@@ -144,12 +144,12 @@ def on_backend_error(policy: str, *, phase: str, key: str, error: Exception) -> 
     others send without the send-time key (the run lock still applies).
     """
     if policy == "raise":
-        return Decision(Do.FAIL, reason="backend", error=LockBackendError(key, repr(error)))
+        return Decision(Do.FAIL, reason="backend", error=LockBackendError(key, describe(error)))
     if phase == "send":
         return Decision(Do.SEND, reason="lock backend unavailable")
     if policy == "run":
         return Decision(Do.RUN_UNLOCKED, reason="lock backend unavailable")
-    return Decision(Do.WAIT, reason=f"lock backend unavailable: {error!r}")
+    return Decision(Do.WAIT, reason=f"lock backend unavailable: {describe(error)}")
 
 
 #: a throttled call sent again comes this long after its window reopens

@@ -1,9 +1,11 @@
 """What ``celery singleton purge`` does with each key of a task, and what it
 says. A running lock whose holder may still run (alive on this host, or on
 another host) is kept unless ``--force``, as ``release`` keeps it: the rule is
-the one ``release`` uses, a holder not provably dead is left alone. The record
-of replaced calls is kept unless ``--force`` too: each superseded caller was
-told its call was replaced, so its message must still be skipped.
+the one ``release`` uses, a holder not provably dead is left alone. So is a
+key taken when a task was sent (its task waits in the queue, and freeing the
+key lets a duplicate be sent beside it), again as ``release`` keeps it. The
+record of replaced calls is kept unless ``--force`` too: each superseded
+caller was told its call was replaced, so its message must still be skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ WOULD_DELETE = "would delete"
 WOULD_KEEP = "would keep: may run"
 DELETED = "deleted"
 KEPT_ALIVE = "kept: may run"
+WOULD_KEEP_QUEUED = "would keep: queued"
+KEPT_QUEUED = "kept: queued"
 CHANGED = "changed hands: kept"
 WOULD_KEEP_TOLD = "would keep: callers told"
 KEPT_TOLD = "kept: callers told"
@@ -32,6 +36,13 @@ def needs_force(row: Row) -> bool:
     return row.state == "run" and row.live != "dead" and row.held()
 
 
+def queued(row: Row) -> bool:
+    """A key taken when its task was sent: the task waits in the queue (or was
+    lost with it; nothing here can tell). ``release`` frees it only with
+    ``--force``, and so does ``purge``."""
+    return row.state == "queued"
+
+
 def purge_rows(rows: Sequence[Row], yes: bool, force: bool,
                free: Callable[[Row], bool]) -> list[dict[str, Any]]:
     """One entry per row with what was (or, without ``yes``, would be) done."""
@@ -40,6 +51,8 @@ def purge_rows(rows: Sequence[Row], yes: bool, force: bool,
         keep = needs_force(row) and not force
         if row.state == "replaced" and not force:
             action = KEPT_TOLD if yes else WOULD_KEEP_TOLD
+        elif queued(row) and not force:
+            action = KEPT_QUEUED if yes else WOULD_KEEP_QUEUED
         elif not yes:
             action = WOULD_KEEP if keep else WOULD_DELETE
         elif keep:
@@ -56,7 +69,8 @@ def report(task_name: str, outcome: list[dict[str, Any]], yes: bool, force: bool
     ``release``)."""
     alive = [e for e in outcome if e["action"] in (KEPT_ALIVE, WOULD_KEEP)]
     told = [e for e in outcome if e["action"] in (KEPT_TOLD, WOULD_KEEP_TOLD)]
-    kept = any(e["action"] in (KEPT_ALIVE, CHANGED) for e in outcome)
+    waiting = [e for e in outcome if e["action"] in (KEPT_QUEUED, WOULD_KEEP_QUEUED)]
+    kept = any(e["action"] in (KEPT_ALIVE, KEPT_QUEUED, CHANGED) for e in outcome)
     if as_json:
         echo_json({"task": task_name, "dry_run": not yes, "force": force, "keys": outcome})
         return kept
@@ -71,13 +85,19 @@ def report(task_name: str, outcome: list[dict[str, Any]], yes: bool, force: bool
                    "still run (alive on this host, or on another host): "
                    + ", ".join(e["key"] for e in alive)
                    + "; pass --force to free them too (their holders then see their locks lost)")
+    if waiting:
+        click.echo(f"{'kept' if yes else 'would keep'} {len(waiting)} key(s) taken when their "
+                   "task was sent, which waits in the queue: "
+                   + ", ".join(e["key"] for e in waiting)
+                   + "; pass --force to free them too (a duplicate may then be sent beside "
+                     "a queued task)")
     if told:
         click.echo(f"{'kept' if yes else 'would keep'} {len(told)} record(s) of replaced calls "
                    "until they expire: their callers were told, and a superseded message "
                    "reaching a worker is still skipped; --force deletes them (such a "
                    "message then runs with its old arguments)")
     if not yes:
-        deletable = len(outcome) - len(alive) - len(told)
+        deletable = len(outcome) - len(alive) - len(told) - len(waiting)
         click.echo(f"dry run: nothing deleted; pass --yes to delete these "
                    f"{deletable} key(s)")
     return kept

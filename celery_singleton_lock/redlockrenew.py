@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import redis
 
 from .engine import LockEngine
-from .exceptions import QuorumError
+from .exceptions import QuorumError, describe
 from .keys import LockKeys
 from .quorum import Masters, _settled_by
 from .replies import Acquire, Reclaim, Reclaimed, Renew
@@ -112,8 +112,8 @@ class RenewOnMajority(Masters):
                 try:
                     done = write_back(engine)
                 except redis.RedisError as exc:
-                    logger.warning("Could not write singleton lock %s back on %s: %r",
-                                   keys.base, self.masters[i].name, exc)
+                    logger.warning("Could not write singleton lock %s back on %s: %s",
+                                   keys.base, self.masters[i].name, describe(exc))
                     return False
                 if done:
                     with self._counting:

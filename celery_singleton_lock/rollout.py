@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import redis
 
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, describe
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -240,8 +240,8 @@ class OtherLock:
         try:
             _KEEP(keys=[self.key], args=[self.value, 0], client=self.library.client)
         except redis.RedisError as exc:
-            logger.warning("Could not delete %s's lock %s: %r (it frees within its lease)",
-                           self.library.library, self.key, exc)
+            logger.warning("Could not delete %s's lock %s: %s (it frees within its lease)",
+                           self.library.library, self.key, describe(exc))
 
 
 def renew(locks: Sequence[tuple[OtherLock, int]]) -> None:
@@ -250,8 +250,8 @@ def renew(locks: Sequence[tuple[OtherLock, int]]) -> None:
         try:
             lock.keep(lease_ms)
         except redis.RedisError as exc:
-            logger.warning("Could not renew %s's lock %s: %r", lock.library.library,
-                           lock.key, exc)
+            logger.warning("Could not renew %s's lock %s: %s", lock.library.library,
+                           lock.key, describe(exc))
 
 
 def _script(name: str) -> Any:

@@ -21,6 +21,7 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
 
 from .engines import engine_for, settle_all
+from .exceptions import describe
 from .ticks import BEAT_HEADERS_READ, decide_lost_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -49,8 +50,8 @@ def free_queued_later(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
             if engine_for(task.app).unqueue(keys, task_id):
                 logger.info("Freed the key %s of revoked %s[%s]", keys.base, task.name, task_id)
         except Exception as exc:
-            logger.warning("Could not free the send-time key of %s[%s]: %r",
-                           task.name, task_id, exc)
+            logger.warning("Could not free the send-time key of %s[%s]: %s",
+                           task.name, task_id, describe(exc))
 
     _in_thread("singleton-unqueue", free)
 
@@ -83,8 +84,8 @@ def _reap_later(task: Any, task_id: str, args: Any, kwargs: Any,
             engine_for(task.app).reap(keys, task_id,
                                       slots=task.singleton_settings().config.limit)
         except Exception as exc:
-            logger.warning("Could not free the singleton lock of %s[%s]: %r",
-                           task.name, task_id, exc)
+            logger.warning("Could not free the singleton lock of %s[%s]: %s",
+                           task.name, task_id, describe(exc))
 
     _in_thread("singleton-reaper", reap)
 

@@ -28,7 +28,7 @@ from .canvas import delay_of, in_a_canvas, send_delay
 from .config import TASK_OPTIONS, SingletonConfig, check_task_names, get_config
 from .engine import LockEngine
 from .engines import engine_for
-from .exceptions import DuplicateTaskError, LockBackendError
+from .exceptions import DuplicateTaskError, LockBackendError, describe
 from .heartbeat import heartbeat_for
 from .keys import KeyBuilder, KeySpec, LockKeys
 from .lock import REQUEST_ATTR, SingletonLock
@@ -86,6 +86,14 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_debounce: Optional[float] = None
     singleton_debounce_max: Optional[float] = None
 
+    #: the worker's request class: it tells the pool process whether task
+    #: events are on now (a skip then shows as SKIPPED in Flower)
+    Request = "celery_singleton_lock.bootsteps:SingletonRequest"
+
+    #: a duplicate refused under the ``raise`` policy is expected: Celery logs
+    #: it as one INFO line, not as an ERROR with a traceback
+    throws: tuple[type[BaseException], ...] = (DuplicateTaskError,)
+
     _singleton_settings_cache: Optional[TaskSettings] = None
     _singleton_settings_mutex = ForkSafeLock()
 
@@ -93,6 +101,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     def bind(cls, app: Any) -> Any:
         # the worker step checks the settings at start and wires the signals
         app.steps["worker"].add(SingletonStep)
+        # a task's own throws=(...) adds to ours
+        throws = cls.throws if isinstance(cls.throws, tuple) else (cls.throws,)
+        if not any(issubclass(DuplicateTaskError, t) for t in throws):
+            cls.throws = (*throws, DuplicateTaskError)
         return super().bind(app)
 
     # -- settings ---------------------------------------------------------------
@@ -199,8 +211,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             if decision.do is Do.FAIL:
                 assert decision.error is not None
                 raise decision.error from exc
-            logger.warning("%s's lock Redis unavailable when sending %s[%s] (%r): sent "
-                           "without its key", other.library, self.name, task_id, exc)
+            logger.warning("%s's lock Redis unavailable when sending %s[%s] (%s): sent "
+                           "without its key", other.library, self.name, task_id, describe(exc))
             return self._send(settings, args, kwargs, task_id, options, fresh_id=fresh_id)
         if holder is not None:
             logger.info("Not sent %s[%s]: %s's key %s is taken by %s", self.name, task_id,
@@ -246,8 +258,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             if decision.do is Do.FAIL:
                 assert decision.error is not None
                 raise decision.error from exc
-            logger.warning("Lock backend unavailable when sending %s[%s] (%r): sent without "
-                           "its key; the lock is still taken when it runs", self.name, task_id, exc)
+            logger.warning("Lock backend unavailable when sending %s[%s] (%s): sent without "
+                           "its key; the lock is still taken when it runs", self.name, task_id,
+                           describe(exc))
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         if fresh_id and answer.holder is not None and answer.holder.task_id == task_id:
             # Nobody else has an id made just now: the engine's repeat after a
@@ -291,7 +304,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request_stack.top
         if req is None or req.called_directly or getattr(req, _ENTERED_ATTR, False):
-            # A plain function call (also from inside a running task): no lock.
+            # A plain function call (also from inside a running task): no lock,
+            # but the task's options are checked, as on its first send
+            self.singleton_settings()
             return super().__call__(*args, **kwargs)
         setattr(req, _ENTERED_ATTR, True)
         if req.is_eager:
@@ -451,7 +466,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 lock.companion.keep(lease_ms)
                 lock.companion.kept = True
         except redis.RedisError as exc:
-            logger.error("Could not keep singleton lock %s for the retry: %r", lock.key, exc)
+            logger.error("Could not keep singleton lock %s for the retry: %s", lock.key,
+                         describe(exc))
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
               eta: Any = None, countdown: Any = None, max_retries: Any = None,

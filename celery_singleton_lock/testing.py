@@ -430,6 +430,17 @@ try:
 except ImportError:  # used without pytest: the helpers above still work
     pass
 else:
+    def pytest_configure(config: Any) -> None:
+        """Celery's own fixtures (``celery_app``, ``celery_worker``, ...) come
+        with pytest-celery; without it, they come from here
+        (``celery.contrib.pytest``), so a suite needs only this package and
+        pytest. A suite that turned pytest-celery off (``-p no:celery``) gets
+        none."""
+        manager = config.pluginmanager
+        if not (manager.hasplugin("celery") or manager.is_blocked("celery")
+                or manager.hasplugin("celery.contrib.pytest")):
+            manager.import_plugin("celery.contrib.pytest")
+
     @pytest.fixture(scope="session")
     def singleton_redis() -> Iterator[RedisServer]:
         """A redis-server of the test session's own (never the machine's)."""

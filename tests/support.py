@@ -25,9 +25,10 @@ from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, 
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["REQUIRE_SERVICES", "ROOT", "CuttableProxy", "RedisServer", "ReplyDroppingProxy",
-           "Worker", "dead_port", "free_port", "held_on_another_host", "marker", "missing",
-           "owner_field", "owner_record", "serve_on_free_port", "wait_for", "write_owner"]
+__all__ = ["REQUIRE_SERVICES", "ROOT", "CuttableProxy", "NotRedis", "RedisServer",
+           "ReplyDroppingProxy", "Worker", "dead_port", "free_port", "held_on_another_host",
+           "marker", "missing", "owner_field", "owner_record", "serve_on_free_port", "wait_for",
+           "write_owner"]
 
 #: where set to 1 (.ci/run sets it), a test whose service or version is missing fails
 REQUIRE_SERVICES = "SINGLETON_REQUIRE_SERVICES"
@@ -155,6 +156,39 @@ class Worker(CeleryWorker):
         }
         super().__init__("tests.workerapp:app", queue, pool=pool, concurrency=concurrency,
                          env=env, cwd=str(ROOT), name=name, extra_args=extra_args or ())
+
+
+class NotRedis:
+    """A loopback server that answers but is not Redis: whatever it is sent, it
+    replies as an HTTP server does to a request it cannot parse."""
+
+    REPLY = b"HTTP/1.1 400 Bad Request\r\nServer: nginx\r\nContent-Length: 0\r\n\r\n"
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = int(self.listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(client,), daemon=True).start()
+
+    def _answer(self, client: socket.socket) -> None:
+        with client, contextlib.suppress(OSError):
+            while client.recv(65536):
+                client.sendall(self.REPLY)
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 class _Proxy:

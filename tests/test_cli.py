@@ -5,6 +5,7 @@ window, and stale ones whose holder process is dead."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from celery import Celery
 from celery_singleton_lock.keys import LockKeys
 from tests.support import (
     ROOT,
+    NotRedis,
     RedisServer,
     Worker,
     dead_port,
@@ -205,6 +207,38 @@ def test_key_usage_errors_exit_2_without_echoing_the_value(scene):
     assert bad.returncode == 2 and "--args" in bad.stderr
 
 
+def test_a_misspelt_task_name_gets_the_closest_singleton_task_names(scene):
+    """`key`, `list --task` and `purge --task` with a typo of a task name exit 2
+    naming the singleton tasks it is close to, as a misspelt setting does."""
+    key = cli(scene, "key", "t.hlod", "--args", '["x"]')
+    assert key.returncode == 2
+    assert key.stderr.startswith("no singleton task named 't.hlod' in this app; did you mean "
+                                 "t.hold"), key.stderr
+    for command in ("list", "purge"):
+        out = cli(scene, command, "--task", "t.fencd")
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert out.stderr.strip() == ("no keys of task 't.fencd', and no singleton task of "
+                                      "that name in this app; did you mean t.fenced?")
+    nothing_close = cli(scene, "list", "--task", "zzz.qqq")
+    assert nothing_close.returncode == 2 and "did you mean" not in nothing_close.stderr
+    # a singleton task of the app with no such keys now is no error
+    assert rows(cli(scene, "list", "--json", "--task", "t.throttle", "--state", "replaced")) == {}
+
+
+def test_without_an_app_the_commands_say_to_pass_it():
+    """`celery singleton list` with no -A (and no CELERY_APP): Celery's default
+    app has none of our settings; the command says to pass -A, not that the
+    lock Redis URL is unset."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
+    for command in (["list"], ["doctor"], ["key", "tasks.charge", "--args", "[42]"]):
+        out = subprocess.run([sys.executable, "-m", "celery", "singleton", *command],
+                             env=env, cwd=ROOT / "docs", capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert out.stderr.strip() == ("no app given: pass -A with your Celery app's module, "
+                                      "as for the worker (celery -A proj singleton ...)")
+
+
 def test_release_refuses_a_live_holder_without_force_then_force_frees_it(scene):
     """A lock held by a running task stays held without --force (exit 1, nothing
     changed); --force releases it (exit 0) and the running task sees its lock lost."""
@@ -343,11 +377,36 @@ def test_purge_by_task_frees_its_send_time_markers_and_done_windows(scene):
     key = f"pq-{uuid.uuid4().hex}"
     sent = scene.app.tasks["t.queue"].apply_async(kwargs={"key": key}, countdown=60)
     queued_keys = scene.app.tasks["t.queue"].singleton_keys(key)
-    out = cli(scene, "purge", "--task", "t.queue", "--yes", "--json")
+    out = cli(scene, "purge", "--task", "t.queue", "--yes", "--force", "--json")
     assert out.returncode == 0, out.stderr
     assert (queued_keys.base, "queued", "deleted") in {
         (e["key"], e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]}
     assert not scene.locks.exists(queued_keys.queued)
+    sent.revoke()
+
+
+def test_purge_keeps_a_queued_tasks_send_time_key_without_force_as_release_does(scene):
+    """A key taken when a task was sent belongs to a task waiting in the queue:
+    `release` frees it only with --force, and `purge --yes` keeps it the same way
+    (exit 1, saying what to pass); with --force both free it."""
+    t = scene.app.tasks["t.queue"]
+    key = f"pk-{uuid.uuid4().hex}"
+    sent = t.apply_async(kwargs={"key": key}, countdown=60)
+    keys = t.singleton_keys(key)
+    assert marker(scene.locks, keys.queued) == ("t.queue", sent.id)
+    assert cli(scene, "release", keys.base).returncode == 1
+    dry = json.loads(cli(scene, "purge", "--task", "t.queue", "--json").stdout)
+    assert {(e["key"], e["action"]) for e in dry["keys"]} >= {(keys.base, "would keep: queued")}
+    kept = cli(scene, "purge", "--task", "t.queue", "--yes")
+    assert kept.returncode == 1, kept.stdout + kept.stderr
+    assert "taken when their task was sent, which waits in the queue" in kept.stdout
+    assert keys.base in kept.stdout and "--force" in kept.stdout
+    assert marker(scene.locks, keys.queued) == ("t.queue", sent.id)
+    forced = cli(scene, "purge", "--task", "t.queue", "--yes", "--force", "--json")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert (keys.base, "deleted") in {(e["key"], e["action"])
+                                      for e in json.loads(forced.stdout)["keys"]}
+    assert scene.locks.get(keys.queued) is None
     sent.revoke()
 
 
@@ -418,6 +477,32 @@ def test_redis_down_exits_2_and_says_unreachable(scene):
     listing = run_cli(env, "list")
     assert listing.returncode == 2 and "unreachable" in listing.stderr
     assert "Traceback" not in listing.stderr
+
+
+def test_a_lock_url_at_a_server_that_is_not_redis_is_named_without_a_traceback(scene):
+    """An HTTP server at the lock URL: doctor reports `not-redis` and exits 2;
+    list and key say the same in one line and exit 2, with no traceback."""
+    other = NotRedis()
+    try:
+        env = env_with_lock_url(scene, other.url(2))
+        doctor = run_cli(env, "doctor", "--json")
+        listing = run_cli(env, "list")
+        key = run_cli(env, "key", "t.hold", "--args", '["x"]')
+    finally:
+        other.close()
+    assert doctor.returncode == 2, doctor.stdout + doctor.stderr
+    [finding] = json.loads(doctor.stdout)["findings"]
+    assert finding["code"] == "not-redis" and finding["level"] == "error"
+    assert 'it said "HTTP/1.1 400 Bad Request"' in finding["message"]
+    for out in (listing, key):
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines() == [
+            f"lock Redis at {other.url(2)} answers, but not as Redis does: it said "
+            "\"HTTP/1.1 400 Bad Request\". What to do: point singleton_redis_url at the Redis "
+            "host and port (rediss:// if that port speaks TLS); that address serves something "
+            "else"], out.stderr
+    for out in (doctor, listing, key):
+        assert "Traceback" not in out.stderr and "InvalidResponse" not in out.stderr
 
 
 def test_a_wrong_password_is_named_and_never_printed():

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import pytest
 
-from tests.support import RedisServer, Worker, wait_for
+from tests.support import NotRedis, RedisServer, Worker, wait_for
 
 
 def run_worker(redis_server: RedisServer, conf: dict[str, Any],
@@ -93,3 +93,20 @@ def test_the_start_up_line_names_the_masked_lock_url_and_the_mode(redis_server):
         locks.cleanup()
     assert f"redis://:********@127.0.0.1:{locks.port}/2 (standalone)" in line
     assert "lock-pw-4321" not in log
+
+
+@pytest.mark.worker
+def test_a_lock_url_at_a_server_that_is_not_redis_stops_the_worker_in_one_line(redis_server):
+    """Something answers at the lock URL, in another protocol (an HTTP server):
+    the worker stops at start saying so and what to fix, with no traceback."""
+    other = NotRedis()
+    try:
+        code, output = run_worker(redis_server, {"singleton_redis_url": other.url(2)})
+    finally:
+        other.close()
+    assert code != 0
+    assert (f"celery-singleton-lock configuration error: singleton_redis_url: lock Redis at "
+            f"{other.url(2)} answers, but not as Redis does: it said \"HTTP/1.1 400 Bad "
+            "Request\"") in output
+    assert "point singleton_redis_url at the Redis host and port" in output
+    assert "Traceback" not in output and "InvalidResponse" not in output

@@ -39,6 +39,21 @@ def test_demo_starts_its_own_redis_when_none_is_configured():
     output = run_demo(env)
     assert "Started redis-server on port" in output
     check_table(output)
+    check_legend(output)
+
+
+def check_legend(output: str) -> None:
+    """Every column of the table is explained in the output itself, under it:
+    a reader of the demo's output needs no other page for "(running)",
+    "(done)" or "applied"."""
+    lines = output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["order"])
+    columns = re.split(r"\s{2,}", lines[header].strip())[1:]
+    assert columns == ["executed", "skipped", "(running)", "(done)", "applied",
+                       "skips point to"], lines[header]
+    legend = [line.strip() for line in lines[header + 1:]]
+    for column in columns:
+        assert any(re.match(rf"{re.escape(column)}\s{{2,}}\S", line) for line in legend), column
 
 
 def test_demo_falls_back_to_the_embedded_redis(tmp_path):

@@ -18,6 +18,7 @@ Task ids and key hashes are compared as shapes, everything else exactly.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -204,3 +205,34 @@ def test_the_readme_quick_start_is_the_getting_started_code_the_suite_runs():
     ran = re.findall(r"<!-- runs: redis [^>]*-->\n(```[a-z]*\n.*?```)", page, flags=re.S)
     shown = re.findall(r"(```[a-z]*\n.*?```)", quick, flags=re.S)
     assert shown and shown == ran
+
+
+@pytest.mark.worker
+def test_the_limit_pages_example_skips_nothing_with_fewer_processes_than_calls(tmp_path: Path):
+    """docs/limit.md: a skip depends on what holds the slots when a call starts.
+    Its example run by a worker of two processes (the page says so): the third
+    call waits for a process, starts once a slot is free and runs, so nothing
+    is skipped."""
+    page = (DOCS / "limit.md").read_text()
+    assert "`--concurrency 2`), the third call waits in the queue for a process" in page
+    [sc] = [s for s in scenarios() if s.id == "limit.md:limit"]
+    assert sc.worker is not None and "--concurrency 3" in sc.worker
+    queue = f"docs-{uuid.uuid4().hex[:8]}"
+    with RedisServer() as server:
+        here = f"127.0.0.1:{server.port}"
+        for name, text in sc.files.items():
+            (tmp_path / name).write_text(text.replace("localhost:6379", here) + QUEUE_LINE)
+        env = {"DOCS_QUEUE": queue,
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        worker = CeleryWorker("tasks", queue, concurrency=2, env=env, cwd=str(tmp_path)).start()
+        try:
+            code = sc.runs[0].replace("localhost:6379", here)
+            out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                                 env={**os.environ, **env}, capture_output=True, text=True,
+                                 timeout=60)
+        finally:
+            discard(worker)
+    assert out.returncode == 0, out.stderr
+    ran, skipped, _late = out.stdout.splitlines()
+    assert skipped == "0 skipped", out.stdout
+    assert json.loads(ran) in ([1, 1, 2], [1, 2, 2]), out.stdout

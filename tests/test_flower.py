@@ -39,7 +39,9 @@ pytestmark = pytest.mark.worker
 
 FLOWER_CONF = """\
 from celery_singleton_lock.metrics import register
+from celery_singleton_lock.monitor import flower_format_task
 register({url!r})
+format_task = flower_format_task({url!r})
 """
 COLUMNS = "name,uuid,state,result,received,runtime,worker"
 
@@ -188,6 +190,59 @@ def test_throttled_and_replaced_skips_show_in_flower_and_the_metrics_by_reason(
     assert after[replaced] - before.get(replaced, 0) == 1
 
 
+def test_a_skip_is_skipped_in_flower_when_flower_turned_the_workers_events_on(
+        own_redis, key):
+    """A worker started as the README starts it, without -E: Flower switches
+    its task events on (enable_events) after the pool forked. A duplicate
+    skipped then is SKIPPED in Flower, with its holder, and never SUCCESS,
+    while its caller's .get() returns the skip result at once. (A broker of
+    its own: the module's Flower would see these events too.)"""
+    from tests.conftest import Events
+
+    events = Events(own_redis)
+    queue = f"fl-noE-{uuid.uuid4().hex[:8]}"
+    worker = Worker(own_redis.url(), queue, concurrency=2)
+    # heartbeats on, as a worker started by hand has them: its event dispatcher
+    # is on (for worker events), so enable_events can add the task events
+    worker.cmd.remove("--without-heartbeat")
+    worker.start()
+    flower = Flower(worker)
+    hostname = worker.name.replace("%h", socket.gethostname())
+    app = make_app(own_redis.url(), queue)
+    try:
+        assert "-E" not in worker.cmd
+        wait_for(lambda: hostname in (flower.try_get("/api/workers?refresh=1") or {}), 30,
+                 what="Flower sees the worker")
+
+        def flowing() -> bool:
+            """A task sent once Flower switched the events on shows up in it."""
+            probe = app.tasks["t.plain"].delay("probe")
+            probe.get(timeout=10)
+            try:
+                return bool(wait_for(lambda: flower.task(probe.id).get("state") == "SUCCESS",
+                                     2, what="the probe in Flower"))
+            except AssertionError:
+                return False
+
+        wait_for(flowing, 60, what="Flower switching the task events on")
+        t = app.tasks["t.hold"]
+        holder = t.delay(key, 3.0, "holder")
+        wait_for(lambda: started(events, "holder"), 10, what="holder start")
+        dup = t.delay(key, 0.0, "dup")
+        value = dup.get(timeout=10)
+        assert is_skipped(value) and value["holder"] == holder.id
+        row = wait_for(lambda: (flower.try_get("/api/tasks?state=SKIPPED") or {}).get(dup.id),
+                       15, what="the duplicate SKIPPED in Flower")
+        assert row["result"] == f"duplicate of {holder.id} ({value['key']})"
+        holder.get(timeout=10)
+        wait_for(lambda: flower.task(holder.id).get("state") == "SUCCESS", 10,
+                 what="holder done")
+        assert flower.task(dup.id)["state"] == "SKIPPED"
+    finally:
+        flower.stop()
+        discard(worker)
+
+
 def test_chord_with_a_skipped_member_completes(setup, events, key):
     """A chord member skipped as a duplicate still counts as done: the body runs
     with the skip result in its place."""
@@ -262,22 +317,23 @@ def test_worker_shows_its_held_locks_in_inspect_stats_flower_and_inspect_singlet
     holder = t.delay(key, 4.0, "holder")
     start = wait_for(lambda: events.starts("holder"), 10, what="holder start")[0]
 
+    label = f"{start['lockkey']} slot 1"
+
     def held() -> Any:
         workers = flower.try_get("/api/workers?refresh=1") or {}
-        stats = workers.get(hostname, {}).get("stats", {}).get("singleton", {})
-        return [lock for lock in stats.get("locks", ()) if lock["id"] == holder.id] and stats
+        stats = workers.get(hostname, {}).get("stats", {})
+        return stats if holder.id in stats.get(label, "") else None
 
+    # one line of text per held lock, labelled by its key and slot (Flower's
+    # worker page shows each top-level entry as a row, a nested one as a repr)
     stats = wait_for(held, 10, what="the held lock in /api/workers")
-    lock = next(lock for lock in stats["locks"] if lock["id"] == holder.id)
-    assert lock["task"] == "t.hold" and lock["key"] == start["lockkey"]
-    assert lock["token"] == start["token"] and lock["age"] >= 0
-    assert stats["held"] >= 1 and stats["redis"].startswith("redis://")
-    assert "lost" in stats and "renew_failed" in stats
-    # and as one line of text per lock, the rows Flower's worker page shows
-    rows = (flower.try_get("/api/workers") or {}).get(hostname, {}).get("stats", {})
-    lines = [v for k, v in rows.items() if k.startswith("singleton lock ") and holder.id in v]
-    assert lines and lines[0].startswith(f"t.hold  id={holder.id}  key={start['lockkey']}  "
-                                         f"token={start['token']}  age="), rows
+    assert re.fullmatch(rf"t\.hold, held by {holder.id}, token {start['token']}, "
+                        r"age \d+\.\d s, pid \d+", stats[label]), stats[label]
+    assert re.fullmatch(r"\d+ held, in redis://127\.0\.0\.1:\d+/2, lease 2 s; since the "
+                        r"counters began: \d+ lost, \d+ renewals failed",
+                        stats["singleton locks"]), stats["singleton locks"]
+    assert not [k for k, v in stats.items()
+                if k.startswith("singleton") and not isinstance(v, str)], stats
 
     out = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "inspect",
@@ -290,8 +346,8 @@ def test_worker_shows_its_held_locks_in_inspect_stats_flower_and_inspect_singlet
 
     def released() -> bool:
         workers = flower.try_get("/api/workers?refresh=1") or {}
-        locks = workers.get(hostname, {}).get("stats", {}).get("singleton", {}).get("locks")
-        return locks is not None and all(lock["id"] != holder.id for lock in locks)
+        stats = workers.get(hostname, {}).get("stats", {})
+        return "singleton locks" in stats and label not in stats
 
     wait_for(released, 10, what="the released lock gone from the stats")
 
@@ -416,7 +472,7 @@ def test_a_browser_sees_skipped_tasks_and_a_workers_held_locks_in_flower(
     _worker, flower, app, hostname = setup
     t = app.tasks["t.hold"]
     holder = t.delay(key, 8.0, "holder")
-    wait_for(lambda: started(events, "holder"), 10, what="holder start")
+    start = wait_for(lambda: events.starts("holder"), 10, what="holder start")[0]
     dup = t.delay(key, 0.0, "dup")
     assert is_skipped(dup.get(timeout=10))
     wait_for(lambda: (flower.try_get("/api/tasks?state=SKIPPED") or {}).get(dup.id), 10,
@@ -434,10 +490,11 @@ def test_a_browser_sees_skipped_tasks_and_a_workers_held_locks_in_flower(
     IMG.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(IMG / "flower-tasks-skipped.png"))
 
+    label = f"{start['lockkey']} slot 1"
+
     def lock_in_stats() -> bool:
         workers = flower.try_get("/api/workers?refresh=1") or {}
-        locks = workers.get(hostname, {}).get("stats", {}).get("singleton", {}).get("locks", ())
-        return any(lock["id"] == holder.id for lock in locks)
+        return holder.id in workers.get(hostname, {}).get("stats", {}).get(label, "")
 
     wait_for(lock_in_stats, 10, what="the held lock in the worker's stats")
     browser.get(f"{flower.base}/worker/{hostname}")
@@ -445,16 +502,31 @@ def test_a_browser_sees_skipped_tasks_and_a_workers_held_locks_in_flower(
         ec.element_to_be_clickable((By.ID, "worker-tab-other"))).click()
     pane = WebDriverWait(browser, 10).until(
         ec.visibility_of_element_located((By.ID, "tab-other")))
-    assert holder.id in pane.text and "'held': 1" in pane.text and "t.hold" in pane.text
-    # each held lock is a row of its own, a line of text (not a dict's repr)
-    rows = [row for row in pane.find_elements(By.CSS_SELECTOR, "tr")
-            if row.text.startswith("singleton lock ") and f"id={holder.id}" in row.text]
-    assert len(rows) == 1, pane.text
-    assert re.fullmatch(rf"singleton lock \d+\s+t\.hold\s+id={holder.id}\s+"
-                        r"key=singleton:\{[0-9a-f]{32}\}\s+token=\d+\s+age=\d+\.\ds\s+pid=\d+",
-                        rows[0].text), rows[0].text
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", rows[0])
+    # a row sums the worker's locks up, and each held lock is a row of its own,
+    # labelled by its key and slot, a line of text (no dict's repr anywhere)
+    assert "{'" not in pane.text and "[{" not in pane.text, pane.text
+    cells = {row.find_elements(By.TAG_NAME, "td")[0].text:
+             row.find_elements(By.TAG_NAME, "td")[1].text
+             for row in pane.find_elements(By.CSS_SELECTOR, "tbody tr")}
+    assert re.fullmatch(r"\d+ held, in redis://\S+, lease 2 s; since the counters began: "
+                        r"\d+ lost, \d+ renewals failed", cells["singleton locks"]), cells
+    assert re.fullmatch(rf"t\.hold, held by {holder.id}, token {start['token']}, "
+                        r"age \d+\.\d s, pid \d+", cells[label]), cells
+    row = next(r for r in pane.find_elements(By.CSS_SELECTOR, "tbody tr") if label in r.text)
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
     browser.save_screenshot(str(IMG / "flower-worker-locks.png"))
+
+    # the holder's own page names its lock: key, slot, token and age
+    browser.get(f"{flower.base}/task/{holder.id}")
+    shown = WebDriverWait(browser, 15).until(
+        lambda b: "Singleton lock" in b.page_source and b.find_element(By.TAG_NAME, "body"))
+    text = " ".join(shown.text.split())
+    assert re.search(rf"Singleton lock {re.escape(start['lockkey'])} slot 1, token "
+                     rf"{start['token']}, held \d+\.\d s", text), text
+    field = browser.find_element(By.XPATH, "//dt[normalize-space()='Singleton lock']")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center', behavior: 'instant'})",
+                           field)
+    browser.save_screenshot(str(IMG / "flower-task-lock.png"))
     holder.get(timeout=15)
 
 

@@ -5,6 +5,7 @@ front page, not a second copy of the documentation site."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.support import ROOT
@@ -87,5 +88,7 @@ def test_no_module_is_over_400_lines_without_a_reason() -> None:
 
 
 def test_the_readme_is_a_front_page() -> None:
-    text = (ROOT / "README.md").read_text()
+    """Counted as it reads: a link's target is not read (the README's links are
+    absolute, so they work on an index page, and each is a long URL)."""
+    text = re.sub(r"\]\([^)]*\)", "]", (ROOT / "README.md").read_text())
     assert len(text) <= README_MAX_CHARS, len(text)

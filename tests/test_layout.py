@@ -121,68 +121,145 @@ def test_the_built_site_is_ignored_by_git():
     assert out.returncode == 0, ".gitignore does not ignore site/"
 
 
-def test_every_published_compose_port_is_configurable_by_env():
-    """A Redis of one's own on 6379 does not stop the stack: REDIS_PORT=6380."""
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    published = [(name, str(port)) for name, service in services.items()
+def compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
+
+
+def defaulted(text: str) -> str:
+    """A compose value as it reads with no variable set: ``${X:-d}`` is d."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+def test_every_published_compose_port_is_on_the_loopback_unless_told_and_movable():
+    """Redis (no password here) and Flower are published on 127.0.0.1 only,
+    unless BIND_ADDRESS says otherwise; a Redis of one's own on 6379 does not
+    stop the stack: REDIS_PORT=6380."""
+    published = [(name, str(port)) for name, service in compose().items()
                  for port in service.get("ports", [])]
-    assert ("redis", "${REDIS_PORT:-6379}:6379") in published
+    assert {name for name, _ in published} == {"redis", "flower"}
+    assert ("redis", "${BIND_ADDRESS:-127.0.0.1}:${REDIS_PORT:-6379}:6379") in published
     for name, port in published:
-        host = port.rpartition(":")[0]
-        assert re.fullmatch(r"\$\{[A-Z_]+:-\d+\}", host), (name, port)
+        parsed = re.fullmatch(r"(\$\{[^}]+\}|[^:]+):(\$\{[^}]+\}|\d+):(\d+)", port)
+        assert parsed, (name, port)
+        address, host_port, _ = parsed.groups()
+        assert address == "${BIND_ADDRESS:-127.0.0.1}", (name, port)
+        assert re.fullmatch(r"\$\{[A-Z_]+:-\d+\}", host_port), (name, port)
+        assert defaulted(port).startswith("127.0.0.1:"), (name, port)
 
 
-def dockerignore() -> list[re.Pattern[str]]:
+def test_flower_in_the_compose_stack_asks_for_a_password_from_the_environment():
+    """Flower's pages and API answer only with basic auth, whose user:password
+    comes from the environment (required: compose refuses to start without
+    it), never from the file; its API is not opened without auth."""
+    flower = compose()["flower"]
+    env = flower["environment"]
+    assert re.fullmatch(r"\$\{FLOWER_BASIC_AUTH:\?[^}]+\}", env["FLOWER_BASIC_AUTH"])
+    assert "FLOWER_UNAUTHENTICATED_API" not in env
+    assert not [arg for arg in flower["command"] if "auth" in arg]
+    conf = flower["command"][flower["command"].index("flower") + 1:]
+    assert "--conf=flowerconfig.py" in conf
+    assert (ROOT / "examples" / "compose" / "flowerconfig.py").exists()
+
+
+def dockerfile_stages() -> list[list[list[str]]]:
+    """examples/compose/Dockerfile as stages, each a list of instructions (words)."""
+    stages: list[list[list[str]]] = []
+    for line in (ROOT / "examples" / "compose" / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0].upper() == "FROM":
+            stages.append([])
+        stages[-1].append(words)
+    return stages
+
+
+def test_the_compose_image_installs_a_built_wheel_and_runs_as_a_user_without_privileges():
+    """A stage builds the wheel; the image installs that wheel (no editable
+    install, no source tree copied whole before an install), copies the
+    example app, and runs as a user that is not root."""
+    *builders, final = dockerfile_stages()
+    assert builders, "the wheel is built in a stage of its own"
+    assert any(w[0].upper() == "RUN" and "build" in w and "--wheel" in w
+               for stage in builders for w in stage)
+    for stage in dockerfile_stages():
+        for words in stage:
+            assert not (words[0].upper() == "RUN" and "-e" in words), words
+            if words[0].upper() in ("COPY", "ADD"):
+                assert [w for w in words[1:-1] if not w.startswith("--")] != ["."], words
+    installs = [w for w in final if w[0].upper() == "RUN" and "install" in w]
+    assert installs and all(any(a.endswith(".whl") for a in w) for w in installs), installs
+    assert any(w[0].upper() == "COPY" and any(a.startswith("--from=") for a in w)
+               for w in final)
+    users = [w[1] for w in final if w[0].upper() == "USER"]
+    assert users and users[-1] not in ("root", "0"), users
+
+
+def dockerignore() -> list[tuple[bool, re.Pattern[str]]]:
     """The patterns as Docker reads them: anchored at the context's root, ``*``
-    within one folder, ``**/`` any folders."""
+    within one folder, ``**/`` any folders, ``!`` letting a path back in."""
     patterns = []
     for line in (ROOT / ".dockerignore").read_text().splitlines():
-        line = line.strip().strip("/")
+        line = line.strip()
         if not line or line.startswith("#"):
             continue
-        assert not line.startswith("!"), "the matcher below knows no exceptions"
+        back_in = line.startswith("!")
+        line = line.lstrip("!").strip("/")
         regex = re.escape(line).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
-        patterns.append(re.compile(regex.replace(r"\?", "[^/]")))
+        patterns.append((back_in, re.compile(regex.replace(r"\?", "[^/]"))))
     return patterns
 
 
-def ignored(path: str, patterns: list[re.Pattern[str]]) -> bool:
-    """A path goes when it, or a folder above it, matches a pattern."""
+def ignored(path: str, patterns: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    """A path goes when the last pattern matching it, or a folder above it,
+    is not a ``!`` one."""
     parts = path.split("/")
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return any(p.fullmatch(prefix) for p in patterns for prefix in prefixes)
+    out = False
+    for back_in, pattern in patterns:
+        if any(pattern.fullmatch(prefix) for prefix in prefixes):
+            out = not back_in
+    return out
 
 
-def test_the_dockerignore_keeps_history_and_venvs_out_and_every_copied_file_in():
+def test_the_dockerignore_keeps_all_but_what_the_image_copies_out():
+    """History, environments, caches, tests, docs and benchmarks stay out of
+    the build context; every file a COPY names is in it, and nothing else is."""
     patterns = dockerignore()
     for junk in (".git/HEAD", ".venv/bin/python", "venv/bin/python", "venv-3.11/bin/python",
                  ".nox/oldest/bin/python", "site/index.html", "build/lib/x.py",
                  "dist/x.whl", "celery_singleton_lock.egg-info/PKG-INFO",
                  "celery_singleton_lock/__pycache__/task.cpython-311.pyc",
                  "tests/unit/x.pyc", ".pytest_cache/v", "tests/.mypy_cache/x",
-                 ".ruff_cache/x"):
+                 ".ruff_cache/x", "tests/test_layout.py", "docs/index.md",
+                 "benchmarks/results/results.json", "examples/beat/tasks.py"):
         assert ignored(junk, patterns), junk
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=30, check=True).stdout.splitlines()
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30,
+                             check=True).stdout.splitlines()
+    services = compose()
     dockerfiles = {(s["build"]["context"], s["build"]["dockerfile"])
                    for s in services.values() if "build" in s}
     assert dockerfiles
+    copied: set[str] = set()
     for context, dockerfile in dockerfiles:
         assert context == ".", "the paths below are the repository's"
         for line in (ROOT / dockerfile).read_text().splitlines():
             words = line.split()
-            if not words or words[0].upper() not in ("COPY", "ADD"):
+            if not words or words[0].upper() not in ("COPY", "ADD") or any(
+                    w.startswith("--from=") for w in words):
                 continue
             for source in (w for w in words[1:-1] if not w.startswith("--")):
-                source = "" if source in (".", "./") else source.removeprefix("./").rstrip("/")
-                copied = [f for f in tracked if not source or f == source
-                          or f.startswith(source + "/")]
-                assert copied, source
-                assert [f for f in copied if ignored(f, patterns)] == [], source
-    for needed in ("pyproject.toml", "README.md", "celery_singleton_lock/__init__.py",
+                source = source.removeprefix("./").rstrip("/")
+                files = [f for f in tracked if f == source or f.startswith(source + "/")]
+                assert files, source
+                assert [f for f in files if ignored(f, patterns)] == [], source
+                copied.update(files)
+    sent = {f for f in tracked if not ignored(f, patterns)}
+    assert sent - copied == set(), "in the context, copied by nothing"
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "celery_singleton_lock/__init__.py",
                    "examples/compose/proj.py"):
-        assert not ignored(needed, patterns), needed
+        assert needed in copied and not ignored(needed, patterns), needed
 
 
 #: a word in an entry's name that promises an interval, in seconds

@@ -93,18 +93,21 @@ def test_the_cli_lists_the_queued_marker_s_new_holder(app, two_workers, events, 
 
 
 def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key, r):
-    """`purge --yes` frees the queued marker but not the record that a call was
-    replaced: its caller was told so, and its message, reaching a worker after
-    the purge, is still skipped, not run with the old arguments."""
+    """`purge --yes` keeps the record that a call was replaced (its caller was
+    told so) as it keeps the queued call's key; with that key freed, the
+    replaced call's message, reaching a worker after the purge, is still
+    skipped, not run with the old arguments."""
     t = app.tasks["t.queue_replace"]
     first = t.apply_async((key, 0.0, "first"), countdown=2)
     second = t.apply_async((key, 0.0, "second"), countdown=2)
     assert first.get(timeout=1)["holder"] == second.id
     out = run_cli(two_workers[0].env, "purge", "--task", "t.queue_replace", "--yes", "--json")
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr  # the queued call's key was kept
     base = t.singleton_keys(key).base
     assert [(e["state"], e["action"]) for e in json.loads(out.stdout)["keys"]
-            if e["key"] == base] == [("queued", "deleted"), ("replaced", "kept: callers told")]
+            if e["key"] == base] == [("queued", "kept: queued"), ("replaced", "kept: callers told")]
+    freed = run_cli(two_workers[0].env, "release", base, "--force")
+    assert freed.returncode == 0, freed.stdout + freed.stderr
     assert r.exists(t.singleton_keys(key).replaced)
     assert second.get(timeout=15)["tag"] == "second"
     wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,

@@ -129,8 +129,20 @@ def run(redis_url: str) -> int:
     total_ran = sum(len(v) for v in ran.values())
     total_skipped = sum(len(v) for v in skipped.values())
     print(f" total {total_ran:>9} {total_skipped:>8}")
+    print(LEGEND)
     print("\nEvery order was paid exactly once." if ok else "\nSOME ORDER DID NOT RUN EXACTLY ONCE")
     return 0 if ok else 1
+
+
+#: what each column of the table means, printed under it
+LEGEND = """
+executed        deliveries whose body ran
+skipped         deliveries answered with a skip result at once, their body never run:
+  (running)       while the first delivery still ran (reason "duplicate")
+  (done)          after it had succeeded: within singleton_done_ttl (reason "done")
+applied         payments the ledger wrote: a write needs a fencing token newer than the
+                last one written, so a stale or repeated one writes nothing
+skips point to  the task id every skip result names: the delivery that did the work"""
 
 
 def main(argv: Optional[list[str]] = None) -> int:

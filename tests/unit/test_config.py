@@ -180,3 +180,47 @@ def test_reading_a_tasks_settings_binds_no_app_to_the_base_class():
         return None
 
     assert two.serializer == "pickle"
+
+
+@pytest.mark.parametrize("option", ["singleton_done_ttl", "singleton_throttle",
+                                    "singleton_debounce", "singleton_debounce_max"])
+def test_a_window_option_says_0_and_none_mean_off_when_it_refuses_a_value(option):
+    """0 and None turn these windows off (docs/settings.md); the message for a
+    value refused says so, instead of "greater than 0" alone, which 0 is not."""
+    app = app_with()
+
+    @app.task(base=SingletonTask, name=f"t.{option}", shared=False, **{option: -3})
+    def negative() -> None:
+        return None
+
+    with pytest.raises(ConfigurationError) as info:
+        negative.singleton_settings()
+    assert str(info.value) == (f"{option}: task 't.{option}': must be greater than 0, or 0 "
+                               "or None for off, got -3")
+    for off in (0, 0.0, None):
+        app = app_with()
+
+        @app.task(base=SingletonTask, name=f"t.off.{option}", shared=False, **{option: off})
+        def quiet() -> None:
+            return None
+
+        assert getattr(quiet.singleton_settings().config, option[len("singleton_"):]) == 0
+
+
+@pytest.mark.parametrize("options,setting", [
+    ({"singleton_tll": 5}, "singleton_tll"),
+    ({"singleton_limit": 0}, "singleton_limit"),
+    ({"singleton_throttle": -1}, "singleton_throttle"),
+])
+def test_a_bad_task_option_stops_a_plain_call_as_it_stops_the_first_send(options, setting):
+    """docs/settings.md: a bad task option stops "the first send or call" of the
+    task outside a worker; a plain call ``task(...)`` is a call."""
+    app = app_with()
+
+    @app.task(base=SingletonTask, name="t.plain_call", shared=False, **options)
+    def plain(x: str) -> str:
+        return x
+
+    with pytest.raises(ConfigurationError) as info:
+        plain("x")
+    assert info.value.setting == setting

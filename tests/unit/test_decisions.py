@@ -146,15 +146,15 @@ def test_a_replacing_send_without_a_holder_names_none():
 BACKEND_TABLE = [
     (("raise", "send"), expect(Do.FAIL, holder=None, reason="backend",
                                error=(LockBackendError, str(LockBackendError(
-                                   "k", "ConnectionError('down')"))))),
+                                   "k", "ConnectionError: down"))))),
     (("raise", "run"), expect(Do.FAIL, holder=None, reason="backend",
                               error=(LockBackendError, str(LockBackendError(
-                                  "k", "ConnectionError('down')"))))),
+                                  "k", "ConnectionError: down"))))),
     (("retry", "send"), expect(Do.SEND, holder=None, reason="lock backend unavailable")),
     (("run", "send"), expect(Do.SEND, holder=None, reason="lock backend unavailable")),
     (("run", "run"), expect(Do.RUN_UNLOCKED, holder=None, reason="lock backend unavailable")),
     (("retry", "run"), expect(Do.WAIT, holder=None,
-                              reason="lock backend unavailable: ConnectionError('down')")),
+                              reason="lock backend unavailable: ConnectionError: down")),
 ]
 
 
