@@ -38,7 +38,7 @@ def _pair(kind: str, url: str, tag: str) -> Callable[[int], None]:
     """One acquire + release of a key only call ``i`` of this client uses."""
     if kind == OURS:
         from celery_singleton_lock import SingletonConfig
-        from celery_singleton_lock.engines import connect
+        from celery_singleton_lock.engine.registry import connect
         from celery_singleton_lock.keys import LockKeys
 
         engine = connect(SingletonConfig.defaults(url))

@@ -214,7 +214,7 @@ class Bench:
         lists left out (each pool process writes them once a second, and the
         held list vanishes whenever it empties)."""
         from celery_singleton_lock.config import get_config
-        from celery_singleton_lock.monitor import held_key, stats_key
+        from celery_singleton_lock.observe.monitor import held_key, stats_key
 
         prefix = get_config(self.app).key_prefix
         published = int(self.lock_client.exists(stats_key(prefix), held_key(prefix)))
@@ -275,7 +275,7 @@ class Bench:
         """Commands the lock Redis received while ``work`` ran, as MONITOR shows them:
         (sent by clients: one round trip each, run inside scripts)."""
         from celery_singleton_lock.config import get_config
-        from celery_singleton_lock.monitor import held_key, stats_key
+        from celery_singleton_lock.observe.monitor import held_key, stats_key
 
         sent: Counter[str] = Counter()
         inner: Counter[str] = Counter()

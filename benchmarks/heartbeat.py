@@ -50,10 +50,10 @@ def ping_latency_while(port: int, work: Callable[[], Any], repeats: int) -> dict
 
 def measure(bench: Bench) -> None:
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.engine import RENEW_CHUNK, LockEngine
-    from celery_singleton_lock.heartbeat import Heartbeat
+    from celery_singleton_lock.engine.server import RENEW_CHUNK, LockEngine
     from celery_singleton_lock.keys import LockKeys
     from celery_singleton_lock.lock import SingletonLock
+    from celery_singleton_lock.worker.heartbeat import Heartbeat
 
     engine = LockEngine.from_config(SingletonConfig.defaults(bench.locks.url(5)))
     client = bench.locks.client(5)

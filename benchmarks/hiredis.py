@@ -28,8 +28,8 @@ import redis
 import redis.connection
 
 from celery_singleton_lock.config import SingletonConfig
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.testing import RedisServer
 

@@ -10,7 +10,7 @@ from .harness import Bench, percentile
 
 def measure(bench: Bench) -> None:
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.engine import LockEngine
+    from celery_singleton_lock.engine.server import LockEngine
     from celery_singleton_lock.keys import LockKeys
 
     engine = LockEngine.from_config(SingletonConfig.defaults(bench.locks.url(6)))

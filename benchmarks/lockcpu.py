@@ -80,7 +80,7 @@ def measure(server: Server, name: str, tasks: int, callgrind: bool) -> dict[str,
 def per_script(server: Server, tasks: int) -> dict[str, tuple[float, float]]:
     """Microseconds each script call takes inside Redis (its inner commands
     included), from the slow log with every command logged: (median, p90)."""
-    from celery_singleton_lock.calls import SCRIPTS
+    from celery_singleton_lock.engine.calls import SCRIPTS
 
     names = {script.sha: name for name, script in SCRIPTS.items()}
     client = server.client

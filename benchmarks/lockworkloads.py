@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 import redis
 
-from celery_singleton_lock.calls import SCRIPTS, acquire_call, record_rest, release_call
 from celery_singleton_lock.config import SingletonConfig
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.calls import SCRIPTS, acquire_call, record_rest, release_call
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.scripts import pack
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.scripts import pack
 
 from .lockserver import Server
 

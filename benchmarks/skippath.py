@@ -32,8 +32,8 @@ from celery import Celery
 from celery.app.trace import build_tracer
 
 from celery_singleton_lock import SingletonTask
-from celery_singleton_lock.engines import engine_for
-from celery_singleton_lock.monitor import NODE
+from celery_singleton_lock.engine.registry import engine_for
+from celery_singleton_lock.observe.monitor import NODE
 from celery_singleton_lock.testing import RedisServer
 
 

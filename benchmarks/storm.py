@@ -11,7 +11,7 @@ from .harness import Bench
 
 
 def measure(bench: Bench) -> None:
-    from celery_singleton_lock.engines import engine_for
+    from celery_singleton_lock.engine.registry import engine_for
 
     storm = bench.app.tasks["bench.storm"]
     plain = bench.app.tasks["bench.plain"]

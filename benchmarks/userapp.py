@@ -67,7 +67,7 @@ def floor(n: int) -> None:
 def _bounds() -> None:
     import uuid
 
-    from celery_singleton_lock.calls import record_rest
+    from celery_singleton_lock.engine.calls import record_rest
 
     from .lockworkloads import BARE_FREE, FENCED_TAKE, HASH_TAKE
 

@@ -9,6 +9,7 @@ when a worker starts.
 from __future__ import annotations
 
 from .config import SingletonConfig, get_config
+from .conflict.results import DeduplicatedResult, is_deduplicated, is_skipped
 from .exceptions import (
     ConfigurationError,
     DuplicateTaskError,
@@ -23,7 +24,6 @@ from .exceptions import (
     UnexpectedReplyError,
 )
 from .lock import SingletonLock
-from .results import DeduplicatedResult, is_deduplicated, is_skipped
 from .task import SingletonTask, send_task
 
 __version__ = "0.2.0"

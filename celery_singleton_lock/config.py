@@ -109,7 +109,7 @@ def check_url(setting: str, value: Any) -> str:
             setting, f"expected a redis://, rediss:// or unix:// URL (or sentinel://, "
                      f"cluster://, redlock://: docs/deployments.md), got {value!r}")
     if value.startswith(_DEPLOY_SCHEMES):
-        from .servers import parse
+        from .engine.servers import parse
 
         try:
             parse(value)

@@ -11,10 +11,10 @@ import logging
 import time
 from typing import Callable, Optional
 
-from . import monitor
+from .engine.replies import Release, Released
 from .exceptions import LockLostError, describe
 from .keys import LockKeys
-from .replies import Release, Released
+from .observe import monitor
 from .rollout import OtherLock
 
 logger = logging.getLogger("celery_singleton_lock")

@@ -257,7 +257,7 @@ def renew(locks: Sequence[tuple[OtherLock, int]]) -> None:
 def _script(name: str) -> Any:
     from importlib import resources
 
-    source = resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+    source = resources.files(__package__ + ".engine").joinpath("lua", f"{name}.lua").read_text()
     return redis.Redis().register_script(source)
 
 

@@ -22,25 +22,26 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from kombu.utils.uuid import uuid
 
-from . import monitor, policies
-from .bootsteps import SingletonStep
-from .canvas import delay_of, in_a_canvas, send_delay
+from .beat.ticks import claim_tick_run
 from .config import TASK_OPTIONS, SingletonConfig, check_task_names, get_config
-from .engine import LockEngine
-from .engines import engine_for
+from .conflict import policies
+from .conflict.canvas import delay_of, in_a_canvas, send_delay
+from .conflict.outcomes import IGNORE, carry_out
+from .conflict.policies import Decision, Do
+from .conflict.replacing import debounced, replace_args, supersede
+from .conflict.results import DeduplicatedResult, is_deduplicated
+from .engine.registry import engine_for
+from .engine.replies import Acquire, Acquired
+from .engine.server import LockEngine
 from .exceptions import DuplicateTaskError, LockBackendError, describe
-from .heartbeat import heartbeat_for
 from .keys import KeyBuilder, KeySpec, LockKeys
 from .lock import REQUEST_ATTR, SingletonLock
 from .models import ModelArguments
-from .outcomes import IGNORE, carry_out
-from .policies import Decision, Do
+from .observe import monitor
 from .process import PROCESS, ForkSafeLock
-from .replacing import debounced, replace_args, supersede
-from .replies import Acquire, Acquired
-from .results import DeduplicatedResult, is_deduplicated
 from .rollout import SENT_HEADER, OtherLibrary, OtherLock
-from .ticks import claim_tick_run
+from .worker.heartbeat import heartbeat_for
+from .worker.step import SingletonStep
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -377,7 +377,7 @@ def hold_key(task: Any, *args: Any, holder: str = "", ttl: float = 60.0,
     the ``queue_and_run`` scope is refused. Yields the holder's task id; the key
     is freed at the end (if the fake holder still has it).
     """
-    from .engines import engine_for
+    from .engine.registry import engine_for
     from .process import PROCESS
 
     keys = task.singleton_keys(*args, **kwargs)
@@ -398,7 +398,7 @@ def assert_skipped(result: Any, *, holder: Optional[str] = None,
                    reason: Optional[str] = None) -> dict[str, Any]:
     """``result`` (an AsyncResult, or the value it returned) is a skipped
     duplicate's, held by ``holder`` for ``reason`` ("duplicate" or "done")."""
-    from .results import is_skipped
+    from .conflict.results import is_skipped
 
     value = result.get(timeout=30) if hasattr(result, "get") and hasattr(result, "id") else result
     assert is_skipped(value), f"not a skipped duplicate's result: {value!r}"
@@ -413,7 +413,7 @@ def assert_deduplicated(result: Any, *, holder: Optional[str] = None,
                         reason: Optional[str] = None) -> Any:
     """``result`` is what ``delay``/``apply_async`` returned for a send refused at
     send time: nothing was sent, and it stands for ``holder``'s result."""
-    from .results import is_deduplicated
+    from .conflict.results import is_deduplicated
 
     assert is_deduplicated(result), f"the send was not refused: {result!r}"
     if holder is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from celery.signals import worker_init
 
-from celery_singleton_lock import masking
+from celery_singleton_lock.observe import masking
 from tests.workerapp import _from_env
 
 app = _from_env()

@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, NoReturn, Optional
 
 import pytest
 
-from celery_singleton_lock.calls import marker_task
-from celery_singleton_lock.replies import RECORD_FIELDS, record
+from celery_singleton_lock.engine.calls import marker_task
+from celery_singleton_lock.engine.replies import RECORD_FIELDS, record
 from celery_singleton_lock.testing import CeleryWorker, RedisServer, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,10 +25,8 @@ import pytest
 from celery.schedules import crontab, schedule
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.beat import BeatConfig, beat_config
-from celery_singleton_lock.engines import connect, engine_for
-from celery_singleton_lock.exceptions import ConfigurationError
-from celery_singleton_lock.ticks import (
+from celery_singleton_lock.beat.scheduler import BeatConfig, beat_config
+from celery_singleton_lock.beat.ticks import (
     buffer_key,
     claim_key,
     claim_tick_run,
@@ -38,6 +36,8 @@ from celery_singleton_lock.ticks import (
     tick_name,
     ticks_around,
 )
+from celery_singleton_lock.engine.registry import connect, engine_for
+from celery_singleton_lock.exceptions import ConfigurationError
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import tests.test_beat as beat_tests
-from celery_singleton_lock.ticks import claim_key, from_ms, queue_key, tick_name
+from celery_singleton_lock.beat.ticks import claim_key, from_ms, queue_key, tick_name
 from tests.support import wait_for
 from tests.test_beat import Beat, stats, tick_events
 
@@ -49,7 +49,7 @@ def test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_and_surviv
     waiting tick: the other beat sends every tick that was waiting. The beats
     run as a lock Redis user with the worker's ACL rule and what
     docs/redis-acl.md adds for buffer_all (no EVAL: its scripts go by SHA)."""
-    from celery_singleton_lock.checks import acl_rule
+    from celery_singleton_lock.checks.doctor import acl_rule
 
     key = uuid.uuid4().hex[:8]
     sched = {"all": {"task": "t.tick_hold", "every": 1,
@@ -193,8 +193,8 @@ def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
     "ended" while that tick has not even started. A tick refused for good
     (skip) writes it: decided. A second copy of a tick that ran is dropped
     before it asks for the lock."""
-    from celery_singleton_lock.engines import engine_for
-    from celery_singleton_lock.ticks import run_key
+    from celery_singleton_lock.beat.ticks import run_key
+    from celery_singleton_lock.engine.registry import engine_for
     from tests.beatapp import make_beat_app
 
     key = uuid.uuid4().hex[:8]
@@ -254,7 +254,7 @@ def test_a_beat_whose_lock_user_may_not_run_what_its_entries_need_stops_at_start
     and a buffer_one entry would fail to look for and take waiting ticks at every
     tick: it stops at start, naming the commands and the grant. Granted them, a
     beat with the same user starts and its ticks run."""
-    from celery_singleton_lock.checks import acl_rule
+    from celery_singleton_lock.checks.doctor import acl_rule
 
     admin = redis_server.client()
     user = f"beat{uuid.uuid4().hex[:6]}"

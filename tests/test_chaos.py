@@ -390,7 +390,7 @@ def test_a_worker_with_a_wrong_lock_password_stops_at_start_naming_it(redis_serv
 
 
 def test_a_worker_whose_acl_user_lacks_a_command_stops_at_start_naming_it(redis_server):
-    from celery_singleton_lock import checks
+    from celery_singleton_lock.checks import doctor as checks
 
     server = RedisServer().start()
     try:

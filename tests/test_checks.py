@@ -12,17 +12,14 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from celery_singleton_lock import (
-    ConfigurationError,
-    SingletonConfig,
-    calls,
-    checks,
-    permissions,
-    serverchecks,
-)
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
-from celery_singleton_lock.findings import ERROR, OK, WARNING, Finding
+from celery_singleton_lock import ConfigurationError, SingletonConfig
+from celery_singleton_lock.checks import doctor as checks
+from celery_singleton_lock.checks import permissions
+from celery_singleton_lock.checks import server as serverchecks
+from celery_singleton_lock.checks.findings import ERROR, OK, WARNING, Finding
+from celery_singleton_lock.engine import calls
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from tests.support import ROOT, RedisServer, Worker, discard, missing, wait_for
 from tests.workerapp import make_app
@@ -362,7 +359,7 @@ def test_beat_denied_names_what_a_beat_of_these_overlap_modes_may_not_run(acl_se
 def test_the_beat_scripts_call_only_what_beat_commands_names():
     """buffer_all's scripts call nothing the beat's check does not try: a
     command added to them without BEAT_COMMANDS saying so fails here."""
-    from celery_singleton_lock import overlap
+    from celery_singleton_lock.beat import overlap
 
     needs = set(permissions.beat_commands(["buffer_all"])) | set(docs_rule().replace(
         "+", " ").split())

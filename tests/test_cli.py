@@ -37,7 +37,7 @@ SECRET = f"4111-1111-1111-{uuid.uuid4().hex[:8]}"
 STALE_HOLDER = """
 import os, sys
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.keys import LockKeys
 url, digest, name, task_id = sys.argv[1:5]
 engine = connect(SingletonConfig.defaults(url))
@@ -275,7 +275,7 @@ def hold_on_another_host(scene: Scene, keys: LockKeys, name: str) -> str:
     """A lock a worker on a second machine holds (its host key, its host name,
     a pid that names no process here): the holder's task id."""
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.engines import connect
+    from celery_singleton_lock.engine.registry import connect
 
     task_id = f"remote-{uuid.uuid4().hex[:8]}"
     engine = connect(SingletonConfig.defaults(scene.server.url(2)))
@@ -530,7 +530,7 @@ def test_doctor_says_whether_a_beat_of_the_app_may_run_what_its_entries_need():
     user holding the worker's rule only: doctor's `beat` finding is an ERROR naming
     EXISTS and GETDEL and the grant; granted them, it is OK. Without a schedule,
     no `beat` finding."""
-    from celery_singleton_lock.checks import acl_rule
+    from celery_singleton_lock.checks.doctor import acl_rule
 
     server = RedisServer().start()
     try:
@@ -569,7 +569,7 @@ def test_masking_install_hides_our_url_and_option_passwords_celery_would_print(m
     the URL and every password in singleton_redis_options are masked."""
     from celery.app import utils
 
-    from celery_singleton_lock import masking
+    from celery_singleton_lock.observe import masking
 
     monkeypatch.setattr(utils, "filter_hidden_settings", utils.filter_hidden_settings)
     app = make_app("redis://127.0.0.1:1/0", lock_url="redis://locks:url-pw@h:6379/2",

@@ -15,15 +15,15 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.cluster import ClusterWire, slot_of
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
-from celery_singleton_lock.heartbeat import Heartbeat
+from celery_singleton_lock.beat.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_run
+from celery_singleton_lock.engine.cluster import ClusterWire, slot_of
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire, Release, Renew
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
-from celery_singleton_lock.replies import Acquire, Release, Renew
-from celery_singleton_lock.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_run
-from celery_singleton_lock.watch import ClusterWatch
+from celery_singleton_lock.worker.heartbeat import Heartbeat
+from celery_singleton_lock.worker.watch import ClusterWatch
 from tests import promises
 from tests.deployments import Cluster
 from tests.support import (
@@ -157,7 +157,7 @@ def test_a_beats_permission_probes_run_on_one_node_and_leave_nothing(cluster, en
     """The start-up check of a beat with every overlap mode, through the cluster
     client: each probe reaches the node of its key, none is refused (the
     default user), and the one DEL that frees them finds both on one node."""
-    from celery_singleton_lock.permissions import BEAT_COMMANDS, beat_denied
+    from celery_singleton_lock.checks.permissions import BEAT_COMMANDS, beat_denied
 
     assert beat_denied(engine.client, "singleton:", list(BEAT_COMMANDS)) == []
     for node in cluster.nodes:

@@ -161,7 +161,7 @@ def test_a_key_held_on_another_host_is_skipped_never_taken_over(client_app, redi
     runs, and the records are untouched: a pid lookup here says nothing about
     a process there."""
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.engines import connect
+    from celery_singleton_lock.engine.registry import connect
     from tests.support import held_on_another_host
 
     task = client_app.tasks[task_name]

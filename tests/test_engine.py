@@ -13,14 +13,14 @@ import pytest
 import redis
 
 from celery_singleton_lock import LockLostError, SingletonConfig
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
-from celery_singleton_lock.heartbeat import Heartbeat
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire, Enqueue, Reclaim, Release, Released
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.process import HOST_KEY as PROCESS_HOST_KEY
 from celery_singleton_lock.process import PROCESS
-from celery_singleton_lock.replies import Acquire, Enqueue, Reclaim, Release, Released
+from celery_singleton_lock.worker.heartbeat import Heartbeat
 from tests.support import (
     ROOT,
     held_on_another_host,
@@ -248,8 +248,8 @@ def test_hand_off_keeps_the_key_for_the_retry_only(engine, r):
 @pytest.mark.parametrize("n", [1, 100, 2000])
 def test_renewal_of_n_locks_is_one_round_trip_of_short_calls(engine, r, n):
     """One write per round; at most RENEW_CHUNK locks per script call."""
-    from celery_singleton_lock.engine import RENEW_CHUNK
-    from celery_singleton_lock.link import Link
+    from celery_singleton_lock.engine.link import Link
+    from celery_singleton_lock.engine.server import RENEW_CHUNK
 
     writes = []
     real_send = Link.send
@@ -389,7 +389,7 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
     code = (
         "import sys; from celery_singleton_lock import SingletonConfig;"
         "from celery_singleton_lock.keys import LockKeys;"
-        "from celery_singleton_lock.engines import connect;"
+        "from celery_singleton_lock.engine.registry import connect;"
         f"e = connect(SingletonConfig.defaults({redis_server.url(2)!r}));"
         f"k = LockKeys('singleton:', {keys.base.split('{')[1][:-1]!r});"
         "o = e.acquire(k, task_id='dead', exec_id='x', lease_ms=60000, hostname='h',"
@@ -410,7 +410,7 @@ def test_a_holder_on_another_host_is_never_declared_dead_here(engine, r):
     frees that lock (a duplicate's, the reaper's, a slot of singleton_limit's),
     however dead the pid looks on this host; the very record with our host key
     is freed, so the host key alone is what keeps it."""
-    from celery_singleton_lock.listing import liveness
+    from celery_singleton_lock.cli.listing import liveness
 
     keys = new_keys()
     take(engine, keys, "remote", "e-remote", lease_ms=60_000)
@@ -584,7 +584,7 @@ def test_a_forked_child_gets_its_own_pid_engine_and_execution_ids(redis_server):
     """Identity is refreshed at fork: no exec id or engine is shared with the parent."""
     from celery import Celery
 
-    from celery_singleton_lock.engines import engine_for
+    from celery_singleton_lock.engine.registry import engine_for
 
     app = Celery("fork", broker=redis_server.url(0), set_as_current=False)
     parent_engine = engine_for(app)
@@ -728,7 +728,7 @@ def lock_task(redis_server, r):
     from celery import Celery
 
     from celery_singleton_lock import SingletonTask
-    from celery_singleton_lock.engines import engine_for, forget_engine
+    from celery_singleton_lock.engine.registry import engine_for, forget_engine
     from tests.support import ReplyDroppingProxy
 
     proxy = ReplyDroppingProxy(redis_server.port)
@@ -974,7 +974,7 @@ def test_a_grant_that_arrives_after_its_lease_is_no_grant(redis_server):
     from celery.result import AsyncResult
 
     from celery_singleton_lock import LockBackendError, SingletonTask
-    from celery_singleton_lock.engines import engine_for
+    from celery_singleton_lock.engine.registry import engine_for
     from tests.support import PausableProxy
 
     proxy = PausableProxy(redis_server.port)

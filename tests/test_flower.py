@@ -38,8 +38,8 @@ from tests.workerapp import make_app
 pytestmark = pytest.mark.worker
 
 FLOWER_CONF = """\
-from celery_singleton_lock.metrics import register
-from celery_singleton_lock.monitor import flower_format_task
+from celery_singleton_lock.observe.metrics import register
+from celery_singleton_lock.observe.monitor import flower_format_task
 register({url!r})
 format_task = flower_format_task({url!r})
 """
@@ -573,7 +573,7 @@ def test_held_locks_of_a_process_that_stopped_publishing_are_ignored_and_removed
     than HELD_MAX_AGE it is neither shown nor kept."""
     import time as clock
 
-    from celery_singleton_lock import monitor
+    from celery_singleton_lock.observe import monitor
 
     client = redis_server.client(4)
     client.delete(monitor.held_key("singleton:"))

@@ -17,11 +17,11 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfig, SingletonTask
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect, engine_for
+from celery_singleton_lock.engine.registry import connect, engine_for
+from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.process import ForkSafeLock
-from celery_singleton_lock.replies import Acquire
 from tests.support import RedisServer, wait_for
 
 
@@ -118,7 +118,7 @@ def test_children_forked_while_a_thread_makes_engines_make_their_own_at_once():
     """Forks race a thread that keeps making engines (what the main process's
     reaper does after a child is killed): every child makes its own engine."""
     from celery_singleton_lock.config import get_config
-    from celery_singleton_lock.engines import forget_engine
+    from celery_singleton_lock.engine.registry import forget_engine
 
     app = Celery("race", broker="redis://127.0.0.1:1/0", set_as_current=False)
     other = Celery("race2", broker="redis://127.0.0.1:1/0", set_as_current=False)

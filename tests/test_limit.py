@@ -166,9 +166,9 @@ def test_slots_on_one_server(redis_server):
     holder; a copy of a running task id finds its original in its slot; a
     retry takes back the slot its attempt kept for it."""
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.engines import connect
+    from celery_singleton_lock.engine.registry import connect
+    from celery_singleton_lock.engine.replies import Acquire
     from celery_singleton_lock.keys import LockKeys
-    from celery_singleton_lock.replies import Acquire
 
     engine = connect(SingletonConfig.defaults(redis_server.url(2)))
     keys = LockKeys("singleton:", uuid.uuid4().hex)

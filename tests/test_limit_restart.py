@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import SingletonConfig, is_skipped
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire, Reclaim
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.replies import Acquire, Reclaim
 from tests.support import RedisServer, Worker, discard, owner_record, wait_for
 from tests.test_restart_race import OFFSETS, wait_for_renewal
 from tests.workerapp import make_app

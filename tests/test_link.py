@@ -1,4 +1,4 @@
-"""The wire's own reply reader (:mod:`celery_singleton_lock.link`) against a
+"""The wire's own reply reader (:mod:`celery_singleton_lock.engine.link`) against a
 real redis-server: every kind of reply in both protocols comes out as
 redis-py's own reader gives it, replies cut anywhere by the network are read whole,
 and the faults come out as redis-py's exceptions with the connection dropped."""
@@ -16,10 +16,10 @@ import redis.connection
 from redis.exceptions import NoScriptError
 
 from celery_singleton_lock.config import SingletonConfig
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.link import Link
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.scripts import pack
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.link import Link
-from celery_singleton_lock.scripts import pack
 from tests.support import RedisServer, missing
 
 REDIS_PY = tuple(int(p) for p in redis.__version__.split(".")[:2])

@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import RECORD_FIELDS, Acquire
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.replies import RECORD_FIELDS, Acquire
 from tests.support import ROOT, RedisServer, owner_record
 
 ROUNDS = 50

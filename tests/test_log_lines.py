@@ -14,10 +14,10 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.engines import connect
-from celery_singleton_lock.heartbeat import Heartbeat
+from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
+from celery_singleton_lock.worker.heartbeat import Heartbeat
 from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 

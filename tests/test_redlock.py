@@ -24,16 +24,16 @@ import pytest
 import redis
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.checks import engine_checks, startup_check
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
-from celery_singleton_lock.heartbeat import Heartbeat
+from celery_singleton_lock.beat.ticks import entry_base
+from celery_singleton_lock.checks.doctor import engine_checks, startup_check
+from celery_singleton_lock.engine.redlock.engine import QuorumError, RedlockEngine
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire, Enqueue, Release, Released, Renew
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
-from celery_singleton_lock.redlock import QuorumError, RedlockEngine
-from celery_singleton_lock.replies import Acquire, Enqueue, Release, Released, Renew
-from celery_singleton_lock.ticks import entry_base
-from celery_singleton_lock.watch import MastersWatch
+from celery_singleton_lock.worker.heartbeat import Heartbeat
+from celery_singleton_lock.worker.watch import MastersWatch
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, discard, owner_field, wait_for
 from tests.test_beat import Beat, tick_events

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from celery_singleton_lock import is_skipped
-from celery_singleton_lock.checks import acl_rule
+from celery_singleton_lock.checks.doctor import acl_rule
 from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 

@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from celery_singleton_lock import SingletonConfig, is_skipped
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.replies import Acquire
 from celery_singleton_lock.testing import assert_skipped
 from tests.deployments import SentinelGroup
 from tests.support import Worker, discard, owner_field, wait_for

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from celery_singleton_lock.checks import acl_rule
+from celery_singleton_lock.checks.doctor import acl_rule
 from tests.deployments import TlsServer, make_certificates
 from tests.support import Worker, discard, owner_field, wait_for
 from tests.workerapp import make_app

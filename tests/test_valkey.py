@@ -14,12 +14,12 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.checks import run_checks
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
-from celery_singleton_lock.findings import OK
+from celery_singleton_lock.checks.doctor import run_checks
+from celery_singleton_lock.checks.findings import OK
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire, Release, Renew
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.replies import Acquire, Release, Renew
 from tests import promises
 from tests.conftest import Events
 from tests.deployments import valkey_server_binary

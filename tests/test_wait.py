@@ -11,11 +11,11 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import SingletonConfig, is_skipped
-from celery_singleton_lock.engine import LockEngine
-from celery_singleton_lock.engines import connect
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire, Renew
+from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.exceptions import TooFewReplicasError
 from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.replies import Acquire, Renew
 from tests.conftest import Events
 from tests.support import RedisServer, Worker, discard, owner_field, wait_for
 from tests.workerapp import make_app

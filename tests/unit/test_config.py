@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, get_config
-from celery_singleton_lock.bootsteps import validate_app
+from celery_singleton_lock.worker.step import validate_app
 
 
 def app_with(**conf: Any) -> Celery:

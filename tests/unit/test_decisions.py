@@ -9,9 +9,9 @@ from typing import Any, Optional
 import pytest
 
 from celery_singleton_lock import DuplicateTaskError, LockBackendError
-from celery_singleton_lock.policies import Decision, Do, at_run, at_send, on_backend_error
+from celery_singleton_lock.conflict.policies import Decision, Do, at_run, at_send, on_backend_error
+from celery_singleton_lock.engine.replies import Acquire, Acquired, Enqueue, Enqueued
 from celery_singleton_lock.process import Holder
-from celery_singleton_lock.replies import Acquire, Acquired, Enqueue, Enqueued
 
 H = "holder-id"
 

@@ -66,7 +66,7 @@ def test_a_redlock_holder_counts_its_lease_short_by_the_drift_allowed():
     """Redlock allows the masters' clocks 1 % of the lease plus 2 ms of drift:
     the holder's deadline comes that much early, at grant and after renewals."""
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.redlock import RedlockEngine
+    from celery_singleton_lock.engine.redlock.engine import RedlockEngine
 
     engine = RedlockEngine.from_config(SingletonConfig.defaults(
         "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0"))  # nothing is connected

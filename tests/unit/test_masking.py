@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from celery_singleton_lock import masking
-from celery_singleton_lock.masking import MASK, mask_options, mask_settings, mask_url, scrub
+from celery_singleton_lock.observe import masking
+from celery_singleton_lock.observe.masking import MASK, mask_options, mask_settings, mask_url, scrub
 
 SECRET = "s3cret-Pw"
 

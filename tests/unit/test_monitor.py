@@ -3,7 +3,7 @@ with no engine, nothing is published)."""
 
 from __future__ import annotations
 
-from celery_singleton_lock import monitor
+from celery_singleton_lock.observe import monitor
 
 
 def test_a_hold_lands_in_the_first_bucket_at_least_as_long():
@@ -32,7 +32,7 @@ def test_the_metrics_register_while_the_lock_redis_does_not_answer():
 
     from prometheus_client import CollectorRegistry
 
-    from celery_singleton_lock.metrics import register
+    from celery_singleton_lock.observe.metrics import register
 
     with socket.socket() as held:  # bound, never listening: connections are refused
         held.bind(("127.0.0.1", 0))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from celery_singleton_lock import DuplicateTaskError, LockBackendError, SingletonConfig
-from celery_singleton_lock.policies import Do, at_run, at_send, backoff, on_backend_error
+from celery_singleton_lock.conflict.policies import Do, at_run, at_send, backoff, on_backend_error
+from celery_singleton_lock.engine.replies import Acquire, Acquired, Enqueue, Enqueued
 from celery_singleton_lock.process import Holder
-from celery_singleton_lock.replies import Acquire, Acquired, Enqueue, Enqueued
 
 HOLDER = Holder("holder-id")
 

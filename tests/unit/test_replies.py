@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_singleton_lock import UnexpectedReplyError
-from celery_singleton_lock.replies import (
+from celery_singleton_lock.engine.replies import (
     Acquire,
     Enqueue,
     Release,

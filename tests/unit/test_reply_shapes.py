@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import UnexpectedReplyError
-from celery_singleton_lock.process import Holder
-from celery_singleton_lock.replies import (
+from celery_singleton_lock.engine.replies import (
     RECORD_FIELDS,
     Acquire,
     Acquired,
@@ -28,6 +27,7 @@ from celery_singleton_lock.replies import (
     released,
     renewed,
 )
+from celery_singleton_lock.process import Holder
 
 #: exec, handoff, copies, token, at (µs), lease, fin, retries, pid, hostkey, host, name, task
 RAW = "\n".join(["exec-1", "", "", "17", "1795000000123456", "5000", "60000", "2", "4242",

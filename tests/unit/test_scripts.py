@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from celery_singleton_lock.calls import SCRIPTS
-from celery_singleton_lock.scripts import _bulks, evalsha
+from celery_singleton_lock.engine.calls import SCRIPTS
+from celery_singleton_lock.engine.scripts import _bulks, evalsha
 
 KEYS4 = ["sl:{0123456789abcdef0123456789abcdef}:lock", "sl:{0123}:fence", "f", ""]
 

@@ -6,7 +6,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import ConfigurationError, get_config
-from celery_singleton_lock.servers import make_client, make_clients, parse
+from celery_singleton_lock.engine.servers import make_client, make_clients, parse
 
 
 def test_a_sentinel_url_names_every_sentinel_the_master_the_db_and_the_auth():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_singleton_lock import shapes
+from celery_singleton_lock.engine import shapes
 
 
 def test_config_get_as_dict_flat_list_bytes_and_cluster():

@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 from celery.schedules import crontab, schedule
 
-from celery_singleton_lock import ticks
-from celery_singleton_lock.keys import LockKeys
-from celery_singleton_lock.ticks import (
+from celery_singleton_lock.beat import ticks
+from celery_singleton_lock.beat.ticks import (
     ENTRY_HEADER,
     TICK_HEADER,
     buffer_key,
@@ -33,6 +32,7 @@ from celery_singleton_lock.ticks import (
     ticks_around,
     to_ms,
 )
+from celery_singleton_lock.keys import LockKeys
 
 UTC = dt.timezone.utc
 T = dt.datetime(2026, 3, 4, 10, 15, 30, 250000, tzinfo=UTC)
@@ -180,7 +180,7 @@ def test_redis_down_lets_the_tick_run_and_says_so_once_it_claims(caplog, look_on
     """The task's own lock and its backend-error policy decide then; the look
     before the lock is a shortcut, so it only says so at DEBUG."""
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.engines import connect
+    from celery_singleton_lock.engine.registry import connect
     from tests.support import dead_port
 
     config = SingletonConfig.defaults(f"redis://127.0.0.1:{dead_port()}/0")
@@ -200,7 +200,7 @@ def test_redis_down_lets_the_tick_run_and_says_so_once_it_claims(caplog, look_on
 def test_a_tick_runs_once_its_own_id_again_and_another_copy_never(redis_server, r, caplog):
     """The run marker, on a real redis-server (the one test here with a server)."""
     from celery_singleton_lock import SingletonConfig
-    from celery_singleton_lock.engines import connect
+    from celery_singleton_lock.engine.registry import connect
 
     engine = connect(SingletonConfig.defaults(redis_server.url(2)))
     headers = {ENTRY_HEADER: "nightly", TICK_HEADER: tick_name(T)}

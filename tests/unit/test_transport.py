@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_singleton_lock.transport import (
+from celery_singleton_lock.conflict.broker import (
     BROKER_HEADERS,
     DEAD_LETTER_HEADERS,
     native_delayed_delivery,

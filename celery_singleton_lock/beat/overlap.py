@@ -1,0 +1,480 @@
+"""Overlap: what a beat does with a tick whose entry's previous run still runs.
+
+The modes (entry option ``singleton_overlap``, setting ``singleton_beat_overlap``;
+docs/beat.md):
+
+``skip``             the tick is not sent (unless the run in the way is that of
+                     the tick before, sent late: then the tick waits for it, at
+                     most as long as that one was late; :meth:`OverlapMixin._wait_for_late_run`)
+``buffer_one``       the tick waits in Redis; a newer one replaces it
+``buffer_all``       every tick waits in Redis, in tick order, up to
+                     ``singleton_beat_buffer_max``; each is sent once the run
+                     before it started and ended
+``cancel_other``     the running task is asked to stop (it stops if it checks
+                     :func:`cancel_requested`); the tick waits as in ``buffer_one``
+``terminate_other``  the running task is revoked with ``terminate=True``
+                     (SIGTERM to its pool process); the tick waits as in ``buffer_one``
+``allow``            always sent
+
+Only the beat that won a tick's claim decides it. Waiting ticks are in Redis,
+so any beat sends them: every beat looks for the ones it does not hold.
+
+Over 400 lines: one idea, the overlap modes of an entry, each a few methods of
+the one mixin, polled from the same place at every tick of the scheduler.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections import Counter
+from typing import Any, Mapping
+
+import redis
+from redis.exceptions import NoPermissionError, NoScriptError
+
+from ..config import OVERLAP_MODES, choice, get_config
+from ..engine.registry import engine_for
+from ..engine.scripts import Script
+from .ticks import (
+    RUN_MARKER_TTL_MS,
+    buffer_key,
+    cancel_key,
+    from_ms,
+    last_sent_key,
+    late_key,
+    queue_key,
+    run_key,
+    tick_after,
+    tick_name,
+    to_ms,
+)
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: the entry option (``options={"singleton_overlap": ...}``) choosing an entry's mode
+OVERLAP_OPTION = "singleton_overlap"
+
+#: how often a beat holding a buffered tick looks whether the running one ended
+BUFFER_POLL = 0.25
+#: how often every beat looks for ticks buffered by a beat that may have died
+#: since (one EXISTS per waiting-mode entry of a SingletonTask)
+BUFFER_ADOPT = 1.0
+#: modes whose ticks may wait in Redis for the running one to end
+WAITING_MODES = ("buffer_one", "buffer_all", "cancel_other", "terminate_other")
+#: a tick sent more than this many seconds after its nominal time (the first
+#: tick after a start or a restart, a beat that stalled) leaves a note for the
+#: tick after it: under ``skip`` that one waits for the late run (a beat on time
+#: sends 10-20 ms after the nominal time)
+LATE_SEND = 0.1
+#: how long a late note outlives the moment it stops counting
+_LATE_NOTE_MARGIN_MS = 10_000
+
+# buffer_all's two scripts (lua/beat_*.lua), called by SHA: EVALSHA and SCRIPT
+# LOAD are in the lock user's rule already (docs/redis-acl.md)
+_ARRIVE = Script.load("beat_arrive")
+_TAKE = Script.load("beat_take")
+
+
+def _script(client: Any, script: Script, keys: list[str], *args: Any) -> Any:
+    """EVALSHA of one of buffer_all's scripts, loaded first when the server
+    does not have it (a fresh or restarted Redis, a failover)."""
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(script.source)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def redis_failure(exc: Exception) -> str:
+    """How a beat's log names a failed Redis call: a refusal is no outage."""
+    if isinstance(exc, (redis.AuthenticationError, NoPermissionError)):
+        return "Redis refused it (see docs/redis-acl.md)"
+    return "Redis unreachable"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _evaluate(values: Any) -> Any:
+    """Entry args/kwargs with BeatLazyFunc values called, as Celery sends them."""
+    from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
+
+    if isinstance(values, Mapping):
+        return _evaluate_entry_kwargs(values)
+    return _evaluate_entry_args(values)
+
+
+def cancel_requested(task: Any) -> bool:
+    """True when a beat entry with overlap ``cancel_other`` asked this run to stop.
+
+    Call it from a running ``SingletonTask`` (``cancel_requested(self)``) as
+    often as stopping early matters; one Redis ``GET``. Celery's own revoke
+    without ``terminate`` does nothing to a running task, so this is how the
+    body learns of the request: return (or raise) when it is True.
+    """
+    lock = task.singleton
+    try:
+        value = engine_for(task.app).client.get(cancel_key(lock.keys))
+    except redis.RedisError:
+        return False
+    return value is not None and bool(lock.task_id) and _text(value) == lock.task_id
+
+
+class OverlapMixin:
+    """The overlap half of :class:`.beat.SingletonSchedulerMixin`."""
+
+    app: Any
+    schedule: Any
+    producer: Any
+    singleton_beat: Any
+    singleton_stats: Counter[str]
+    _done: dict[str, dt.datetime]
+
+    def _overlap_init(self) -> None:
+        self._buffered: dict[str, Any] = {}  # entries this beat polls a buffered tick of
+        self._queued: dict[str, Any] = {}  # buffer_all entries this beat polls the queue of
+        self._stopped: dict[str, str] = {}  # task id this beat last cancelled/terminated
+        # skip: a tick waiting for the late run before it, by entry: (entry, tick,
+        # the moment in ms, beat clock, after which it is skipped if that still runs)
+        self._late_waits: dict[str, tuple[Any, dt.datetime, int]] = {}
+        self._adopt_at = 0.0  # monotonic time of the next look for others' buffers
+        self._adopt_failing = False  # the last look failed (said once, not every second)
+
+    def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        raise NotImplementedError  # the scheduler's
+
+    def singleton_now(self) -> dt.datetime:
+        raise NotImplementedError  # the scheduler's
+
+    # -- the mode -------------------------------------------------------------------
+
+    def singleton_overlap(self, entry: Any) -> str:
+        """The entry's overlap mode: its ``singleton_overlap`` option, else the setting."""
+        mode = (entry.options or {}).get(OVERLAP_OPTION)
+        if mode is None:
+            return str(self.singleton_beat.overlap)
+        return str(choice(OVERLAP_MODES, "overlap mode")(
+            f"{OVERLAP_OPTION} of beat entry {entry.name!r}", mode))
+
+    def _task_keys(self, entry: Any) -> Any:
+        """The lock keys the entry's next run takes, or None when it is no SingletonTask."""
+        from ..task import SingletonTask
+
+        task = self.app.tasks.get(entry.task)
+        if not isinstance(task, SingletonTask):
+            return None
+        return task.singleton_keys(*_evaluate(entry.args), **_evaluate(entry.kwargs))
+
+    # -- every tick of the scheduler -----------------------------------------------
+
+    def _overlap_before_tick(self) -> bool:
+        """Look for others' waiting ticks (once a second) and send the ones
+        whose run ended. True when this beat has waiting-mode entries."""
+        waiting = [e for e in self.schedule.values()
+                   if self.singleton_overlap(e) in WAITING_MODES
+                   and self._task_keys(e) is not None]
+        if waiting and time.monotonic() >= self._adopt_at:
+            self._adopt_buffers(waiting)
+            self._adopt_at = time.monotonic() + BUFFER_ADOPT
+        if self._buffered:
+            self._send_buffered()
+        if self._queued:
+            self._send_queued()
+        if self._late_waits:
+            self._send_after_late_runs()
+        return bool(waiting)
+
+    def _overlap_delay(self, delay: float, waiting: bool) -> float:
+        if self._buffered or self._queued:
+            delay = min(delay, BUFFER_POLL)
+        if self._late_waits:
+            # polled like a buffer, and looked at once more at the earliest deadline
+            until = min(d for _, _, d in self._late_waits.values()) - to_ms(self.singleton_now())
+            delay = min(delay, BUFFER_POLL, max(until / 1000, 0.0))
+        if waiting:
+            delay = min(delay, max(self._adopt_at - time.monotonic(), 0.0))
+        return delay
+
+    def _adopt_buffers(self, entries: list[Any]) -> None:
+        """Take on the waiting ticks this beat does not hold: the beat that
+        buffered one may be dead, and nobody would send it. Every beat that
+        holds a buffer polls it; ``GETDEL`` / ``ZPOPMIN`` lets one of them send it."""
+        client = engine_for(self.app).client
+        prefix = get_config(self.app).key_prefix
+        for entry in entries:
+            queued = self.singleton_overlap(entry) == "buffer_all"
+            held = self._queued if queued else self._buffered
+            if entry.name in held:
+                continue
+            key = (queue_key if queued else buffer_key)(prefix, entry.name)
+            try:
+                waiting = client.exists(key)
+            except redis.RedisError as exc:
+                if not self._adopt_failing:
+                    logger.warning("Beat could not look for the waiting ticks of other beats "
+                                   "(%s): one a dead beat buffered is sent once a look "
+                                   "works again (%r)", redis_failure(exc), exc)
+                self._adopt_failing = True
+                return  # the next look, or the next tick, tries again
+            if waiting:
+                held[entry.name] = entry
+        if self._adopt_failing:
+            logger.info("Beat looks for the waiting ticks of other beats again")
+        self._adopt_failing = False
+
+    # -- a claimed tick -------------------------------------------------------------
+
+    def _previous_still_runs(self, entry: Any, tick: dt.datetime, overlap: str) -> bool:
+        """True when the tick must not be sent now (skipped, buffered or waiting)."""
+        keys = self._task_keys(entry)
+        if keys is None:
+            return False  # only a SingletonTask's run is visible in Redis
+        try:
+            if overlap == "buffer_all":
+                return not self._arrive_queued(entry, tick, keys)
+            record = engine_for(self.app).owner(keys)
+        except redis.RedisError as exc:
+            logger.warning("Beat entry %r tick %s: could not see whether its previous run "
+                           "still runs (%r); sent, the task's own lock decides",
+                           entry.name, tick_name(tick), exc)
+            return False
+        if not record:
+            return False
+        if overlap == "buffer_one":
+            self._buffer(entry, tick, "the previous run still runs")
+            return True
+        if overlap in ("cancel_other", "terminate_other"):
+            self._stop_holder(entry, tick, keys, record, overlap == "terminate_other")
+            self._buffer(entry, tick, "it is sent when the previous run ended")
+            return True
+        if self._wait_for_late_run(entry, tick):
+            return True
+        self.singleton_stats["overlap_skipped"] += 1
+        logger.info("Beat entry %r tick %s skipped: the previous run still runs (%s)",
+                    entry.name, tick_name(tick), keys.base)
+        return True
+
+    def _stop_holder(self, entry: Any, tick: dt.datetime, keys: Any,
+                     record: Mapping[str, str], terminate: bool) -> None:
+        """cancel_other: ask the running task to stop (a marker it may check,
+        and a revoke, which stops a copy of it not started yet: a retry, a
+        redelivery). terminate_other: revoke it with terminate=True."""
+        task_id = str(record.get("task") or "")
+        if not task_id or self._stopped.get(entry.name) == task_id:
+            return  # unknown, or already asked by this beat
+        try:
+            if not terminate:
+                engine_for(self.app).client.set(cancel_key(keys), task_id,
+                                                px=RUN_MARKER_TTL_MS)
+            self.app.control.revoke(task_id, terminate=terminate)
+        except Exception as exc:
+            logger.warning("Beat entry %r tick %s: could not %s the running task %s (%r)",
+                           entry.name, tick_name(tick),
+                           "terminate" if terminate else "cancel", task_id, exc)
+            return
+        self._stopped[entry.name] = task_id
+        counter, verb = (("overlap_terminated", "terminated") if terminate
+                         else ("overlap_cancelled", "asked to cancel"))
+        self.singleton_stats[counter] += 1
+        logger.info("Beat entry %r tick %s: the previous run %s still runs, %s (%s)",
+                    entry.name, tick_name(tick), task_id, verb, keys.base)
+
+    # -- skip: a tick after a late one ----------------------------------------------
+
+    def _note_if_late(self, entry: Any, tick: dt.datetime) -> None:
+        """After sending ``tick`` more than :data:`LATE_SEND` late, under
+        ``skip``: note for the tick after it how late this one went, in
+        ``<entry>:late`` = ``<next tick ms> <next tick ms + lateness ms>``.
+
+        The first tick after a start or a restart is sent when the beat comes
+        up, anywhere in its period; its run may then still run at the next
+        tick, which ``skip`` would drop although, sent on time, the run could
+        have ended by then. Each beat decides the next tick from this note,
+        whichever beat sent the late one (one ``SET`` per late send)."""
+        if self.singleton_overlap(entry) != "skip":
+            return
+        now = self.singleton_now()
+        late_ms = to_ms(now) - to_ms(tick)
+        if late_ms <= LATE_SEND * 1000 or self._task_keys(entry) is None:
+            return
+        following = tick_after(entry.schedule, tick)
+        if following is None:
+            return
+        deadline = to_ms(following) + late_ms
+        try:
+            engine_for(self.app).client.set(
+                late_key(get_config(self.app).key_prefix, entry.name),
+                f"{to_ms(following)} {deadline}",
+                px=max(deadline - to_ms(now), 0) + _LATE_NOTE_MARGIN_MS)
+        except redis.RedisError as exc:
+            logger.warning("Beat entry %r tick %s was sent %.2f s late and that could not be "
+                           "noted (%s, %r): if its run still runs at the next tick, that one "
+                           "is skipped", entry.name, tick_name(tick), late_ms / 1000,
+                           redis_failure(exc), exc)
+
+    def _wait_for_late_run(self, entry: Any, tick: dt.datetime) -> bool:
+        """``skip``, a run in the way: True when the tick before was sent late
+        (:meth:`_note_if_late` named this tick), the run then taken for that
+        one's. The tick waits for it, at most as long as the tick before was
+        late: sent once the run ended, skipped if it still runs then (sent on
+        time, it would have run into this tick as well). Sent late in turn, it
+        notes that for the tick after it."""
+        prefix = get_config(self.app).key_prefix
+        try:
+            raw = engine_for(self.app).client.get(late_key(prefix, entry.name))
+        except redis.RedisError:
+            return False
+        try:
+            following, deadline = (int(part) for part in _text(raw or "").split())
+        except ValueError:
+            return False
+        if following != to_ms(tick) or to_ms(self.singleton_now()) >= deadline:
+            return False
+        self._late_waits[entry.name] = (entry, tick, deadline)
+        self.singleton_stats["waited_for_late_run"] += 1
+        logger.info("Beat entry %r tick %s waits: the run of the tick before it still runs, "
+                    "sent %.2f s late; this tick is sent when that run ends, skipped if it "
+                    "still runs at %s", entry.name, tick_name(tick),
+                    (deadline - following) / 1000, tick_name(from_ms(deadline)))
+        return True
+
+    def _send_after_late_runs(self) -> None:
+        """Send each tick waiting for a late run once that run ended; skip it
+        if the run still runs at its deadline."""
+        for name, (entry, tick, deadline) in list(self._late_waits.items()):
+            keys = self._task_keys(entry)
+            try:
+                running = keys is not None and bool(engine_for(self.app).owner(keys))
+            except redis.RedisError:
+                running = True  # unseen: looked at again, and skipped at the deadline
+            if running and to_ms(self.singleton_now()) < deadline:
+                continue
+            del self._late_waits[name]
+            decided = self._done.get(name)
+            if running or (decided is not None and decided > tick):
+                self.singleton_stats["overlap_skipped"] += 1
+                logger.info("Beat entry %r tick %s skipped: the previous run still runs "
+                            "(waited for it until %s)", name, tick_name(tick),
+                            tick_name(from_ms(deadline)))
+                continue
+            logger.info("Beat entry %r tick %s sent: the late run before it ended", name,
+                        tick_name(tick))
+            self._send(entry, tick, self.producer)
+
+    # -- buffer_one, cancel_other, terminate_other: one tick waits -------------------
+
+    def _buffer(self, entry: Any, tick: dt.datetime, why: str) -> None:
+        """Keep the tick in Redis, replacing an older one: at most one run waits."""
+        client = engine_for(self.app).client
+        key = buffer_key(get_config(self.app).key_prefix, entry.name)
+        try:
+            replaced = client.set(key, str(to_ms(tick)), px=RUN_MARKER_TTL_MS, get=True)
+        except redis.RedisError as exc:
+            self.singleton_stats["backend_error"] += 1
+            logger.error("Beat entry %r tick %s not buffered: %s (%r)",
+                         entry.name, tick_name(tick), redis_failure(exc), exc)
+            return
+        if replaced is not None and _text(replaced) != str(to_ms(tick)):
+            self.singleton_stats["buffer_dropped"] += 1
+            logger.info("Beat entry %r tick %s dropped from the buffer: tick %s is newer",
+                        entry.name, tick_name(from_ms(int(replaced))), tick_name(tick))
+        self.singleton_stats["buffered"] += 1
+        logger.info("Beat entry %r tick %s buffered: %s", entry.name, tick_name(tick), why)
+        self._buffered[entry.name] = entry
+
+    def _send_buffered(self) -> None:
+        """Send a buffered tick once the run before it ended; GETDEL: one beat sends it."""
+        client = engine_for(self.app).client
+        prefix = get_config(self.app).key_prefix
+        for name, entry in list(self._buffered.items()):
+            keys = self._task_keys(entry)
+            try:
+                if keys is not None and engine_for(self.app).owner(keys):
+                    continue
+                waiting = client.getdel(buffer_key(prefix, name))
+            except redis.RedisError:
+                continue
+            del self._buffered[name]
+            if waiting is None:
+                continue  # another beat sent it, or a newer buffer replaced it
+            tick = from_ms(int(waiting))
+            decided = self._done.get(name)
+            if decided is not None and decided > tick:
+                # a newer tick was decided meanwhile (sent, buffered or skipped):
+                # it stands for this one, which would run late and out of order
+                self.singleton_stats["buffer_dropped"] += 1
+                logger.info("Beat entry %r tick %s dropped from the buffer: tick %s came "
+                            "after it", name, tick_name(tick), tick_name(decided))
+                continue
+            logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
+            self._send(entry, tick, self.producer)
+
+    # -- buffer_all: every tick waits, in order --------------------------------------
+
+    def _queue_gate(self, name: str, keys: Any) -> tuple[str, bool]:
+        """(the last tick sent, as stored; whether the run before the next one ended).
+
+        Ended: the last tick sent has started (its run marker, which the worker
+        writes once the tick's lock is granted, exists) and, looked at after
+        that, the lock is free; or no tick sent is remembered (none, or it did
+        not start within the claim TTL: a beat that died between taking and
+        sending it). The marker is read first: a lock seen free before its
+        tick's grant would read as "ended" once the marker appears.
+        """
+        client = engine_for(self.app).client
+        prefix = get_config(self.app).key_prefix
+        raw = client.get(last_sent_key(prefix, name))
+        last = _text(raw) if raw is not None else ""
+        if last and not client.exists(run_key(prefix, name, from_ms(int(last)))):
+            return last, False
+        return last, not engine_for(self.app).owner(keys)
+
+    def _arrive_queued(self, entry: Any, tick: dt.datetime, keys: Any) -> bool:
+        """buffer_all: True to send the tick now; else it waits (or the queue is full)."""
+        client = engine_for(self.app).client
+        prefix = get_config(self.app).key_prefix
+        last, ended = self._queue_gate(entry.name, keys)
+        verdict = _text(_script(
+            client, _ARRIVE, [queue_key(prefix, entry.name), last_sent_key(prefix, entry.name)],
+            str(to_ms(tick)), last, "1" if ended else "0", self.singleton_beat.buffer_max,
+            RUN_MARKER_TTL_MS, self.singleton_beat.claim_ttl_ms))
+        if verdict == "send":
+            return True
+        if verdict == "full":
+            self.singleton_stats["buffer_dropped"] += 1
+            logger.info("Beat entry %r tick %s dropped: %d ticks already wait "
+                        "(singleton_beat_buffer_max)", entry.name, tick_name(tick),
+                        self.singleton_beat.buffer_max)
+        else:
+            self.singleton_stats["buffered"] += 1
+            logger.info("Beat entry %r tick %s buffered: the previous run still runs",
+                        entry.name, tick_name(tick))
+        self._queued[entry.name] = entry
+        return False
+
+    def _send_queued(self) -> None:
+        """Send the oldest waiting tick of each queue whose previous run ended."""
+        client = engine_for(self.app).client
+        prefix = get_config(self.app).key_prefix
+        for name, entry in list(self._queued.items()):
+            keys = self._task_keys(entry)
+            try:
+                last, ended = self._queue_gate(name, keys)
+                if not ended:
+                    continue
+                taken = _script(client, _TAKE, [queue_key(prefix, name),
+                                                last_sent_key(prefix, name)],
+                                last, self.singleton_beat.claim_ttl_ms)
+            except redis.RedisError:
+                continue
+            if taken == -1:
+                del self._queued[name]  # nothing waits
+                continue
+            if taken == 0:
+                continue  # another beat sent one: its run comes first
+            tick = from_ms(int(taken))
+            logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
+            self._send(entry, tick, self.producer)

@@ -1,0 +1,1 @@
+"""What a duplicate gets: the decisions, carried out at send and at run."""

@@ -1,0 +1,1 @@
+"""Everything that talks to the lock Redis; no Celery in here."""

@@ -1,0 +1,163 @@
+"""What each script of ``lua/`` is given: its KEYS and ARGV, built from a lock's keys.
+
+The scripts are read once, at import: making an engine later touches no import
+machinery, whose per-module locks a forked child could inherit held. The owner
+record's layout is in docs/redis-keys.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from ..keys import LockKeys
+from ..process import HOST_KEY, PROCESS
+from .scripts import Script
+
+#: how long a key's fencing counter outlives its last grant (written in acquire.lua)
+FENCE_TTL_MS = 24 * 3600 * 1000
+
+#: every script, read once at import (the main worker process makes engines
+#: in its reaper thread while the pool forks)
+SCRIPTS: dict[str, Script] = {
+    name: Script.load(name)
+    for name in ("acquire", "acquire_slots", "release", "renew", "handoff", "enqueue", "unqueue",
+                 "fence", "reclaim")
+}
+
+
+def _field(value: str) -> str:
+    """A record field of ours written by users (host name, task name): no newline."""
+    return value.replace("\n", " ") if "\n" in value else value
+
+
+def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_name: str,
+                fin_ms: int) -> str:
+    """The owner record's fields from ``lease`` on, as one string (docs/redis-keys.md)."""
+    return (f"{lease_ms}\n{fin_ms}\n{retries}\n{PROCESS.pid}\n{HOST_KEY}\n{_field(hostname)}\n"
+            f"{_field(task_name)}\n{task_id}")
+
+
+def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
+                 retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0,
+                 replace: bool = False, done: bool = True) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``acquire.lua``.
+
+    Redis pays for every string passed (about as much as for a command run
+    inside the script), so the owner record's fields that the script does not
+    look at go as one string, in the record's own order, the send-time
+    marker's key only under the queue scopes, the throttle window's only
+    with ``singleton_throttle``, the superseded ids' hash with ``replace``;
+    under scope ``run``, the done marker's key only when the task keeps a done
+    window (``done``: nothing else writes one for its keys, which hold its name);
+    on the other paths the lock's own key takes the done marker's place then.
+    """
+    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    # where KEYS go by position, the lock's own key stands for "no done marker"
+    done_key = keys.done if done else keys.lock
+    if replace:
+        return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
+                 keys.replaced],
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
+    if throttle_ms > 0:
+        return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle],
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
+    if scope == "run":
+        return ([keys.lock, keys.fence, keys.fin, keys.done] if done else
+                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest]
+    return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued],
+            [task_id, exec_id, lease_ms, rest, scope])
+
+
+def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
+                       hostname: str, retries: int, task_name: str, fin_ms: int, slots: int,
+                       done: bool = True) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1);
+    without a done window (``done`` False) the fence's key stands for the marker's."""
+    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    return ([keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
+             *(k.lock for k in keys.slots(slots))],
+            [task_id, exec_id, lease_ms, rest])
+
+
+def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
+                 always_record: bool, done_ttl: float, fin_ms: int, task_name: str = ""
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``release.lua``: the usual release (a finished task, no
+    done window) passes two keys and the execution id; the finish marker's
+    task id and TTL come from the owner record."""
+    done_ms = int(done_ttl * 1000)
+    mode = 0 if not finished else 2 if always_record else 1
+    if done_ms > 0:
+        return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms,
+                                                 _field(task_name)]
+    if mode == 2:
+        return [keys.lock, keys.fin], [exec_id, mode, task_id, fin_ms]
+    if mode == 1:
+        return [keys.lock, keys.fin], [exec_id]
+    return [keys.lock, keys.fin], [exec_id, mode]
+
+
+def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = "",
+                 replace: Optional[tuple[int, int]] = None, done: bool = True
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``enqueue.lua``; ``replace``: (debounce ms, debounce_max
+    ms) of ``singleton_on_duplicate="replace"``; ``done`` False: the task keeps
+    no done window, the lock's key stands for the marker's."""
+    done_key = keys.done if done else keys.lock
+    if replace is not None:
+        return [keys.queued, keys.lock, done_key, keys.replaced], [
+            task_id, scope, max(ttl_ms, 1), _field(task_name), *replace]
+    return [keys.queued, keys.lock, done_key], [task_id, scope, max(ttl_ms, 1),
+                                               _field(task_name)]
+
+
+def marker_task(value: Any) -> tuple[str, str]:
+    """(task name, task id) of a send-time or done marker's value."""
+    text = str(value or "")
+    name, newline, task_id = text.partition("\n")
+    return (name, task_id) if newline else ("", text)
+
+
+def unqueue_call(keys: LockKeys, task_id: str) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``unqueue.lua``."""
+    return [keys.queued], [task_id]
+
+
+def renew_call(entries: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``renew.lua`` for ``(lock key, exec id, lease ms)`` entries."""
+    args: list[Any] = []
+    for _, exec_id, lease_ms in entries:
+        args.append(exec_id)
+        args.append(lease_ms)
+    return [e[0] for e in entries], args
+
+
+def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``handoff.lua``."""
+    return [keys.lock], [exec_id, next_retries, lease_ms]
+
+
+def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_ms: int,
+                 hostname: str, retries: int, task_name: str, fin_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``reclaim.lua``: write back a held lock the server forgot.
+
+    The key's ``back`` hash, which tells the other slots of a ``singleton_limit``
+    key that the counter they find was recreated by a write-back, lives one
+    renewal interval and a second: every holder's renewer asks within that.
+    """
+    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    return [keys.lock, keys.fence, keys.back], [exec_id, lease_ms, token, rest,
+                                                back_ms(lease_ms)]
+
+
+def back_ms(lease_ms: int) -> int:
+    """How long a key's ``back`` hash lives after a write-back (reclaim.lua):
+    a third of the lease (the renewal interval) and a second."""
+    return lease_ms // 3 + 1000
+
+
+def fence_call(keys: LockKeys, exec_id: str, token: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``fence.lua``: raise the key's counter to ``token``."""
+    return [keys.lock, keys.fence], [exec_id, token, FENCE_TTL_MS]

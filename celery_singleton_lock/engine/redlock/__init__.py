@@ -1,0 +1,1 @@
+"""Redlock: every lock on a majority of N independent masters."""

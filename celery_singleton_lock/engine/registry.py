@@ -1,0 +1,74 @@
+"""One lock engine per app and process: the kind the URL names, made anew after fork.
+
+:func:`connect` picks it: :class:`~.engine.LockEngine` for one server, a
+Sentinel-managed primary or a Cluster, :class:`~.redlock.RedlockEngine` for a
+quorum of independent masters. :func:`engine_for` keeps one per app in each
+process; its replies still owed are read at process exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from typing import Any
+
+from ..config import SingletonConfig, get_config
+from ..exceptions import describe
+from ..process import PROCESS, ForkSafeLock
+from .redlock.engine import RedlockEngine
+from .server import LockEngine
+from .servers import mode_of
+
+logger = logging.getLogger("celery_singleton_lock")
+
+
+def connect(config: SingletonConfig) -> LockEngine:
+    """A new engine for ``config.redis_url`` (no connection is opened yet)."""
+    if mode_of(config.redis_url) == "redlock":
+        return RedlockEngine.from_config(config)
+    return LockEngine.from_config(config)
+
+
+_engines: weakref.WeakKeyDictionary[Any, tuple[int, LockEngine]] = weakref.WeakKeyDictionary()
+_engines_lock = ForkSafeLock()
+
+
+def engine_for(app: Any) -> LockEngine:
+    """The engine of ``app`` in this process (a new one after fork)."""
+    generation = PROCESS.generation
+    entry = _engines.get(app)
+    if entry is None or entry[0] != generation:
+        with _engines_lock:
+            entry = _engines.get(app)
+            if entry is None or entry[0] != generation:
+                entry = (generation, connect(get_config(app)))
+                _engines[app] = entry
+                _register_exit_settle()
+    return entry[1]
+
+
+def settle_all() -> None:
+    """Read the replies every engine of this process still owes (at process exit)."""
+    generation = PROCESS.generation
+    for entry in list(_engines.values()):
+        if entry[0] == generation:
+            try:
+                entry[1].settle()
+            except Exception as exc:  # exiting: say so, never raise
+                logger.warning("Could not read a lock reply at exit: %s", describe(exc))
+
+
+_exit_settle_registered = False
+
+
+def _register_exit_settle() -> None:
+    global _exit_settle_registered
+    if not _exit_settle_registered:
+        _exit_settle_registered = True
+        atexit.register(settle_all)
+
+
+def forget_engine(app: Any) -> None:
+    with _engines_lock:
+        _engines.pop(app, None)

@@ -1,0 +1,259 @@
+"""Every reply of every script in ``lua/``, named once.
+
+The scripts answer with small integers (and arrays that start with one); this
+module is the only place that reads them. Each family has its own enum, so a
+release's "taken" can never be mistaken for an acquire's "held", and a reply
+no script gives raises :class:`UnexpectedReplyError` instead of being guessed at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Optional
+
+from ..exceptions import UnexpectedReplyError
+from ..process import Holder
+
+
+class Acquire(IntEnum):
+    """``acquire.lua``: what an execution that starts found."""
+
+    HELD = 0  #: another task holds the key (running, or queued under queue_and_run)
+    GRANTED = 1  #: the lock is this execution's
+    SAME_TASK = 2  #: another execution of this very task id holds it (a redelivery)
+    FINISHED = 3  #: this task id already finished: a late redelivery
+    DONE = 4  #: another task succeeded within ``singleton_done_ttl``
+    THROTTLED = 5  #: another task started within the ``singleton_throttle`` window
+    REPLACED = 6  #: a later send took this queued one's place (``"replace"``)
+
+
+class Release(IntEnum):
+    """``release.lua``: what a release found."""
+
+    TAKEN = 0  #: another execution holds the key
+    RELEASED = 1  #: freed
+    FREE = -1  #: no owner record: the lease ran out, or an earlier copy freed it
+
+
+class Renew(IntEnum):
+    """``renew.lua``: one per lock renewed."""
+
+    NOT_OURS = 0  #: held by another execution
+    RENEWED = 1
+    HANDED_OFF = 2  #: kept for this task's retry; the retry renews it
+    ABSENT = 3  #: no record at all (Redis restarted empty, an eviction, a lapsed lease)
+    #: not answered this round (never a script's reply: a Cluster node that
+    #: failed while others answered); the lock is left alone, like on an error
+    UNANSWERED = -1
+
+
+class Reclaim(IntEnum):
+    """``reclaim.lua``: what writing back a lock whose key a renewal found gone found."""
+
+    HELD = 0  #: another execution holds the key: the lock is lost
+    WRITTEN_BACK = 1  #: the server had forgotten it; written back under a new token
+    OURS = 2  #: it is this execution's already (written back by another call)
+    RELEASED = -1  #: released or expired (its fencing counter is still there): lost
+
+
+class Enqueue(IntEnum):
+    """``enqueue.lua``: what a send under the queue scopes found."""
+
+    HELD = 0  #: queued, or running (queue_and_run), as another task
+    TAKEN = 1  #: the key is this send's
+    REPLACED = 2  #: the key is this send's; the queued one it names is superseded
+    DONE = 4  #: another task succeeded within ``singleton_done_ttl``
+
+
+# Acquired and Released are made for every task: not frozen, since a frozen
+# dataclass's __init__ sets each field through object.__setattr__ (three
+# times the CPU). Nothing changes them after they are made.
+@dataclass
+class Acquired:
+    """An acquire's answer: a grant with its fencing token, or who is in the way."""
+
+    status: Acquire
+    token: int = 0
+    holder: Optional[Holder] = None
+    #: the refused execution owns the key it took at send time (it was accepted)
+    queued_by_it: bool = False
+    #: THROTTLED: milliseconds until the window reopens
+    reopens_ms: int = 0
+    #: ``singleton_limit`` > 1: the slot granted, or the slot of ``holder``
+    slot: int = 1
+
+    @property
+    def holder_state(self) -> str:
+        """What the holder is doing: ``"done"`` (its success keeps the key done),
+        ``"queued"`` (it took the key when sent and has not started: its record
+        names no execution), ``"running"``, or ``"started"`` (it started within
+        the throttle window)."""
+        if self.status is Acquire.DONE:
+            return "done"
+        if self.status is Acquire.THROTTLED:
+            return "started"
+        if self.status is Acquire.REPLACED:
+            return "queued"
+        return "queued" if self.holder is not None and not self.holder.exec_id else "running"
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    status: Reclaim
+    token: int = 0  #: the owner record's token now (WRITTEN_BACK, OURS)
+    holder: Optional[Holder] = None  #: who holds the key (HELD)
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    status: Enqueue
+    holder: Optional[Holder] = None
+    #: HELD: the holder has started (queue_and_run); else it is still queued
+    running: bool = False
+    #: debounced sends (TAKEN, REPLACED): the countdown to send with, in ms
+    countdown_ms: Optional[int] = None
+    #: REPLACED: every task id this send supersedes (the holder, and those it
+    #: had superseded)
+    superseded: tuple[str, ...] = ()
+
+    @property
+    def holder_state(self) -> str:
+        """``"done"``, ``"running"`` or ``"queued"``: what the holder is doing."""
+        if self.status is Enqueue.DONE:
+            return "done"
+        return "running" if self.running else "queued"
+
+
+@dataclass
+class Released:
+    """What a release sent without waiting found, read later.
+
+    ``repeated``: the command was sent again after its reply was lost with the
+    connection, so FREE most likely means the first attempt worked.
+    """
+
+    status: Release
+    repeated: bool = False
+
+
+def _enum(family: type[IntEnum], value: Any, script: str) -> Any:
+    try:
+        return family(int(value))
+    except (TypeError, ValueError):
+        raise UnexpectedReplyError(script, value) from None
+
+
+def _first(reply: Any, script: str) -> Any:
+    if not isinstance(reply, list) or not reply:
+        raise UnexpectedReplyError(script, reply)
+    return reply[0]
+
+
+#: the owner record's fields, in order (``acquire.lua``, docs/redis-keys.md): one
+#: string, joined by newlines, the task id last (only it may hold a newline)
+RECORD_FIELDS = ("exec", "handoff", "copies", "token", "at", "lease", "fin", "retries", "pid",
+                 "hostkey", "host", "name", "task")
+_LAST = len(RECORD_FIELDS) - 1
+
+
+def record(raw: Any) -> dict[str, str]:
+    """The owner record as a dict (empty when the key is free); ``at`` in ms.
+
+    ``handoff`` and ``copies`` appear only when set, as they did when the
+    record was a hash."""
+    if not raw:
+        return {}
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "surrogateescape")
+    values = raw.split("\n", _LAST)
+    if len(values) != len(RECORD_FIELDS):
+        raise UnexpectedReplyError("owner record", raw)
+    out = {k: v for k, v in zip(RECORD_FIELDS, values) if v or k not in ("handoff", "copies")}
+    at = out.get("at", "")
+    if at.isdigit():
+        out["at"] = at[:-3] or "0"  # microseconds in Redis
+    return out
+
+
+def _holder(raw: Any) -> Holder:
+    values = raw.split("\n", _LAST)
+    return Holder(task_id=values[12], exec_id=values[0], host_key=values[9],
+                  pid=int(values[8] or 0), hostname=values[10])
+
+
+def acquired(reply: Any) -> Acquired:
+    if isinstance(reply, str):  # granted: the fencing token
+        try:
+            return Acquired(Acquire.GRANTED, token=int(reply))
+        except ValueError:
+            raise UnexpectedReplyError("acquire", reply) from None
+    status: Acquire = _enum(Acquire, _first(reply, "acquire"), "acquire")
+    try:
+        if status is Acquire.GRANTED:
+            return Acquired(status, token=int(reply[1]),
+                            slot=int(reply[2]) if len(reply) > 2 else 1)
+        if status is Acquire.SAME_TASK and len(reply) > 2:
+            return Acquired(status, holder=_holder(reply[1]), slot=int(reply[2]))
+        if status in (Acquire.FINISHED, Acquire.DONE, Acquire.REPLACED):
+            return Acquired(status, holder=Holder(reply[1]))
+        if status is Acquire.THROTTLED:
+            return Acquired(status, holder=Holder(reply[1]),
+                            reopens_ms=max(int(reply[2]), 0))
+        return Acquired(status, holder=_holder(reply[1]),
+                        queued_by_it=len(reply) > 2 and reply[2] == 1,
+                        slot=int(reply[3]) if len(reply) > 3 else 1)
+    except (IndexError, TypeError, ValueError, AttributeError):
+        raise UnexpectedReplyError("acquire", reply) from None
+
+
+def reclaimed(reply: Any) -> Reclaimed:
+    try:
+        if isinstance(reply, str):
+            return Reclaimed(Reclaim.WRITTEN_BACK, token=int(reply))
+        if reply == -1:
+            return Reclaimed(Reclaim.RELEASED)
+        if isinstance(reply, list) and reply[0] == 1:
+            return Reclaimed(Reclaim.OURS, token=int(reply[1]))
+        if isinstance(reply, list) and reply[0] == 0:
+            return Reclaimed(Reclaim.HELD, holder=_holder(reply[1]))
+    except (IndexError, TypeError, ValueError, AttributeError):
+        pass
+    raise UnexpectedReplyError("reclaim", reply)
+
+
+def enqueued(reply: Any) -> Enqueued:
+    status: Enqueue = _enum(Enqueue, _first(reply, "enqueue"), "enqueue")
+    try:
+        if status is Enqueue.TAKEN:
+            return Enqueued(status, countdown_ms=int(reply[1]) if len(reply) > 1 else None)
+        if status is Enqueue.REPLACED:
+            return Enqueued(status, holder=Holder(reply[1]), countdown_ms=int(reply[2]),
+                            superseded=tuple(str(x) for x in reply[3:]))
+        return Enqueued(status, holder=Holder(reply[1]), running=len(reply) > 2 and reply[2] == 1)
+    except (IndexError, TypeError, ValueError):
+        raise UnexpectedReplyError("enqueue", reply) from None
+
+
+#: release.lua's replies (a lookup: every task's release is read here)
+_RELEASE = {int(r): r for r in Release}
+
+
+def released(reply: Any, repeated: bool = False) -> Released:
+    status = _RELEASE.get(reply) if reply.__class__ is int else None
+    if status is None:
+        status = _enum(Release, reply, "release")
+    return Released(status, repeated)
+
+
+def renewed(reply: Any, count: int) -> list[Renew]:
+    if not isinstance(reply, list) or len(reply) != count:
+        raise UnexpectedReplyError("renew", reply)
+    return [_enum(Renew, x, "renew") for x in reply]
+
+
+def flag(reply: Any, script: str) -> bool:
+    """A yes/no script (``handoff``, ``unqueue``): 1 or 0."""
+    if reply not in (0, 1):
+        raise UnexpectedReplyError(script, reply)
+    return bool(reply)

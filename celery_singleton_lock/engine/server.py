@@ -1,0 +1,480 @@
+"""The lock engine: acquire, release, renew, hand off; no Celery in here.
+
+Every lock operation of the library is one call of a script in ``lua/``; each
+does compare-then-act on the execution id, so nobody frees or extends a lock
+that is no longer theirs. :mod:`.wire` carries the calls, :mod:`.replies`
+names their answers, :mod:`.process` says who holds a key and whether it lives.
+:mod:`.calls` builds each script's arguments; :mod:`.engines` makes one
+engine per app and process, anew after fork.
+
+The scripts' arguments are in :mod:`.calls`; a Cluster's renewal rounds, one
+call per slot, in :mod:`.clusterrenew`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, Sequence, Union
+
+import redis
+
+from ..config import SingletonConfig
+from ..exceptions import TooFewReplicasError, UnconfirmedHolderError, describe
+from ..keys import LockKeys
+from ..process import HOST_KEY, Holder, forget_seen, pid_alive
+from . import replies
+from .calls import (
+    SCRIPTS,
+    acquire_call,
+    acquire_slots_call,
+    enqueue_call,
+    fence_call,
+    handoff_call,
+    marker_task,
+    reclaim_call,
+    release_call,
+    renew_call,
+    unqueue_call,
+)
+from .cluster import ClusterWire, LazyCluster
+from .clusterrenew import renew_per_slot
+from .outage import RedisUnanswered
+from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
+from .scripts import Script
+from .servers import CLIENT_DEFAULTS, make_client, mode_of
+from .wire import BROKEN, Wire
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: locks renewed by one script call: each costs Redis a few microseconds, so a
+#: call stays well under 5 ms however many locks a process holds
+RENEW_CHUNK = 250
+#: how long past ``singleton_wait_timeout`` a grant's WAIT marker lives (its
+#: holder confirms or gives it back well within it; one that died meanwhile
+#: leaves a marker that expires then)
+PENDING_MARGIN_MS = 2000
+#: how often a refused execution looks again at a grant still waiting on WAIT
+PENDING_POLL = 0.02
+#: at most one warning per this many seconds that no replica acknowledged
+NO_REPLICA_EVERY = 30.0
+
+
+class LockEngine:
+    """All Redis work of one process for one app."""
+
+    def __init__(self, client: redis.Redis, config: SingletonConfig) -> None:
+        self.heartbeat: Optional[Any] = None  # set by heartbeat.heartbeat_for
+        self.client = client
+        self.config = config
+        self.wire: Union[Wire, ClusterWire]
+        if isinstance(client, LazyCluster):
+            self.wire = ClusterWire(client, tuple(SCRIPTS.values()))
+        else:
+            self.wire = Wire(client, SCRIPTS.values())
+        self._acquire = SCRIPTS["acquire"]
+        self._acquire_slots = SCRIPTS["acquire_slots"]
+        self._release = SCRIPTS["release"]
+        self._renew = SCRIPTS["renew"]
+        self._handoff = SCRIPTS["handoff"]
+        self._enqueue = SCRIPTS["enqueue"]
+        self._unqueue = SCRIPTS["unqueue"]
+        self._fence = SCRIPTS["fence"]
+        self._reclaim = SCRIPTS["reclaim"]
+        self._fin_ms = int(config.finished_ttl * 1000)
+        self.renew_chunk = RENEW_CHUNK
+        #: sent right after each grant and renewal, in the same write
+        self._wait: tuple[Any, ...] = (
+            ("WAIT", config.wait_replicas, config.wait_timeout) if config.wait_replicas else ())
+        self._no_replica_said = float("-inf")
+
+    @classmethod
+    def from_config(cls, config: SingletonConfig) -> LockEngine:
+        """The engine of one server, a Sentinel-managed primary or a Cluster
+        (:func:`.engines.connect` picks the kind, Redlock included)."""
+        url = config.redis_url
+        if mode_of(url) == "redlock":
+            raise ValueError("a redlock:// URL names several masters: "
+                             "celery_singleton_lock.engines.connect() makes its engine")
+        options = {**CLIENT_DEFAULTS, **config.redis_options, "decode_responses": True}
+        if mode_of(url) == "cluster":
+            return cls(LazyCluster(lambda: make_client(url, options)), config)  # type: ignore[arg-type]
+        return cls(make_client(url, options), config)
+
+    def lease_margin(self, lease: float) -> float:
+        """Seconds the holder counts its lease short by: none on one server
+        (its deadline already counts from before the request left)."""
+        return 0.0
+
+    @property
+    def scripts(self) -> tuple[Script, ...]:
+        return (self._acquire, self._acquire_slots, self._release, self._renew, self._handoff,
+                self._enqueue, self._unqueue, self._fence, self._reclaim)
+
+    def settle(self) -> None:
+        """Read every reply still owed to this process (see :meth:`release_later`)."""
+        self.wire.settle()
+
+    @property
+    def unsettled(self) -> int:
+        return self.wire.unsettled
+
+    def acquire(
+        self,
+        keys: LockKeys,
+        *,
+        task_id: str,
+        exec_id: str,
+        lease_ms: int,
+        hostname: str,
+        retries: int,
+        task_name: str,
+        scope: str = "run",
+        throttle_ms: int = 0,
+        slots: int = 1,
+        replace: bool = False,
+        done: bool = True,
+    ) -> Acquired:
+        """Take the lock for an execution that starts now.
+
+        A refused execution that owns the key it took at send time keeps it
+        (``queued_by_it`` in the answer): it was accepted, so it will wait and run.
+        ``throttle_ms`` > 0: a grant opens a window that long in which no other
+        task id of this key starts (``singleton_throttle``). ``replace``: a
+        task that a later send superseded is told so (``Acquire.REPLACED``).
+        ``slots`` > 1: one of that many slots (``singleton_limit``), named by
+        the answer's ``slot``. ``done`` False: the task keeps no done window
+        (``singleton_done_ttl``), so no done marker is looked for, on every path.
+
+        With ``singleton_wait_replicas``, a grant is not its holder's until
+        WAIT confirms it: it is marked meanwhile (:meth:`.LockKeys.waiting`),
+        and an execution refused by such a grant looks again every
+        :data:`PENDING_POLL` s until it is confirmed (refused then, as by any
+        running holder) or given back (and so free for it), instead of being
+        refused for good by a holder that may never run. Still unconfirmed
+        after that long (grants that keep being given back, no replica to
+        acknowledge any): :class:`.UnconfirmedHolderError`, a Redis error, so
+        ``singleton_on_backend_error`` decides (by default: retry later).
+        """
+        answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
+                                    task_name, scope, throttle_ms, slots, replace, done)
+        if not self._wait or answer.status is not Acquire.HELD:
+            return answer
+        # one pending grant is decided within WAIT's timeout and a round trip;
+        # grants that keep being given back to each other, within a few
+        each = (self.config.wait_timeout + PENDING_MARGIN_MS) / 1000
+        started = time.monotonic()
+        last, deadline = "", 0.0
+        while True:
+            pending = self._pending(keys, answer, slots)
+            if not pending:
+                return answer  # confirmed, or a holder that never waited: running
+            now = time.monotonic()
+            if pending != last:
+                last, deadline = pending, now + each
+            if now > deadline or now - started > 2 * each:
+                raise UnconfirmedHolderError(keys.base, pending, now - started)
+            time.sleep(PENDING_POLL)
+            answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
+                                        task_name, scope, throttle_ms, slots, replace, done)
+            if answer.status is not Acquire.HELD:
+                return answer
+
+    def _pending(self, keys: LockKeys, answer: Acquired, slots: int) -> str:
+        """The execution id of a holder in the way of this refusal whose grant
+        still waits on WAIT, or ''."""
+        if slots == 1:
+            execs = [answer.holder.exec_id] if answer.holder is not None else []
+        else:
+            execs = [self.owner(slot).get("exec", "") for slot in keys.slots(slots)]
+        for exec_id in execs:
+            if exec_id and self.client.execute_command(  # type: ignore[no-untyped-call]
+                    "GET", keys.waiting(exec_id)) is not None:
+                return exec_id
+        return ""
+
+    def _acquire_once(self, keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
+                      hostname: str, retries: int, task_name: str, scope: str,
+                      throttle_ms: int, slots: int, replace: bool, done: bool) -> Acquired:
+        if slots > 1:
+            script = self._acquire_slots
+            keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
+                                             retries, task_name, self._fin_ms, slots, done)
+        else:
+            script = self._acquire
+            keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
+                                       task_name, scope, self._fin_ms, throttle_ms, replace, done)
+        try:
+            if not self._wait:
+                reply, _ = self.wire.call(script, keys_, args)
+                return replies.acquired(reply)
+            # marked before the grant, in the same write: no one sees the grant unmarked
+            marker = keys.waiting(exec_id)
+            reply, _, acked = self.wire.call_with(
+                script, keys_, args, after=self._wait,
+                before=("SET", marker, exec_id, "PX",
+                        self.config.wait_timeout + PENDING_MARGIN_MS))
+        except BROKEN as exc:
+            if not isinstance(exc, RedisUnanswered):
+                # Redis may still run it (a frozen server runs what it has
+                # read): undone, owner-checked, once it answers again
+                for slot in keys.slots(slots):
+                    self.wire.owe(exc, self._release, *release_call(
+                        slot, exec_id, task_id, False, False, 0.0, self._fin_ms))
+            raise
+        answer = replies.acquired(reply)
+        if answer.status is Acquire.GRANTED:
+            self._replicated(keys.slot(answer.slot), acked, exec_id, task_id, marker)
+        return answer
+
+    def _replicated(self, keys: LockKeys, acked: Any, exec_id: str, task_id: str,
+                    marker: str) -> None:
+        """Act on WAIT's answer after a grant (``singleton_wait_policy``, and
+        ``singleton_wait_no_replica`` when none acknowledged): the grant is
+        confirmed (its WAIT marker deleted) or given back (the marker left to
+        expire, so an execution it refused meanwhile looks again)."""
+        wanted = self.config.wait_replicas
+        count = acked if isinstance(acked, int) else 0
+        if count >= wanted:
+            self._confirm(marker, exec_id)
+            return
+        if isinstance(acked, Exception):
+            logger.warning("WAIT after granting %s failed: %s", keys.base, describe(acked))
+        none = count == 0 and bool(self.config.wait_no_replica)
+        policy = self.config.wait_no_replica if none else self.config.wait_policy
+        setting = "singleton_wait_no_replica" if none else "singleton_wait_policy"
+        if policy == "proceed":
+            logger.warning("Singleton lock %s granted but only %d of %d replicas acknowledged "
+                           "it: a failover now could lose it (%s: proceed)",
+                           keys.base, count, wanted, setting)
+            self._confirm(marker, exec_id)
+            return
+        try:
+            self.release(keys, exec_id, task_id, finished=False)
+        except redis.RedisError as exc:  # it expires with its lease
+            logger.warning("Could not give back %s after WAIT fell short: %s", keys.base,
+                           describe(exc))
+        now = time.monotonic()
+        if count == 0 and now - self._no_replica_said >= NO_REPLICA_EVERY:
+            self._no_replica_said = now
+            logger.warning(
+                "No replica acknowledged the grant of singleton lock %s within %d ms (none "
+                "connected, as on a primary just promoted, or none in step): grants are given "
+                "back and their tasks retried until one does (%s: release; 'proceed' runs "
+                "them with a warning instead)", keys.base, self.config.wait_timeout, setting)
+        raise TooFewReplicasError(keys.base, count, wanted)
+
+    def _confirm(self, marker: str, exec_id: str) -> None:
+        """The grant is its holder's: delete its WAIT marker, not waiting for the
+        reply (a marker left behind expires within PENDING_MARGIN_MS)."""
+        self.wire.call_later(self._unqueue, [marker], [exec_id], _ignored)
+
+    def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
+                always_record: bool = False, done_ttl: float = 0.0, task_name: str = ""
+                ) -> bool:
+        """Free the lock if ``exec_id`` still owns it; True when this call freed it.
+
+        A repeat after a lost reply that finds the key free counts as freed: its
+        first attempt did it. ``done_ttl`` > 0: the task (``task_name``)
+        succeeded and its key stays done that long.
+        """
+        reply, repeated = self.wire.call(self._release, *self._release_call(
+            keys, exec_id, task_id, finished, always_record, done_ttl, task_name))
+        answer = replies.released(reply, repeated)
+        return answer.status is Release.RELEASED or (
+            answer.status is Release.FREE and answer.repeated)
+
+    def _release_call(self, keys: LockKeys, exec_id: str, task_id: str, finished: bool,
+                      always_record: bool, done_ttl: float, task_name: str
+                      ) -> tuple[list[str], list[Any]]:
+        return release_call(keys, exec_id, task_id, finished, always_record, done_ttl,
+                            self._fin_ms, task_name)
+
+    def release_later(
+        self,
+        keys: LockKeys,
+        exec_id: str,
+        task_id: str,
+        answered: Callable[[Optional[Released], Optional[Exception]], None],
+        *,
+        always_record: bool = False,
+        done_ttl: float = 0.0,
+        task_name: str = "",
+        finished: bool = True,
+    ) -> None:
+        """:meth:`release` without waiting for the reply.
+
+        Redis frees the key as soon as the command arrives, before anything
+        this process sends next; ``answered(reply, error)`` is called when the
+        reply has been read, with a :class:`~.replies.Released` (``error`` once
+        repeating the command failed).
+        """
+        def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+            if error is not None:
+                answered(None, error)
+            else:
+                answered(replies.released(reply, repeated), None)
+
+        self.wire.call_later(self._release, *self._release_call(
+            keys, exec_id, task_id, finished, always_record, done_ttl, task_name), done, owe=True)
+
+    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
+                task_name: str = "", replace: Optional[tuple[int, int]] = None,
+                done: bool = True) -> Enqueued:
+        """Take the key for a task about to be sent; ``replace`` (debounce ms,
+        debounce_max ms): take it from a task still queued, superseding it.
+        ``done`` False: the task keeps no done window, none is looked for."""
+        try:
+            reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms,
+                                                                   task_name, replace, done))
+        except BROKEN as exc:
+            if not isinstance(exc, RedisUnanswered):
+                # freed once Redis answers again: a send that went out without
+                # its key takes the key when it starts, as any other
+                self.wire.owe(exc, self._unqueue, *unqueue_call(keys, task_id))
+            raise
+        return replies.enqueued(reply)
+
+    def unqueue(self, keys: LockKeys, task_id: str) -> bool:
+        """Free a key taken at send time, if ``task_id`` still has it."""
+        reply, _ = self.wire.call(self._unqueue, *unqueue_call(keys, task_id))
+        return replies.flag(reply, "unqueue")
+
+    def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str]:
+        """``SET key value NX PX ttl_ms``, one round trip: (won, the value now
+        there). Won also when ``value`` was there already (the same claimant
+        again). Beat's tick claims and the worker's tick-run markers."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(key, value, nx=True, px=ttl_ms)
+        pipe.get(key)
+        first, holder = pipe.execute()
+        holder = str(holder) if holder is not None else ""
+        return bool(first) or holder == value, holder
+
+    def unclaim(self, key: str, value: str) -> bool:
+        """Delete a :meth:`claim` if ``value`` still has it."""
+        reply, _ = self.wire.call(self._unqueue, [key], [value])
+        return replies.flag(reply, "unclaim")
+
+    def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
+        """Renew ``(lock key, exec id, lease ms)`` entries in one round trip.
+
+        At most :data:`RENEW_CHUNK` locks go in one script call, the calls all in
+        one write: Redis is never busy with one renewal for long (10,000 locks
+        in one call kept it busy 45-90 ms, stalling every other client).
+        """
+        if not entries:
+            return []
+        if isinstance(self.wire, ClusterWire):
+            return renew_per_slot(self.wire, self._renew, entries, wait=self._wait,
+                                  wait_replicas=self.config.wait_replicas,
+                                  chunk=self.renew_chunk)
+        chunk = self.renew_chunk
+        calls: list[tuple[list[str], list[Any]]] = []
+        for start in range(0, len(entries), chunk):
+            calls.append(renew_call(entries[start:start + chunk]))
+        if len(calls) == 1 and not self._wait:
+            reply, _ = self.wire.call(self._renew, *calls[0])
+            return replies.renewed(reply, len(entries))
+        answers, acked = self.wire.call_many(self._renew, calls, after=self._wait or ())
+        if self._wait and (not isinstance(acked, int) or acked < self.config.wait_replicas):
+            # renewed on the primary all the same: only a failover now could cost them
+            logger.warning("Renewed %d singleton lock(s) but only %s of %d replicas "
+                           "acknowledged", len(entries), acked, self.config.wait_replicas)
+        out: list[Renew] = []
+        for (keys, _), reply in zip(calls, answers):
+            out.extend(replies.renewed(reply, len(keys)))
+        return out
+
+    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
+                hostname: str, retries: int, task_name: str) -> Reclaimed:
+        """A renewal found the key of a lock this execution holds gone: write it
+        back if the server forgot it (the key's fencing counter is gone too),
+        not if someone released it or another execution holds it now."""
+        reply, _ = self.wire.call(self._reclaim, *reclaim_call(
+            keys, task_id, exec_id, token, lease_ms, hostname, retries, task_name,
+            self._fin_ms))
+        return replies.reclaimed(reply)
+
+    def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
+        """Raise the key's fencing counter (and the owner record's token) to at
+        least ``token``, if ``exec_id`` holds the lock here. Redlock uses it to
+        put the token it hands out on a majority of its masters."""
+        reply, _ = self.wire.call(self._fence, *fence_call(keys, exec_id, token))
+        return replies.flag(reply, "fence")
+
+    def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
+        reply, _ = self.wire.call(self._handoff,
+                                  *handoff_call(keys, exec_id, next_retries, lease_ms))
+        return replies.flag(reply, "handoff")
+
+    def owner(self, keys: LockKeys) -> dict[str, str]:
+        """The owner record, empty when the key is free."""
+        # a command by name: LazyCluster.get() is the cluster client itself
+        raw = self.client.execute_command("GET", keys.lock)  # type: ignore[no-untyped-call]
+        return replies.record(raw)
+
+    def queued_by(self, keys: LockKeys) -> str:
+        """The id of the task that took the key when it was sent, or ''."""
+        return marker_task(self.client.get(keys.queued))[1]
+
+    def clear_dead_holder(self, keys: LockKeys, holder: Holder) -> bool:
+        """Free a lock whose holder process is provably gone from this host."""
+        if not holder.provably_dead():
+            return False
+        released = self.release(keys, holder.exec_id, holder.task_id, finished=False)
+        if released:
+            logger.warning(
+                "Released singleton lock %s of task %s: its process %s has died",
+                keys.base, holder.task_id, holder.pid,
+            )
+        return released
+
+    def clear_dead_slots(self, keys: LockKeys, slots: int) -> bool:
+        """``singleton_limit``: free the slots 2 to ``slots`` whose holder process
+        is provably gone from this host (slot 1's holder comes with a refusal);
+        True when one was freed. Read only when every slot is taken."""
+        cleared = False
+        for slot in keys.slots(slots)[1:]:
+            record = self.owner(slot)
+            if record and self.clear_dead_holder(slot, Holder(
+                    task_id=record.get("task", ""), exec_id=record.get("exec", ""),
+                    host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
+                    hostname=record.get("host", ""))):
+                cleared = True
+        return cleared
+
+    def reap(self, keys: LockKeys, task_id: str, wait: float = 3.0, slots: int = 1) -> bool:
+        """Free ``task_id``'s lock (in whichever of ``slots`` it holds) once its
+        process on this host is gone.
+
+        Called by the main worker process when a child was killed or timed out;
+        waits up to ``wait`` seconds for the child to exit.
+        """
+        for slot in keys.slots(slots):
+            record = self.owner(slot)
+            if record.get("task") == task_id:
+                keys = slot
+                break
+        else:
+            return False
+        holder = Holder(
+            task_id=task_id,
+            exec_id=record.get("exec", ""),
+            host_key=record.get("hostkey", ""),
+            pid=int(record.get("pid") or 0),
+            hostname=record.get("host", ""),
+        )
+        if holder.host_key != HOST_KEY:
+            return False
+        deadline = time.monotonic() + wait
+        while pid_alive(holder.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        forget_seen(holder.pid)  # seen gone just now: no remembered answer
+        return self.clear_dead_holder(keys, holder)
+
+
+def _ignored(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+    """The reply of a call whose outcome nobody waits for (a WAIT marker's delete)."""

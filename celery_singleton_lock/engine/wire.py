@@ -1,0 +1,404 @@
+"""The Redis wire: EVALSHA of our scripts, written on connections of our own.
+
+Every lock call is one script call by SHA, one round trip. The hot path writes
+the command itself on a connection it keeps out of redis-py's pool: taking one
+is a list pop, where the pool's checkout and redis-py's generic command layer
+cost more CPU than the round trip on a fast network.
+
+Connections are bounded: a connection goes back to the idle list on every
+path, broken or not (a broken one is disconnected and reconnects when next
+used), so a process holds at most one per thread inside a lock call plus one
+per release whose reply is still owed (each lock call reads those first).
+However long Redis is down, however many calls fail meanwhile, nothing is
+left behind: the next call after Redis is back connects and works.
+
+A call that gets no reply in time is not repeated: the server may be frozen
+with the command in its buffers. The wire's :class:`~.outage.Outage` makes
+every later call fail at once until the server answers again, then sends what
+is owed first (see :mod:`.outage`).
+
+How a script call is written in RESP is in :mod:`.scripts`; each connection
+is written and its replies read by a :class:`~.link.Link`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterable, Optional, Sequence
+
+import redis
+from redis.exceptions import NoScriptError
+
+from ..process import ForkSafeLock
+from .link import Link
+from .outage import PROBE_READ, PROBE_READ_MOVING, Answered, Outage, Owed
+from .scripts import Script, evalsha, pack
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: the errors after which a command may or may not have run, and the
+#: connection is no longer in step: disconnect, and repeat the command once
+BROKEN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class _Pending:
+    """A command sent without waiting: what to repeat, whom to tell."""
+
+    __slots__ = ("answered", "args", "keys", "owe", "script")
+
+    def __init__(self, script: Script, keys: Sequence[str], args: Sequence[Any],
+                 answered: Answered, owe: bool = False) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.answered = answered
+        self.owe = owe
+
+    def answer(self, reply: Any, error: Optional[Exception], repeated: bool = False) -> None:
+        try:
+            self.answered(reply, error, repeated)
+        except Exception:  # a reply read on someone else's call must not break it
+            logger.exception("Handling a lock reply failed")
+
+
+class Wire:
+    """Script calls of one process to one Redis."""
+
+    def __init__(self, client: redis.Redis, scripts: Iterable[Script] = ()) -> None:
+        self.client = client
+        # loaded on every connect: a fresh or restarted Redis knows them before
+        # the first call, so a release sent without waiting never meets NOSCRIPT
+        self._scripts = tuple(scripts)
+        pool = client.connection_pool
+        self._connection_class = pool.connection_class
+        self._connection_kwargs = dict(pool.connection_kwargs)
+        self._idle: list[Link] = []
+        # connections owing the reply of a command sent without waiting
+        self._unsettled: list[tuple[Link, _Pending]] = []
+        self._made = 0
+        self._making = ForkSafeLock()
+        #: the sentinels name the primary (``sentinel://``): it can move
+        self._service = getattr(self._connection_kwargs.get("connection_pool"),
+                                "service_name", None)
+        self.outage = Outage(lambda: self.name, self._probe_connection, self._call_owed,
+                             self._drop_idle if self._service is not None else None)
+
+    @property
+    def name(self) -> str:
+        """Where it goes, for messages: ``host:port``, the socket path, or the
+        Sentinel service and the primary it was last seen on."""
+        kw = self._connection_kwargs
+        if "path" in kw:
+            return str(kw["path"])
+        if self._service is not None:
+            address = getattr(kw["connection_pool"], "master_address", None)
+            where = f"{address[0]}:{address[1]}" if address else "not known yet"
+            return f"Sentinel primary {self._service!r} ({where})"
+        return f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+
+    @property
+    def connections(self) -> int:
+        """Connections this wire has made (each is kept and reused, never dropped)."""
+        return self._made
+
+    @property
+    def down(self) -> bool:
+        """The server has not answered since a call got no reply (:mod:`.outage`)."""
+        return self.outage.down
+
+    @property
+    def unsettled(self) -> int:
+        """Commands sent whose reply has not been read yet."""
+        return len(self._unsettled)
+
+    def _take(self, force: bool = False) -> Link:
+        """A connection in step: every reply owed on this wire read first.
+        Raises :class:`~.outage.RedisUnanswered` while the server does not
+        answer (``force``: the outage's own owed calls)."""
+        if self._unsettled:
+            self.settle()
+        if not force and self.outage.since is not None:
+            self.outage.check()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            with self._making:
+                self._made += 1
+            conn = self._connection_class(**self._connection_kwargs)
+            if self._scripts:
+                conn.register_connect_callback(self._load_scripts)
+            return Link(conn)
+
+    def _probe_connection(self) -> Any:
+        """The outage probe's connection: its PING waits longer than a lock
+        call would, so a frozen server's reply is read the moment it runs again;
+        under Sentinel not that long, since each try asks the sentinels where
+        the primary is now (a frozen one is replaced)."""
+        read = PROBE_READ if self._service is None else PROBE_READ_MOVING
+        return self._connection_class(**{**self._connection_kwargs, "socket_timeout": read})
+
+    def _drop_idle(self) -> None:
+        """The server answers again, maybe as another primary (Sentinel): the
+        idle connections reconnect when next used, asking where it is now
+        (one still open to a frozen old primary would wait out its timeout)."""
+        idle: list[Link] = []
+        while True:
+            try:
+                idle.append(self._idle.pop())
+            except IndexError:
+                break
+        for link in idle:
+            link.disconnect()
+        self._idle.extend(idle)
+
+    def _call_owed(self, script: Script, keys: Sequence[str], args: Sequence[Any]
+                   ) -> tuple[Any, bool]:
+        reply, repeated, _ = self.call_with(script, keys, args, force=True)
+        return reply, repeated
+
+    def owe(self, error: BaseException, script: Script, keys: Sequence[str],
+            args: Sequence[Any]) -> None:
+        """Send this call (an undo) once the server answers again, twice (see
+        :mod:`.outage`): for a call that failed with ``error``, not knowing
+        whether Redis ran it or will."""
+        self.outage.begin(error, Owed(script, keys, args, twice=True))
+
+    def new_connection(self) -> Any:
+        """A connection for other uses (not in the idle list, no scripts loaded)."""
+        with self._making:
+            self._made += 1
+        return self._connection_class(**self._connection_kwargs)
+
+    def _load_scripts(self, conn: Any) -> None:
+        """SCRIPT LOAD of every script, pipelined: one round trip per connect
+        (redis-py reads the replies: its connect reads all it sent)."""
+        for script in self._scripts:
+            conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
+        for _ in self._scripts:
+            # a user not allowed SCRIPT LOAD: NOSCRIPT handling reports it later
+            with contextlib.suppress(redis.ResponseError):
+                conn.read_response()
+
+    def _give(self, link: Link, broken: bool = False) -> None:
+        if broken:
+            link.disconnect()  # it reconnects when next used
+        self._idle.append(link)
+
+    def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, bool]:
+        """EVALSHA ``script`` in one round trip: (reply, whether it was sent twice).
+
+        A broken connection is retried once on a fresh connect (every script is
+        safe to repeat: the owner check makes a repeat a no-op or a "not
+        ours"); a server that lost its scripts gets them loaded again.
+        """
+        reply, repeated, _ = self.call_with(script, keys, args)
+        return reply, repeated
+
+    def call_many(self, script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+                  *, after: Sequence[Any] = ()) -> tuple[list[Any], Any]:
+        """Several EVALSHAs of ``script`` in one write, their replies read after
+        it: still one round trip, but Redis runs them one at a time and serves
+        its other clients in between (a renewal of many locks never stalls it).
+        ``after`` is one more command in the same write (``WAIT``); its reply,
+        or its error, comes back second. Every call must be safe to repeat.
+        """
+        packed = b"".join(evalsha(script, keys, args) for keys, args in calls)
+        if after:
+            packed += pack(after)
+        for attempt in (1, 2):
+            link = self._take()
+            try:
+                link.send(packed)
+                answers: list[Any] = []
+                for _ in calls:  # every reply read, errors included: stay in step
+                    try:
+                        answers.append(link.read())
+                    except redis.ResponseError as exc:
+                        answers.append(exc)
+                late = _read_late(link) if after else None
+            except BROKEN as exc:
+                self._give(link, broken=True)
+                if attempt == 2 or isinstance(exc, redis.TimeoutError):
+                    self.outage.begin(exc)
+                    raise
+                continue
+            except BaseException:
+                self._give(link, broken=True)
+                raise
+            if any(isinstance(a, NoScriptError) for a in answers):
+                try:
+                    link.send(pack(["SCRIPT", "LOAD", script.source]))
+                    link.read()
+                except BaseException:
+                    self._give(link, broken=True)
+                    raise
+                self._give(link)
+                continue  # the server lost its scripts: send them all again
+            self._give(link)
+            for answer in answers:
+                if isinstance(answer, redis.ResponseError):
+                    raise answer
+            return answers, late
+        raise redis.ConnectionError("the script calls could not be sent")
+
+    def call_with(self, script: Script, keys: Sequence[str], args: Sequence[Any], *,
+                  before: Sequence[Any] = (), after: Sequence[Any] = (), force: bool = False
+                  ) -> tuple[Any, bool, Any]:
+        """:meth:`call` with one command sent just before the script (``ASKING``)
+        and/or one just after it (``WAIT``), in the same write on the same
+        connection: (script reply, sent twice, reply of ``after`` or None).
+
+        Still one round trip. An error reply of ``after`` is returned as its
+        reply, not raised: the script's own reply is what the caller acts on.
+        A broken connection is tried once more; no reply in time is not (the
+        server may run the command yet): the outage begins.
+        """
+        packed = evalsha(script, keys, args)
+        if before or after:
+            packed = (pack(before) if before else b"") + packed + (pack(after) if after else b"")
+        for attempt in (1, 2):
+            link = self._take(force)
+            try:
+                link.send(packed)
+                if before:
+                    link.read()
+                try:
+                    reply = link.read()
+                except NoScriptError:
+                    if after:
+                        link.read()
+                    link.send(pack(["SCRIPT", "LOAD", script.source]))
+                    link.read()
+                    link.send(packed)
+                    if before:
+                        link.read()
+                    reply = link.read()
+                except redis.ResponseError:
+                    if after:
+                        link.read()  # keep the connection in step
+                    raise
+                late = _read_late(link) if after else None
+            except BROKEN as exc:
+                self._give(link, broken=True)
+                if attempt == 2 or isinstance(exc, redis.TimeoutError):
+                    if not force:
+                        self.outage.begin(exc)
+                    raise
+                continue
+            except redis.RedisError:
+                self._give(link)
+                raise
+            except BaseException:
+                self._give(link, broken=True)
+                raise
+            self._give(link)
+            return reply, attempt == 2, late
+        raise AssertionError("unreachable")
+
+    def call_asking(self, script: Script, keys: Sequence[str], args: Sequence[Any]
+                    ) -> tuple[Any, bool]:
+        """:meth:`call` on a node importing the slot (after an ASK redirection)."""
+        reply, repeated, _ = self.call_with(script, keys, args, before=["ASKING"])
+        return reply, repeated
+
+    def call_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
+                   answered: Answered, owe: bool = False) -> None:
+        """Send ``script`` now and read its reply later; ``answered(reply, error, repeated)``.
+
+        The command leaves at once, so Redis runs it in order before anything
+        this process sends afterwards; only the wait for the reply is saved.
+        The reply is read by the next call on this wire or by :meth:`settle`.
+        Nothing is lost when it fails: a server that lost its scripts or a
+        broken connection gets the command again, waiting this time. ``owe``
+        (a release): while the server is silent (:mod:`.outage`) the command
+        is kept and sent when it answers again, then ``answered`` is told.
+        """
+        pending = _Pending(script, keys, args, answered, owe)
+        # looked at without the outage's mutex: an outage that begins after
+        # this look fails the send below at once, and _redo owes the command
+        if owe and self.outage.since is not None and self.outage.owe(
+                Owed(script, keys, args, pending.answer)):
+            return  # sent when the server answers again
+        packed = evalsha(script, keys, args)
+        try:
+            link = self._take()
+            try:
+                link.send(packed)
+            except BaseException:
+                self._give(link, broken=True)
+                raise
+        except BROKEN:
+            self._redo(pending, repeated=True)  # some of it may have left
+            return
+        self._unsettled.append((link, pending))
+
+    def _settle(self, link: Link, pending: _Pending) -> None:
+        try:
+            reply = link.read()
+        except NoScriptError:
+            self._give(link)
+            self._redo(pending, repeated=False)  # it never ran; loads the script again
+            return
+        except redis.TimeoutError as exc:
+            self._give(link, broken=True)
+            if pending.owe:  # no reply: it may run yet; sent again once the server answers
+                self.outage.begin(exc, Owed(pending.script, pending.keys, pending.args,
+                                            pending.answer))
+            else:
+                self.outage.begin(exc)
+                pending.answer(None, exc, True)
+            return
+        except BROKEN:
+            self._give(link, broken=True)
+            self._redo(pending, repeated=True)  # it may have run
+            return
+        except redis.RedisError as exc:
+            self._give(link)
+            pending.answer(None, exc)
+            return
+        except BaseException:
+            self._give(link, broken=True)
+            raise
+        self._give(link)
+        pending.answer(reply, None)
+
+    def _redo(self, pending: _Pending, repeated: bool) -> None:
+        try:
+            reply, again = self.call(pending.script, pending.keys, pending.args)
+        except redis.RedisError as exc:
+            if pending.owe and self.outage.owe(
+                    Owed(pending.script, pending.keys, pending.args, pending.answer)):
+                return  # sent again once the server answers
+            pending.answer(None, exc, repeated)
+        else:
+            pending.answer(reply, None, repeated or again)
+
+    def settle(self) -> None:
+        """Read every reply still owed on this wire (none while the server is
+        not answering: they are read once it is)."""
+        unsettled = self._unsettled
+        # every call starts here: nothing raised when none is owed
+        while unsettled and self.outage.since is None:
+            try:
+                link, pending = unsettled.pop()
+            except IndexError:  # another thread read the last one
+                return
+            self._settle(link, pending)
+
+    def close(self) -> None:
+        """Read what is owed, then close every connection."""
+        try:
+            self.settle()
+        finally:
+            while self._idle:
+                self._idle.pop().disconnect()
+
+
+def _read_late(link: Link) -> Any:
+    """The reply of a command sent after the script (``WAIT``): an error reply
+    comes back as the reply, since the script's own reply is what counts."""
+    try:
+        return link.read()
+    except redis.ResponseError as exc:
+        return exc

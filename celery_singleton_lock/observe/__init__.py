@@ -1,0 +1,1 @@
+"""What the locks do, made visible: events, metrics, the skip log, masking."""
