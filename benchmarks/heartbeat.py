@@ -52,7 +52,7 @@ def measure(bench: Bench) -> None:
     from celery_singleton_lock import SingletonConfig
     from celery_singleton_lock.engine.server import RENEW_CHUNK, LockEngine
     from celery_singleton_lock.keys import LockKeys
-    from celery_singleton_lock.lock import SingletonLock
+    from celery_singleton_lock.lock import Lease, SingletonLock
     from celery_singleton_lock.worker.heartbeat import Heartbeat
 
     engine = LockEngine.from_config(SingletonConfig.defaults(bench.locks.url(5)))
@@ -92,7 +92,7 @@ def measure(bench: Bench) -> None:
         # the real renewer: rounds and commands over a few intervals of a 0.3 s lease
         hb = Heartbeat(engine)
         for lk in locks:
-            lk.lease = 0.3
+            lk.lease = Lease(0.3)
             hb.add(lk)
         # count whole rounds only: start right after one ends, stop once the
         # last one in flight has ended

@@ -28,7 +28,6 @@ import redis
 import redis.connection
 
 from celery_singleton_lock.config import SingletonConfig
-from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.testing import RedisServer
@@ -41,7 +40,7 @@ PARSERS: dict[str, Any] = {
 
 def engine(url: str, parser: Any) -> LockEngine:
     config = SingletonConfig.defaults(url, redis_options={"parser_class": parser})
-    return connect(config)
+    return LockEngine.from_config(config)
 
 
 def pairs(eng: LockEngine, calls: int) -> float:

@@ -15,7 +15,6 @@ import redis
 
 from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine.calls import SCRIPTS, acquire_call, record_rest, release_call
-from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.scripts import pack
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
@@ -112,7 +111,7 @@ def bare_scripts_workload(server: Server, tasks: int, fenced: bool = False
 
 def _engine(server: Server) -> LockEngine:
     config = SingletonConfig.defaults(f"redis://127.0.0.1:{server.port}/0")
-    return connect(config)
+    return LockEngine.from_config(config)
 
 
 def ours_workload(server: Server, tasks: int) -> Callable[[], None]:

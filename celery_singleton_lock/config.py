@@ -14,7 +14,7 @@ import difflib
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from .exceptions import ConfigurationError
 from .process import ForkSafeLock
@@ -22,12 +22,26 @@ from .rollout import check_also_lock
 
 logger = logging.getLogger("celery_singleton_lock")
 
-DUPLICATE_POLICIES = ("skip", "retry", "raise", "replace")
-BACKEND_ERROR_POLICIES = ("retry", "run", "raise")
-SCOPES = ("run", "queue", "queue_and_run")
-WAIT_POLICIES = ("release", "proceed")
-OVERLAP_MODES = ("skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other", "allow")
+OnDuplicate = Literal["skip", "retry", "raise", "replace"]
+OnBackendError = Literal["retry", "run", "raise"]
+Scope = Literal["run", "queue", "queue_and_run"]
+WaitPolicy = Literal["release", "proceed"]
+OverlapMode = Literal["skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other",
+                      "allow"]
+
+DUPLICATE_POLICIES: tuple[OnDuplicate, ...] = ("skip", "retry", "raise", "replace")
+BACKEND_ERROR_POLICIES: tuple[OnBackendError, ...] = ("retry", "run", "raise")
+SCOPES: tuple[Scope, ...] = ("run", "queue", "queue_and_run")
+WAIT_POLICIES: tuple[WaitPolicy, ...] = ("release", "proceed")
+OVERLAP_MODES: tuple[OverlapMode, ...] = ("skip", "buffer_one", "buffer_all", "cancel_other",
+                                          "terminate_other", "allow")
 BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
+
+#: ``singleton_on_duplicate="replace"``: a send takes the place of a call still queued
+REPLACE: OnDuplicate = "replace"
+#: the policies under which a duplicate that is running, done or throttled is
+#: skipped: "replace" swaps only a call still queued, and skips the others
+SKIPPING: frozenset[OnDuplicate] = frozenset({"skip", "replace"})
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _DEPLOY_SCHEMES = ("sentinel://", "sentinels://", "cluster://", "clusters://", "redlock://",
@@ -316,21 +330,21 @@ class SingletonConfig:
     redis_options: dict[str, Any]
     key_prefix: str
     ttl: float
-    on_duplicate: str
-    scope: str
+    on_duplicate: OnDuplicate
+    scope: Scope
     done_ttl: float
     throttle: float
     limit: int
     debounce: float
     debounce_max: float
-    on_backend_error: str
+    on_backend_error: OnBackendError
     retry_delay: float
     retry_max_delay: float
     finished_ttl: float
     queue_ttl: float
     wait_replicas: int
     wait_timeout: int
-    wait_policy: str
+    wait_policy: WaitPolicy
     wait_no_replica: str
     also_lock: Optional[dict[str, Any]]
 
@@ -385,20 +399,20 @@ def check_together(task_name: str, config: SingletonConfig) -> None:
                                  f"singleton_scope='run' only, without a throttle; "
                                  f"not with {other}")
     if config.redis_url.startswith(("redlock://", "redlocks://")) and (
-            config.limit > 1 or config.on_duplicate == "replace"):
+            config.limit > 1 or config.on_duplicate == REPLACE):
         # each master would grant its own slot, or keep its own queued call:
         # no majority agrees on either
         setting, what = (("singleton_limit", f"{config.limit} per key")
                          if config.limit > 1 else ("singleton_on_duplicate", "'replace'"))
         raise ConfigurationError(setting, f"{where}{what} needs one lock Redis (a server, "
                                           f"Sentinel or Cluster), not redlock://")
-    if config.on_duplicate == "replace" and config.scope == "run":
+    if config.on_duplicate == REPLACE and config.scope == "run":
         raise ConfigurationError(
             "singleton_on_duplicate",
             f"{where}'replace' swaps a call that is still queued for the "
             f"new one, so it needs a send-time key: set singleton_scope='queue' or "
             f"'queue_and_run' (the scope is 'run')")
-    if config.debounce and config.on_duplicate != "replace":
+    if config.debounce and config.on_duplicate != REPLACE:
         raise ConfigurationError(
             "singleton_debounce",
             f"{where}debouncing pushes back the queued call each time a "

@@ -1,4 +1,4 @@
-"""``self.singleton``: what a running task sees of its lock.
+"""``self.singleton``: what a running task sees of its lock, and its :class:`Lease`.
 
 The lease counts on this process's monotonic clock from before the acquire
 left, so the task learns its lock may be gone (``lost``) as soon as the lease
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 from .engine.replies import Release, Released
 from .exceptions import LockLostError, describe
@@ -24,6 +25,27 @@ Clock = Callable[[], float]
 
 #: the attribute of a task's request that holds its execution's lock
 REQUEST_ATTR = "_singleton_lock"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """How long a grant or a renewal keeps a lock: ``singleton_ttl``, in the
+    seconds a user sets and the milliseconds Redis counts, converted here once."""
+
+    seconds: float
+    ms: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ms", int(self.seconds * 1000))
+
+    @classmethod
+    def of(cls, value: Union[float, Lease]) -> Lease:
+        return value if isinstance(value, Lease) else cls(float(value))
+
+    def ms_after(self, delay: float) -> int:
+        """The lease counted from ``delay`` seconds from now: a retry's countdown,
+        through which the lock is kept for the retried execution."""
+        return self.ms + int(max(delay, 0.0) * 1000)
 
 
 class SingletonLock:
@@ -64,7 +86,7 @@ class SingletonLock:
         task_name: str = "",
         exec_id: str = "",
         token: int = 0,
-        lease: float = 0.0,
+        lease: Union[float, Lease] = 0.0,
         started: float = 0.0,
         held: bool = False,
         hostname: str = "",
@@ -85,7 +107,7 @@ class SingletonLock:
         self.task_name = task_name
         self.exec_id = exec_id
         self.token = token
-        self.lease = lease
+        self.lease = Lease.of(lease)
         self.held = held
         self.handed_off = False
         # what the owner record says, to write it again (see Heartbeat)
@@ -94,7 +116,7 @@ class SingletonLock:
         # The lease counts from before the request left: a conservative deadline,
         # ``margin`` shorter still (the clock drift Redlock allows)
         self.margin = margin
-        self._deadline = started + lease - margin if held else float("inf")
+        self._deadline = started + self.lease.seconds - margin if held else float("inf")
         self._lost_reason: Optional[str] = None
         self._clock = clock
         #: wall-clock time of the grant: the age shown by ``celery inspect stats``
@@ -121,7 +143,7 @@ class SingletonLock:
 
     def renewed(self, sent_at: float) -> None:
         if self._lost_reason is None:
-            self._deadline = sent_at + self.lease - self.margin
+            self._deadline = sent_at + self.lease.seconds - self.margin
 
     def mark_lost(self, reason: str) -> None:
         if self._lost_reason is None:
@@ -138,7 +160,7 @@ class SingletonLock:
         if error is not None or reply is None:
             logger.error("Could not release singleton lock %s of %s[%s] (%s): it frees "
                          "within %ss", self.key, self.task_name, self.task_id, describe(error),
-                         self.lease)
+                         self.lease.seconds)
         elif reply.status is Release.FREE and reply.repeated:
             # The reply of the first attempt was lost with its connection;
             # finding the key free, the repeat most likely sees that attempt's work.

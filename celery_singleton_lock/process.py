@@ -19,7 +19,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Callable, ClassVar, Optional
+from typing import Callable, ClassVar, Mapping, Optional
 
 _after_fork: list[Callable[[], None]] = []
 
@@ -171,6 +171,13 @@ class Holder:
     host_key: str = ""
     pid: int = 0
     hostname: str = ""
+
+    @classmethod
+    def of(cls, record: Mapping[str, str]) -> Holder:
+        """The holder an owner record names (:func:`.engine.replies.record`)."""
+        return cls(task_id=record.get("task", ""), exec_id=record.get("exec", ""),
+                   host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
+                   hostname=record.get("host", ""))
 
     def provably_dead(self) -> bool:
         """Its process ran in our pid namespace and no longer exists."""

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import redis
 
+from .engine.scripts import Script
 from .exceptions import ConfigurationError, describe
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -255,10 +256,9 @@ def renew(locks: Sequence[tuple[OtherLock, int]]) -> None:
 
 
 def _script(name: str) -> Any:
-    from importlib import resources
-
-    source = resources.files(__package__ + ".engine").joinpath("lua", f"{name}.lua").read_text()
-    return redis.Redis().register_script(source)
+    # the old library's Redis is a plain client of its own: redis-py's script
+    # object (EVALSHA, loaded when missing), with our script's source
+    return redis.Redis().register_script(Script.load(name).source)
 
 
 _TAKE = _script("old_take")

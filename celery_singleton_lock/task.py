@@ -22,26 +22,27 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from kombu.utils.uuid import uuid
 
-from .beat.ticks import claim_tick_run
-from .config import TASK_OPTIONS, SingletonConfig, check_task_names, get_config
+from .config import REPLACE, TASK_OPTIONS, SingletonConfig, check_task_names, get_config
 from .conflict import policies
 from .conflict.canvas import delay_of, in_a_canvas, send_delay
-from .conflict.outcomes import IGNORE, carry_out
+from .conflict.outcomes import IGNORE, carry_out, carry_out_at_send
 from .conflict.policies import Decision, Do
 from .conflict.replacing import debounced, replace_args, supersede
-from .conflict.results import DeduplicatedResult, is_deduplicated
+from .conflict.results import is_deduplicated
+from .engine.base import Engine
 from .engine.registry import engine_for
 from .engine.replies import Acquire, Acquired
-from .engine.server import LockEngine
 from .exceptions import DuplicateTaskError, LockBackendError, describe
 from .keys import KeyBuilder, KeySpec, LockKeys
-from .lock import REQUEST_ATTR, SingletonLock
+from .lock import REQUEST_ATTR, Lease, SingletonLock
 from .models import ModelArguments
 from .observe import monitor
+from .observe.masking import install as install_masking
 from .process import PROCESS, ForkSafeLock
 from .rollout import SENT_HEADER, OtherLibrary, OtherLock
 from .worker.heartbeat import heartbeat_for
 from .worker.step import SingletonStep
+from .worker.ticks import claim_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -54,6 +55,8 @@ class TaskSettings:
 
     config: SingletonConfig
     builder: KeyBuilder
+    #: ``singleton_ttl``, in seconds and milliseconds
+    lease: Lease
     #: ``singleton_also_lock``: the library a fleet moves over from
     other: Optional[OtherLibrary] = None
 
@@ -102,6 +105,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     def bind(cls, app: Any) -> Any:
         # the worker step checks the settings at start and wires the signals
         app.steps["worker"].add(SingletonStep)
+        # an app with a singleton task prints its configuration (celery report,
+        # inspect conf, Flower) with the lock Redis's password masked
+        install_masking()
         # a task's own throws=(...) adds to ours
         throws = cls.throws if isinstance(cls.throws, tuple) else (cls.throws,)
         if not any(issubclass(DuplicateTaskError, t) for t in throws):
@@ -129,7 +135,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     other = None if config.also_lock is None else OtherLibrary.for_task(
                         config.also_lock, self.app, self.name, builder.signature,
                         builder.names, callable(spec))
-                    settings = TaskSettings(config, builder, other)
+                    settings = TaskSettings(config, builder, Lease(config.ttl), other)
                     self._singleton_settings_cache = settings
         return settings
 
@@ -216,13 +222,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                            "without its key", other.library, self.name, task_id, describe(exc))
             return self._send(settings, args, kwargs, task_id, options, fresh_id=fresh_id)
         if holder is not None:
-            logger.info("Not sent %s[%s]: %s's key %s is taken by %s", self.name, task_id,
-                        other.library, other_key, holder)
-            monitor.count(engine_for(self.app), "refused", self.name, "duplicate")
-            if settings.config.on_duplicate == "raise":
-                raise DuplicateTaskError(self.name, other_key, holder, "queued")
-            return DeduplicatedResult(holder, key=other_key, reason="duplicate",
-                                      refused_id=task_id, task=self)
+            refused = carry_out_at_send(
+                self, policies.other_key_taken(settings.config.on_duplicate, holder,
+                                               task_name=self.name, key=other_key),
+                other_key, task_id, engine_for(self.app))
+            assert refused is not None
+            return refused
         headers = {**(options.get("headers") or {}), SENT_HEADER: other.library}
         released = other.lock(other_key, task_id, adopt=False)
         try:
@@ -270,23 +275,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         else:
             decision = policies.at_send(answer, on_duplicate=config.on_duplicate,
                                         task_name=self.name, key=keys.base, in_canvas=in_canvas)
-        if decision.do is Do.FAIL:
-            assert decision.error is not None
-            raise decision.error
-        if decision.do is Do.REFUSE:
-            assert decision.holder is not None
-            logger.info("Not sent %s[%s]: %s is %s by %s", self.name, task_id, keys.base,
-                        "done" if decision.reason == "done" else "taken", decision.holder)
-            # Visible to operators: a counter, and a task-refused event (Flower
-            # state REFUSED) when this caller sends task events.
-            monitor.count(engine, "refused", self.name, decision.reason)
-            monitor.send_caller_event(
-                self.app, "task-refused", task_id, name=self.name, holder=decision.holder,
-                reason=decision.reason, key=keys.base,
-                result=f"{'done by' if decision.reason == 'done' else 'duplicate of'} "
-                       f"{decision.holder} ({keys.base})")
-            return DeduplicatedResult(decision.holder, key=keys.base, reason=decision.reason,
-                                      refused_id=task_id, task=self)
+        refused = carry_out_at_send(self, decision, keys.base, task_id, engine)
+        if refused is not None:
+            return refused
         try:
             sent = super().apply_async(args, kwargs, task_id=task_id,
                                        **debounced(self.app, options, answer.countdown_ms,
@@ -339,7 +330,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         other = settings.other.lock(other_key, req.id, adopt=(
             settings.other.library == "celery_once" and not getattr(req, SENT_HEADER, None)))
         try:
-            holder = other.take(int(config.ttl * 1000))
+            holder = other.take(settings.lease.ms)
         except redis.RedisError as exc:
             monitor.count(engine, "backend_errors", self.name, "run")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
@@ -356,7 +347,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 other.release()
 
     def _run_keyed(self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   settings: TaskSettings, keys: LockKeys, engine: LockEngine, tick: bool,
+                   settings: TaskSettings, keys: LockKeys, engine: Engine, tick: bool,
                    other: Optional[OtherLock]) -> Any:
         """Take the key's lock, then run the body under it (``other``: the old
         library's lock this execution holds beside it)."""
@@ -364,7 +355,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         exec_id = PROCESS.new_exec_id()
         started = time.monotonic()
         try:
-            answer = self._acquire(engine, config, keys, req, exec_id)
+            answer = self._acquire(engine, settings, keys, req, exec_id)
         except redis.RedisError as exc:
             monitor.count(engine, "backend_errors", self.name, "run")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
@@ -380,9 +371,10 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         lock = SingletonLock(
             keys.slot(answer.slot), task_id=req.id, task_name=self.name, exec_id=exec_id,
-            token=answer.token, lease=config.ttl, started=started, held=True,
+            token=answer.token, lease=settings.lease, started=started, held=True,
             hostname=req.hostname or "", retries=req.retries or 0,
-            margin=engine.lease_margin(config.ttl), slot=answer.slot, companion=other,
+            margin=engine.lease_margin(settings.lease.seconds), slot=answer.slot,
+            companion=other,
         )
         if lock.expired:
             # The grant arrived after its lease could have run out (a stall on
@@ -424,14 +416,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                               finished=not interrupted)
             monitor.observe_hold(engine, self.name, time.monotonic() - started)
 
-    def _acquire(self, engine: LockEngine, config: SingletonConfig, keys: LockKeys, req: Any,
+    def _acquire(self, engine: Engine, settings: TaskSettings, keys: LockKeys, req: Any,
                  exec_id: str) -> Acquired:
+        config = settings.config
+
         def attempt() -> Acquired:
             return engine.acquire(
-                keys, task_id=req.id, exec_id=exec_id, lease_ms=int(config.ttl * 1000),
+                keys, task_id=req.id, exec_id=exec_id, lease_ms=settings.lease.ms,
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
                 scope=config.scope, throttle_ms=int(config.throttle * 1000),
-                slots=config.limit, replace=config.on_duplicate == "replace",
+                slots=config.limit, replace=config.on_duplicate == REPLACE,
                 done=config.done_ttl > 0,
             )
 
@@ -445,7 +439,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             answer = attempt()
         return answer
 
-    def _release(self, engine: LockEngine, lock: SingletonLock, done_ttl: float = 0.0,
+    def _release(self, engine: Engine, lock: SingletonLock, done_ttl: float = 0.0,
                  finished: bool = True) -> None:
         """Free ``lock``; ``finished``: the body returned or raised (Celery records
         it), so a redelivered copy of this task id is dropped, not run again."""
@@ -456,8 +450,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                              always_record=bool(self.acks_late), done_ttl=done_ttl,
                              task_name=lock.task_name, finished=finished)
 
-    def _hand_off(self, engine: LockEngine, lock: SingletonLock, delay: float) -> None:
-        lease_ms = int((max(delay, 0.0) + lock.lease) * 1000)
+    def _hand_off(self, engine: Engine, lock: SingletonLock, delay: float) -> None:
+        lease_ms = lock.lease.ms_after(delay)
         try:
             lock.handed_off = engine.hand_off(
                 lock.keys, lock.exec_id, (self.request.retries or 0) + 1, lease_ms

@@ -28,7 +28,7 @@ from celery.schedules import crontab
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.beat import SingletonScheduler
-from celery_singleton_lock.beat.overlap import cancel_requested
+from celery_singleton_lock.worker.ticks import cancel_requested
 from tests.workerapp import make_app, recorder
 
 HEADERS = ("singleton_beat_entry", "singleton_beat_tick", "singleton_beat_id",

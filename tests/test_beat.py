@@ -26,18 +26,10 @@ from celery.schedules import crontab, schedule
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.beat.scheduler import BeatConfig, beat_config
-from celery_singleton_lock.beat.ticks import (
-    buffer_key,
-    claim_key,
-    claim_tick_run,
-    entry_base,
-    from_ms,
-    interval_ticks,
-    tick_name,
-    ticks_around,
-)
+from celery_singleton_lock.beat.ticks import buffer_key, claim_key, interval_ticks, ticks_around
 from celery_singleton_lock.engine.registry import connect, engine_for
 from celery_singleton_lock.exceptions import ConfigurationError
+from celery_singleton_lock.worker.ticks import claim_tick_run, entry_base, from_ms, tick_name
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 

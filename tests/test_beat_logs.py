@@ -12,7 +12,8 @@ import uuid
 
 import pytest
 
-from celery_singleton_lock.beat.ticks import from_ms, queue_key, tick_name
+from celery_singleton_lock.beat.ticks import queue_key
+from celery_singleton_lock.worker.ticks import from_ms, tick_name
 from tests.support import wait_for
 from tests.test_beat import (  # noqa: F401
     Beat,

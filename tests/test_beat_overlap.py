@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 import tests.test_beat as beat_tests
-from celery_singleton_lock.beat.ticks import claim_key, from_ms, queue_key, tick_name
+from celery_singleton_lock.beat.ticks import claim_key, queue_key
+from celery_singleton_lock.worker.ticks import from_ms, tick_name
 from tests.support import wait_for
 from tests.test_beat import Beat, stats, tick_events
 
@@ -193,8 +194,8 @@ def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
     "ended" while that tick has not even started. A tick refused for good
     (skip) writes it: decided. A second copy of a tick that ran is dropped
     before it asks for the lock."""
-    from celery_singleton_lock.beat.ticks import run_key
     from celery_singleton_lock.engine.registry import engine_for
+    from celery_singleton_lock.worker.ticks import run_key
     from tests.beatapp import make_beat_app
 
     key = uuid.uuid4().hex[:8]

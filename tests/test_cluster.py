@@ -15,15 +15,15 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.beat.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_run
 from celery_singleton_lock.engine.cluster import ClusterWire, slot_of
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Release, Renew
 from celery_singleton_lock.engine.server import LockEngine
+from celery_singleton_lock.engine.watch import ClusterWatch
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.worker.heartbeat import Heartbeat
-from celery_singleton_lock.worker.watch import ClusterWatch
+from celery_singleton_lock.worker.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_run
 from tests import promises
 from tests.deployments import Cluster
 from tests.support import (

@@ -27,8 +27,8 @@ def test_mypy_strict_is_clean():
 def test_package_ships_py_typed_and_lua():
     pkg = ROOT / "celery_singleton_lock"
     assert (pkg / "py.typed").exists()
-    assert {p.stem for p in (pkg / "lua").glob("*.lua")} >= {"acquire", "release", "renew",
-                                                             "handoff"}
+    assert {p.stem for p in (pkg / "engine" / "lua").glob("*.lua")} >= {
+        "acquire", "release", "renew", "handoff"}
 
 
 def readme_commands() -> list[str]:

@@ -24,16 +24,16 @@ import pytest
 import redis
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.beat.ticks import entry_base
 from celery_singleton_lock.checks.doctor import engine_checks, startup_check
 from celery_singleton_lock.engine.redlock.engine import QuorumError, RedlockEngine
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Enqueue, Release, Released, Renew
 from celery_singleton_lock.engine.server import LockEngine
+from celery_singleton_lock.engine.watch import MastersWatch
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.worker.heartbeat import Heartbeat
-from celery_singleton_lock.worker.watch import MastersWatch
+from celery_singleton_lock.worker.ticks import entry_base
 from tests import promises
 from tests.support import ROOT, RedisServer, Worker, discard, owner_field, wait_for
 from tests.test_beat import Beat, tick_events
@@ -226,7 +226,7 @@ def test_a_lock_no_longer_held_here_is_not_written_back(masters, engine):
     got = take(engine, keys, "A", "exec-a")
     assert got.status is Acquire.GRANTED
     masters[0].client(2).delete(keys.lock)
-    renewed, gaps = engine.renew_detail([(keys.lock, "exec-a", 30_000)], every=True)
+    renewed, gaps = engine.renew_round([(keys.lock, "exec-a", 30_000)], every=True)
     assert renewed == [Renew.RENEWED] and gaps == [[0]]
     common = dict(task_id="A", exec_id="exec-a", token=got.token, lease_ms=30_000,
                   hostname="w1@host", retries=0, task_name="t.x", only=gaps[0])

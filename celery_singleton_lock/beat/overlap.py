@@ -37,19 +37,8 @@ from redis.exceptions import NoPermissionError, NoScriptError
 from ..config import OVERLAP_MODES, choice, get_config
 from ..engine.registry import engine_for
 from ..engine.scripts import Script
-from .ticks import (
-    RUN_MARKER_TTL_MS,
-    buffer_key,
-    cancel_key,
-    from_ms,
-    last_sent_key,
-    late_key,
-    queue_key,
-    run_key,
-    tick_after,
-    tick_name,
-    to_ms,
-)
+from ..worker.ticks import RUN_MARKER_TTL_MS, cancel_key, from_ms, run_key, tick_name, to_ms
+from .ticks import buffer_key, last_sent_key, late_key, queue_key, tick_after
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -105,22 +94,6 @@ def _evaluate(values: Any) -> Any:
     if isinstance(values, Mapping):
         return _evaluate_entry_kwargs(values)
     return _evaluate_entry_args(values)
-
-
-def cancel_requested(task: Any) -> bool:
-    """True when a beat entry with overlap ``cancel_other`` asked this run to stop.
-
-    Call it from a running ``SingletonTask`` (``cancel_requested(self)``) as
-    often as stopping early matters; one Redis ``GET``. Celery's own revoke
-    without ``terminate`` does nothing to a running task, so this is how the
-    body learns of the request: return (or raise) when it is True.
-    """
-    lock = task.singleton
-    try:
-        value = engine_for(task.app).client.get(cancel_key(lock.keys))
-    except redis.RedisError:
-        return False
-    return value is not None and bool(lock.task_id) and _text(value) == lock.task_id
 
 
 class OverlapMixin:

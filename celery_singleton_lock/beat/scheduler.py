@@ -50,18 +50,17 @@ from ..checks.permissions import beat_denied, beat_refusal
 from ..config import BEAT_SETTINGS, get_config
 from ..engine.registry import engine_for
 from ..observe.masking import mask_url
-from .overlap import OVERLAP_OPTION as OVERLAP_OPTION
-from .overlap import OverlapMixin, redis_failure
-from .ticks import (
+from ..worker.ticks import (
     BEAT_HEADER,
     BEAT_TASK_HEADER,
     ENTRY_HEADER,
     PERIODIC_TASK_HEADER,
     TICK_HEADER,
-    claim_key,
     tick_name,
-    ticks_around,
 )
+from .overlap import OVERLAP_OPTION as OVERLAP_OPTION
+from .overlap import OverlapMixin, redis_failure
+from .ticks import claim_key, ticks_around
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -27,8 +27,7 @@ from redis.exceptions import (
 )
 
 from ..config import SingletonConfig
-from ..engine.redlock.engine import RedlockEngine
-from ..engine.server import LockEngine
+from ..engine.base import Engine
 from ..exceptions import ConfigurationError
 from ..observe.masking import mask_url
 from .findings import ERROR, OK, WARNING, Finding, command, server_text, user_of
@@ -91,22 +90,24 @@ def not_redis(url: str, exc: BaseException) -> Finding:
         "speaks TLS); that address serves something else")
 
 
-def engine_checks(engine: LockEngine) -> list[Finding]:
-    """:func:`run_checks` on the engine's Redis; with Redlock, on every master,
-    after a summary (code ``redlock``) of which masters answer."""
-    if not isinstance(engine, RedlockEngine):
+def engine_checks(engine: Engine) -> list[Finding]:
+    """:func:`run_checks` on the engine's Redis; where the locks live on several
+    (Redlock), on every master, after a summary (code ``redlock``) of which
+    masters answer."""
+    servers = engine.servers()
+    if len(servers) == 1:
         return run_checks(engine.client, engine.config)
     findings: list[Finding] = []
     answering: list[str] = []
     silent: list[str] = []
-    for master in engine.masters:
-        config = dataclasses.replace(engine.config, redis_url=f"redis://{master.name}")
-        own = run_checks(master.engine.client, config)
+    for name, client in servers:
+        config = dataclasses.replace(engine.config, redis_url=f"redis://{name}")
+        own = run_checks(client, config)
         down = any(f.code in ("unreachable", "not-redis") for f in own)
-        (silent if down else answering).append(master.name)
-        findings.extend(dataclasses.replace(f, message=f"master {master.name}: {f.message}")
+        (silent if down else answering).append(name)
+        findings.extend(dataclasses.replace(f, message=f"master {name}: {f.message}")
                         for f in own)
-    total, quorum = len(engine.masters), engine.quorum
+    total, quorum = len(servers), engine.quorum
     text = (f"Redlock over {total} masters (a majority is {quorum}): {len(answering)} "
             f"answer ({', '.join(answering) or 'none'})")
     if not silent:
@@ -122,7 +123,7 @@ def engine_checks(engine: LockEngine) -> list[Finding]:
                     "tasks follow singleton_on_backend_error"), *findings]
 
 
-def beat_check(engine: LockEngine, modes: Sequence[str]) -> list[Finding]:
+def beat_check(engine: Engine, modes: Sequence[str]) -> list[Finding]:
     """Whether the lock Redis user may run what a beat needs whose SingletonTask
     entries use these overlap modes (:func:`.beat.schedule_modes`); none when
     Redis does not answer: the checks before say so."""
@@ -138,7 +139,7 @@ def beat_check(engine: LockEngine, modes: Sequence[str]) -> list[Finding]:
 
 # -- worker start-up ---------------------------------------------------------------
 
-def startup_check(engine: LockEngine) -> None:
+def startup_check(engine: Engine) -> None:
     """Check the lock Redis when a worker starts.
 
     A wrong password or a missing permission fails every lock call for as long

@@ -39,11 +39,6 @@ from .listing import (
     token_of,
 )
 
-# Celery loads this module for every `celery` command (it is an entry point),
-# so `celery report` and a worker's `inspect conf` replies mask our secrets
-# whatever else the worker wires.
-masking.install()
-
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
@@ -149,22 +144,18 @@ class _Context:
 
     @property
     def servers(self) -> list[tuple[str, redis.Redis]]:
-        """Every Redis the locks live on: the masters with Redlock, else the one."""
-        from ..engine.redlock.engine import RedlockEngine
-
-        if isinstance(self.engine, RedlockEngine):
-            return [(m.name, m.engine.client) for m in self.engine.masters]
-        return [(self.url, self.client)]
+        """Every Redis the locks live on: the masters with Redlock, else the one
+        (named by its URL, password masked)."""
+        servers = self.engine.servers()
+        return servers if len(servers) > 1 else [(self.url, self.client)]
 
     def rows(self, digests: Optional[Sequence[str]] = None) -> list[Row]:
         """What is held under ``digests`` (every key hash found with SCAN when
         None). With Redlock, every master is read and the rows merged; the
         masters that do not answer are named on stderr, and fewer than a
         majority answering is an error."""
-        from ..engine.redlock.engine import RedlockEngine
-
         prefix = self.config.key_prefix
-        if not isinstance(self.engine, RedlockEngine):
+        if len(self.servers) == 1:
             return read_rows(self.client, prefix,
                          scan_digests(self.client, prefix) if digests is None else digests)
         answering: list[tuple[str, redis.Redis]] = []
@@ -218,6 +209,7 @@ def _no_app_given(app: Any) -> bool:
 @click.group(name="singleton")
 def singleton() -> None:
     """See and fix singleton locks (celery-singleton-lock)."""
+    masking.install()  # what the commands print masks the lock Redis's password
 
 
 @singleton.command(name="list", cls=CeleryCommand)

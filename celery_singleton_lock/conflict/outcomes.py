@@ -1,7 +1,11 @@
-"""What an execution that did not get its lock does, once :mod:`.policies`
-has decided: skip (ending as SKIPPED in a monitor while its caller sees a
-success), drop a redelivered copy, wait (the same request sent again after a
-backoff), run without the lock, or fail.
+"""What a duplicate gets, carried out once :mod:`.policies` has decided.
+
+At run (:func:`carry_out`), an execution that did not get its lock: skip
+(ending as SKIPPED in a monitor while its caller sees a success), drop a
+redelivered copy, wait (the same request sent again after a backoff), run
+without the lock, or fail. At send (:func:`carry_out_at_send`), a send under
+the queue scopes (or a rollout's) that found its key taken: refused (the
+caller gets the holder's result) or failed.
 """
 
 from __future__ import annotations
@@ -17,19 +21,17 @@ from ..exceptions import LockBackendError, WaitingForKey, describe
 from ..keys import LockKeys
 from ..lock import REQUEST_ATTR, SingletonLock
 from ..observe import monitor
-from ..observe.skiplog import log_skip, log_wait
+from ..observe.skiplog import log_skip, log_wait, naming
 from . import policies
 from .broker import schedulable, without_broker_headers
 from .canvas import send_on
 from .policies import Decision, Do
-from .results import skip_result
+from .results import DeduplicatedResult, skip_result
 
 logger = logging.getLogger("celery_singleton_lock")
 
 #: header counting how often a request was sent again to wait for its key
 WAITS_HEADER = "singleton_waits"
-#: how Flower's result of a skip names the holder, by the skip's reason
-_RESULT_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by"}
 
 
 class Ended:
@@ -39,6 +41,29 @@ class Ended:
 #: Celery formats the traceback of an ``Ignore`` twice, each frame's source
 #: line parsed again: raised in ``__call__``, it has the fewest frames to format
 IGNORE = Ended()
+
+
+def carry_out_at_send(task: Any, decision: Decision, key: str, task_id: str,
+                      engine: Any) -> Optional[DeduplicatedResult]:
+    """Do what :mod:`.policies` decided for a send that found its key taken:
+    raise, or refuse (no message; the caller gets the holder's result, a
+    counter and a ``task-refused`` event say so). None: send it."""
+    if decision.do is Do.FAIL:
+        assert decision.error is not None
+        raise decision.error
+    if decision.do is not Do.REFUSE:
+        return None
+    assert decision.holder is not None
+    logger.info("Not sent %s[%s]: %s is %s by %s", task.name, task_id, key,
+                "done" if decision.reason == "done" else "taken", decision.holder)
+    # visible to operators: a counter, and a task-refused event (Flower state
+    # REFUSED) when this caller sends task events
+    monitor.count(engine, "refused", task.name, decision.reason)
+    monitor.send_caller_event(
+        task.app, "task-refused", task_id, name=task.name, holder=decision.holder,
+        reason=decision.reason, key=key, result=naming(decision.reason, decision.holder, key))
+    return DeduplicatedResult(decision.holder, key=key, reason=decision.reason,
+                              refused_id=task_id, task=task)
 
 
 def carry_out(task: Any, decision: Decision, config: SingletonConfig, keys: LockKeys,
@@ -117,10 +142,9 @@ def end_skipped(task: Any, req: Any, result: dict[str, Any]) -> Any:
         send_on(task, result, req)
     task.backend.mark_as_done(req.id, result, request=req, store_result=not ignored)
     # "result" is the field Flower shows on the task row and page
-    verb = _RESULT_VERBS.get(result["reason"], "duplicate of")
     monitor.send_task_event(task, "task-skipped", holder=result["holder"],
                             reason=result["reason"], key=result["key"],
-                            result=f"{verb} {result['holder']} ({result['key']})")
+                            result=naming(result["reason"], result["holder"], result["key"]))
     return IGNORE  # raised as Ignore by __call__
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from ..config import SingletonConfig
+from ..config import SKIPPING, SingletonConfig
 from ..engine.replies import Acquire, Acquired, Enqueue, Enqueued
 from ..exceptions import DuplicateTaskError, LockBackendError, describe
 
@@ -75,7 +75,7 @@ def at_send(answer: Enqueued, *, on_duplicate: str, task_name: str, key: str,
     if on_duplicate == "raise":
         return Decision(Do.FAIL, holder=holder, reason="duplicate", state=state,
                         error=DuplicateTaskError(task_name, key, holder, state))
-    if on_duplicate in ("skip", "replace"):
+    if on_duplicate in SKIPPING:
         # "replace" and a holder that started (queue_and_run): refused, as "skip"
         return Decision(Do.REFUSE, holder=holder, reason="duplicate", state=state)
     # "retry": sent all the same; it waits for the key when it starts
@@ -101,7 +101,7 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
         # another task started within singleton_throttle: skip, or come back
         # when the window reopens (raise: the error says so)
         reopens = answer.reopens_ms / 1000.0
-        if on_duplicate in ("skip", "replace"):
+        if on_duplicate in SKIPPING:
             return Decision(Do.SKIP, holder=holder, reason="throttled", reopens_in=reopens,
                             state="started")
         if on_duplicate == "retry":
@@ -117,7 +117,7 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
     if answer.queued_by_it:
         # a send that was accepted must run: it waits for the one running
         return Decision(Do.WAIT, holder=holder, reason="accepted when sent; waits its turn")
-    if on_duplicate in ("skip", "replace"):
+    if on_duplicate in SKIPPING:
         return Decision(Do.SKIP, holder=holder, reason="duplicate", state=state)
     if on_duplicate == "retry":
         return Decision(Do.WAIT, holder=holder, reason="duplicate", state=state)
@@ -125,10 +125,20 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
                     error=DuplicateTaskError(task_name, key, holder, state))
 
 
+def other_key_taken(on_duplicate: str, holder: str, *, task_name: str, key: str) -> Decision:
+    """A send found the old library's key of its call taken
+    (``singleton_also_lock``): refused, as that library refused it, or raised
+    under ``raise``, whatever the scope."""
+    if on_duplicate == "raise":
+        return Decision(Do.FAIL, holder=holder, reason="duplicate", state="queued",
+                        error=DuplicateTaskError(task_name, key, holder, "queued"))
+    return Decision(Do.REFUSE, holder=holder, reason="duplicate", state="queued")
+
+
 def held_elsewhere(on_duplicate: str, holder: str, *, task_name: str, key: str) -> Decision:
     """An execution that starts found the old library's key of its call held by
     another call (``singleton_also_lock``): a duplicate of a running one."""
-    if on_duplicate in ("skip", "replace"):
+    if on_duplicate in SKIPPING:
         return Decision(Do.SKIP, holder=holder, reason="duplicate", state="running")
     if on_duplicate == "retry":
         return Decision(Do.WAIT, holder=holder, reason="duplicate", state="running")

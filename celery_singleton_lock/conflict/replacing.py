@@ -16,8 +16,9 @@ from typing import Any, Optional, Sequence
 
 from celery import states
 
-from ..config import SingletonConfig
+from ..config import REPLACE, SingletonConfig
 from ..observe import monitor
+from ..observe.skiplog import naming
 from .broker import schedulable
 from .results import skip_result
 
@@ -26,7 +27,7 @@ logger = logging.getLogger("celery_singleton_lock")
 
 def replace_args(config: SingletonConfig) -> Optional[tuple[int, int]]:
     """What ``enqueue.lua`` is given under ``replace``: (debounce ms, debounce_max ms)."""
-    if config.on_duplicate != "replace":
+    if config.on_duplicate != REPLACE:
         return None
     return int(config.debounce * 1000), int(config.debounce_max * 1000)
 
@@ -63,4 +64,4 @@ def supersede(task: Any, key: str, successor: str, superseded: Sequence[str]) ->
                     key)
         monitor.send_caller_event(task.app, "task-skipped", old, name=task.name,
                                   holder=successor, reason="replaced", key=key,
-                                  result=f"replaced by {successor} ({key})")
+                                  result=naming("replaced", successor, key))

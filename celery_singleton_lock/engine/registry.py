@@ -1,9 +1,10 @@
 """One lock engine per app and process: the kind the URL names, made anew after fork.
 
-:func:`connect` picks it: :class:`~.engine.LockEngine` for one server, a
-Sentinel-managed primary or a Cluster, :class:`~.redlock.RedlockEngine` for a
-quorum of independent masters. :func:`engine_for` keeps one per app in each
-process; its replies still owed are read at process exit.
+:func:`connect` picks it: :class:`~.server.LockEngine` for one server, a
+Sentinel-managed primary or a Cluster, :class:`~.redlock.engine.RedlockEngine`
+for a quorum of independent masters; both are an :class:`~.base.Engine`.
+:func:`engine_for` keeps one per app in each process; its replies still owed
+are read at process exit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from ..config import SingletonConfig, get_config
 from ..exceptions import describe
 from ..process import PROCESS, ForkSafeLock
+from .base import Engine
 from .redlock.engine import RedlockEngine
 from .server import LockEngine
 from .servers import mode_of
@@ -23,18 +25,18 @@ from .servers import mode_of
 logger = logging.getLogger("celery_singleton_lock")
 
 
-def connect(config: SingletonConfig) -> LockEngine:
+def connect(config: SingletonConfig) -> Engine:
     """A new engine for ``config.redis_url`` (no connection is opened yet)."""
     if mode_of(config.redis_url) == "redlock":
         return RedlockEngine.from_config(config)
     return LockEngine.from_config(config)
 
 
-_engines: weakref.WeakKeyDictionary[Any, tuple[int, LockEngine]] = weakref.WeakKeyDictionary()
+_engines: weakref.WeakKeyDictionary[Any, tuple[int, Engine]] = weakref.WeakKeyDictionary()
 _engines_lock = ForkSafeLock()
 
 
-def engine_for(app: Any) -> LockEngine:
+def engine_for(app: Any) -> Engine:
     """The engine of ``app`` in this process (a new one after fork)."""
     generation = PROCESS.generation
     entry = _engines.get(app)

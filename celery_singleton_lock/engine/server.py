@@ -1,14 +1,11 @@
-"""The lock engine: acquire, release, renew, hand off; no Celery in here.
+"""The engine of one lock Redis: a server, a Sentinel-managed primary or a Cluster.
 
 Every lock operation of the library is one call of a script in ``lua/``; each
 does compare-then-act on the execution id, so nobody frees or extends a lock
-that is no longer theirs. :mod:`.wire` carries the calls, :mod:`.replies`
-names their answers, :mod:`.process` says who holds a key and whether it lives.
-:mod:`.calls` builds each script's arguments; :mod:`.engines` makes one
-engine per app and process, anew after fork.
-
-The scripts' arguments are in :mod:`.calls`; a Cluster's renewal rounds, one
-call per slot, in :mod:`.clusterrenew`.
+that is no longer theirs. :mod:`.wire` carries the calls (:mod:`.cluster` on
+a Cluster, one wire per node), :mod:`.calls` builds each script's arguments,
+:mod:`.replies` names their answers. :mod:`.registry` makes one engine per
+app and process, anew after fork.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ import redis
 from ..config import SingletonConfig
 from ..exceptions import TooFewReplicasError, UnconfirmedHolderError, describe
 from ..keys import LockKeys
-from ..process import HOST_KEY, Holder, forget_seen, pid_alive
 from . import replies
+from .base import Engine, Entry
 from .calls import (
     SCRIPTS,
     acquire_call,
@@ -37,12 +34,12 @@ from .calls import (
     renew_call,
     unqueue_call,
 )
-from .cluster import ClusterWire, LazyCluster
-from .clusterrenew import renew_per_slot
+from .cluster import ClusterWire, LazyCluster, renew_per_slot
 from .outage import RedisUnanswered
 from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
 from .scripts import Script
 from .servers import CLIENT_DEFAULTS, make_client, mode_of
+from .watch import ClusterWatch, RedisWatch, Watch
 from .wire import BROKEN, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -60,11 +57,10 @@ PENDING_POLL = 0.02
 NO_REPLICA_EVERY = 30.0
 
 
-class LockEngine:
-    """All Redis work of one process for one app."""
+class LockEngine(Engine):
+    """All Redis work of one process for one app, on one lock Redis."""
 
     def __init__(self, client: redis.Redis, config: SingletonConfig) -> None:
-        self.heartbeat: Optional[Any] = None  # set by heartbeat.heartbeat_for
         self.client = client
         self.config = config
         self.wire: Union[Wire, ClusterWire]
@@ -91,20 +87,27 @@ class LockEngine:
     @classmethod
     def from_config(cls, config: SingletonConfig) -> LockEngine:
         """The engine of one server, a Sentinel-managed primary or a Cluster
-        (:func:`.engines.connect` picks the kind, Redlock included)."""
+        (:func:`.registry.connect` picks the kind, Redlock included)."""
         url = config.redis_url
         if mode_of(url) == "redlock":
             raise ValueError("a redlock:// URL names several masters: "
-                             "celery_singleton_lock.engines.connect() makes its engine")
+                             "celery_singleton_lock.engine.registry.connect() makes its engine")
         options = {**CLIENT_DEFAULTS, **config.redis_options, "decode_responses": True}
         if mode_of(url) == "cluster":
             return cls(LazyCluster(lambda: make_client(url, options)), config)  # type: ignore[arg-type]
         return cls(make_client(url, options), config)
 
-    def lease_margin(self, lease: float) -> float:
-        """Seconds the holder counts its lease short by: none on one server
-        (its deadline already counts from before the request left)."""
-        return 0.0
+    def servers(self) -> list[tuple[str, Any]]:
+        return [(self.wire.name, self.client)]
+
+    @property
+    def down(self) -> bool:
+        return self.wire.down
+
+    def watch(self) -> Watch:
+        if isinstance(self.wire, ClusterWire):
+            return ClusterWatch(self.wire)
+        return RedisWatch(self.wire.new_connection, self.wire.outage)
 
     @property
     def scripts(self) -> tuple[Script, ...]:
@@ -188,7 +191,7 @@ class LockEngine:
         else:
             execs = [self.owner(slot).get("exec", "") for slot in keys.slots(slots)]
         for exec_id in execs:
-            if exec_id and self.client.execute_command(  # type: ignore[no-untyped-call]
+            if exec_id and self.client.execute_command(
                     "GET", keys.waiting(exec_id)) is not None:
                 return exec_id
         return ""
@@ -356,7 +359,7 @@ class LockEngine:
         reply, _ = self.wire.call(self._unqueue, [key], [value])
         return replies.flag(reply, "unclaim")
 
-    def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
+    def renew(self, entries: Sequence[Entry]) -> list[Renew]:
         """Renew ``(lock key, exec id, lease ms)`` entries in one round trip.
 
         At most :data:`RENEW_CHUNK` locks go in one script call, the calls all in
@@ -411,69 +414,15 @@ class LockEngine:
     def owner(self, keys: LockKeys) -> dict[str, str]:
         """The owner record, empty when the key is free."""
         # a command by name: LazyCluster.get() is the cluster client itself
-        raw = self.client.execute_command("GET", keys.lock)  # type: ignore[no-untyped-call]
+        raw = self.client.execute_command("GET", keys.lock)
         return replies.record(raw)
 
     def queued_by(self, keys: LockKeys) -> str:
         """The id of the task that took the key when it was sent, or ''."""
         return marker_task(self.client.get(keys.queued))[1]
 
-    def clear_dead_holder(self, keys: LockKeys, holder: Holder) -> bool:
-        """Free a lock whose holder process is provably gone from this host."""
-        if not holder.provably_dead():
-            return False
-        released = self.release(keys, holder.exec_id, holder.task_id, finished=False)
-        if released:
-            logger.warning(
-                "Released singleton lock %s of task %s: its process %s has died",
-                keys.base, holder.task_id, holder.pid,
-            )
-        return released
-
-    def clear_dead_slots(self, keys: LockKeys, slots: int) -> bool:
-        """``singleton_limit``: free the slots 2 to ``slots`` whose holder process
-        is provably gone from this host (slot 1's holder comes with a refusal);
-        True when one was freed. Read only when every slot is taken."""
-        cleared = False
-        for slot in keys.slots(slots)[1:]:
-            record = self.owner(slot)
-            if record and self.clear_dead_holder(slot, Holder(
-                    task_id=record.get("task", ""), exec_id=record.get("exec", ""),
-                    host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
-                    hostname=record.get("host", ""))):
-                cleared = True
-        return cleared
-
-    def reap(self, keys: LockKeys, task_id: str, wait: float = 3.0, slots: int = 1) -> bool:
-        """Free ``task_id``'s lock (in whichever of ``slots`` it holds) once its
-        process on this host is gone.
-
-        Called by the main worker process when a child was killed or timed out;
-        waits up to ``wait`` seconds for the child to exit.
-        """
-        for slot in keys.slots(slots):
-            record = self.owner(slot)
-            if record.get("task") == task_id:
-                keys = slot
-                break
-        else:
-            return False
-        holder = Holder(
-            task_id=task_id,
-            exec_id=record.get("exec", ""),
-            host_key=record.get("hostkey", ""),
-            pid=int(record.get("pid") or 0),
-            hostname=record.get("host", ""),
-        )
-        if holder.host_key != HOST_KEY:
-            return False
-        deadline = time.monotonic() + wait
-        while pid_alive(holder.pid):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        forget_seen(holder.pid)  # seen gone just now: no remembered answer
-        return self.clear_dead_holder(keys, holder)
+    def close(self) -> None:
+        self.wire.close()
 
 
 def _ignored(reply: Any, error: Optional[Exception], repeated: bool) -> None:

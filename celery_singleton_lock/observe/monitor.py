@@ -34,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import redis
 
@@ -143,6 +143,14 @@ class Publisher:
         self._wake = threading.Event()
         self._held_written = False
         self._warned = False
+        #: where the held locks are read, per engine: the renewers say (held_from)
+        self._held_sources: dict[int, Callable[[], Iterable[Any]]] = {}
+
+    def held_from(self, engine: Any, source: Callable[[], Iterable[Any]]) -> None:
+        """Publish the locks ``source()`` gives as ``engine``'s held locks (the
+        worker's renewer of that engine registers itself here)."""
+        with self._mutex:
+            self._held_sources[id(engine)] = source
 
     def reset(self) -> None:
         """After fork: the parent's pending counts are the parent's to write."""
@@ -185,11 +193,12 @@ class Publisher:
         """Write the pending counts and the held locks now (one pipeline)."""
         with self._mutex:
             engine, counts, self._counts = self._engine, self._counts, {}
+            source = self._held_sources.get(id(engine))
         if engine is None:
             return
         prefix = engine.config.key_prefix
         field = f"{NODE.hostname}{_SEP}{os.getpid()}"
-        locks = _held_snapshot(engine)
+        locks = _held_snapshot(source() if source is not None else ())
         pipe = engine.client.pipeline(transaction=False)
         for name, amount in counts.items():
             if float(amount).is_integer():
@@ -262,14 +271,11 @@ def _bound(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
-def _held_snapshot(engine: Any) -> list[dict[str, Any]]:
-    heartbeat = engine.heartbeat
-    if heartbeat is None:
-        return []
+def _held_snapshot(locks: Iterable[Any]) -> list[dict[str, Any]]:
     return [{"task": lock.task_name, "id": lock.task_id, "key": lock.key,
              "token": lock.token, "since": lock.acquired_at, "lost": lock.lost,
              "slot": lock.slot}
-            for lock in heartbeat.held() if lock.held and not lock.handed_off]
+            for lock in locks if lock.held and not lock.handed_off]
 
 
 # -- reading ---------------------------------------------------------------------

@@ -49,8 +49,16 @@ class SkipLineFilter(logging.Filter):
 
 
 _FILTER = SkipLineFilter()
-#: how the line names the holder, by the skip's reason
-_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by"}
+
+#: how a skip or a refusal names the holder, by its reason: the one table the
+#: log, Flower's result column and the caller's events all read
+VERBS = {"duplicate": "duplicate of", "done": "done by", "throttled": "throttled by",
+         "replaced": "replaced by"}
+
+
+def naming(reason: str, holder: object, key: str) -> str:
+    """``done by <holder> (<key>)``: the holder, named for ``reason``."""
+    return f"{VERBS.get(reason, VERBS['duplicate'])} {holder} ({key})"
 
 
 def _quiet_celery_line(task_id: Optional[str]) -> None:
@@ -67,7 +75,7 @@ def log_skip(logger: logging.Logger, name: str, task_id: Optional[str],
     Celery from logging it as a success."""
     _quiet_celery_line(task_id)
     if logger.isEnabledFor(logging.INFO):
-        verb = _VERBS.get(result["reason"], "duplicate of")
+        verb = VERBS.get(result["reason"], VERBS["duplicate"])
         reopens = result.get("reopens_in")
         logger.info("Task %s[%s] skipped: %s %s (%s), key %s%s", name, task_id, verb,
                     result["holder"], result["state"], result["key"],

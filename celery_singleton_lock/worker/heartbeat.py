@@ -30,20 +30,19 @@ import os
 import select
 import threading
 import time
-from typing import Optional, Union
+import weakref
+from typing import Optional
 
 import redis
 
 from .. import rollout
-from ..engine.cluster import ClusterWire
-from ..engine.redlock.engine import RedlockEngine
+from ..engine.base import Engine
 from ..engine.replies import Reclaim, Renew
-from ..engine.server import LockEngine
+from ..engine.watch import RECONNECT_MAX
 from ..exceptions import describe
 from ..lock import SingletonLock
 from ..observe import monitor
 from ..process import ForkSafeLock
-from .watch import RECONNECT_MAX, ClusterWatch, MastersWatch, MultiWatch, RedisWatch
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -60,7 +59,7 @@ RESUME_WAIT = 0.5
 
 
 class Heartbeat:
-    def __init__(self, engine: LockEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._held: dict[int, SingletonLock] = {}
         self._mutex = ForkSafeLock()
@@ -71,13 +70,7 @@ class Heartbeat:
         # With nothing held the renewer still wakes this often, so a lock with
         # the usual lease never has to wake it: taking a lock is a dict insert.
         self.idle_interval = engine.config.ttl / RENEW_FRACTION
-        self.watch: Union[RedisWatch, MultiWatch]
-        if isinstance(engine, RedlockEngine):
-            self.watch = MastersWatch(engine)
-        elif isinstance(engine.wire, ClusterWire):
-            self.watch = ClusterWatch(engine.wire)
-        else:
-            self.watch = RedisWatch(engine.wire.new_connection, engine.wire.outage)
+        self.watch = engine.watch()
         self.rounds = 0
         self.reasserted = 0
         self.failed_rounds = 0  # in a row, since the last round that got through
@@ -94,7 +87,8 @@ class Heartbeat:
                     target=self._run, name="singleton-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif self._sleeping is not None and lock.lease / RENEW_FRACTION < self._sleeping:
+            elif self._sleeping is not None and (
+                    lock.lease.seconds / RENEW_FRACTION < self._sleeping):
                 # the renewer sleeps longer than this lease allows: wake it to reschedule
                 os.write(self._wake_w, b"x")
 
@@ -117,7 +111,7 @@ class Heartbeat:
     def _interval_locked(self) -> float:
         if not self._held:
             return self.idle_interval
-        return min(lock.lease for lock in self._held.values()) / RENEW_FRACTION
+        return min(lock.lease.seconds for lock in self._held.values()) / RENEW_FRACTION
 
     def _run(self) -> None:
         try:
@@ -224,14 +218,11 @@ class Heartbeat:
         if not locks:
             return True
         sent_at = time.monotonic()
-        entries = [(lock.keys.lock, lock.exec_id, int(lock.lease * 1000)) for lock in locks]
+        entries = [(lock.keys.lock, lock.exec_id, lock.lease.ms) for lock in locks]
         gaps: list[list[int]] = []
         try:
-            if isinstance(self.engine, RedlockEngine):
-                # after a master came back, hear it too: it answers last
-                results, gaps = self.engine.renew_detail(entries, every=take_back)
-            else:
-                results = self.engine.renew(entries)
+            # after a server came back, hear it too: it answers last
+            results, gaps = self.engine.renew_round(entries, every=take_back)
         except redis.RedisError as exc:
             # said once per outage: failed rounds are tried again every 0.5 s
             logger.log(logging.DEBUG if self.failed_rounds else logging.WARNING,
@@ -251,7 +242,7 @@ class Heartbeat:
             if result is Renew.RENEWED:
                 lock.renewed(sent_at)
                 if lock.companion is not None:
-                    companions.append((lock.companion, int(lock.lease * 1000)))
+                    companions.append((lock.companion, lock.lease.ms))
                 if gaps and gaps[i]:
                     self._refill(lock, gaps[i])
             elif result is Renew.ABSENT and lock.held and not lock.handed_off:
@@ -265,8 +256,6 @@ class Heartbeat:
     def _refill(self, lock: SingletonLock, masters: list[int]) -> None:
         """Redlock: the lock is held on a majority but some masters answered
         that they no longer have it: write it back on them."""
-        assert isinstance(self.engine, RedlockEngine)
-
         def still_held() -> bool:
             with self._mutex:
                 mine = self._held.get(id(lock)) is lock
@@ -274,7 +263,7 @@ class Heartbeat:
 
         self.engine.refill(
             lock.keys, task_id=lock.task_id, exec_id=lock.exec_id, token=lock.token,
-            lease_ms=int(lock.lease * 1000), hostname=lock.hostname, retries=lock.retries,
+            lease_ms=lock.lease.ms, hostname=lock.hostname, retries=lock.retries,
             task_name=lock.task_name, only=masters, still_held=still_held)
 
     def _take_back(self, lock: SingletonLock, sent_at: float) -> None:
@@ -286,7 +275,7 @@ class Heartbeat:
         try:
             answer = self.engine.reclaim(
                 lock.keys, task_id=lock.task_id, exec_id=lock.exec_id, token=lock.token,
-                lease_ms=int(lock.lease * 1000), hostname=lock.hostname,
+                lease_ms=lock.lease.ms, hostname=lock.hostname,
                 retries=lock.retries, task_name=lock.task_name)
         except redis.RedisError as exc:
             logger.warning("Could not take back singleton lock %s: %s", lock.key, describe(exc))
@@ -307,16 +296,24 @@ class Heartbeat:
             lock.mark_lost("renewal found the lock gone (released, or expired)")
 
 
-def heartbeat_for(engine: LockEngine) -> Heartbeat:
+#: each engine's heartbeat, kept here: the renewer belongs to the worker, not
+#: to the engine it renews through
+_heartbeats: weakref.WeakKeyDictionary[Engine, Heartbeat] = weakref.WeakKeyDictionary()
+_create_lock = ForkSafeLock()
+
+
+def heartbeat_for(engine: Engine) -> Heartbeat:
     """The heartbeat of ``engine`` (engines are per process already)."""
-    hb = engine.heartbeat
+    hb = _heartbeats.get(engine)
     if hb is None:
         with _create_lock:
-            hb = engine.heartbeat
+            hb = _heartbeats.get(engine)
             if hb is None:
-                hb = engine.heartbeat = Heartbeat(engine)
-    assert isinstance(hb, Heartbeat)
+                hb = _heartbeats[engine] = Heartbeat(engine)
+                monitor.PUBLISHER.held_from(engine, hb.held)  # shown by inspect and Flower
     return hb
 
 
-_create_lock = ForkSafeLock()
+def running_heartbeat(engine: Engine) -> Optional[Heartbeat]:
+    """``engine``'s heartbeat if this process made one (it holds or held a lock)."""
+    return _heartbeats.get(engine)

@@ -20,9 +20,9 @@ from typing import Any, Callable
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
 
-from ..beat.ticks import BEAT_HEADERS_READ, decide_lost_tick_run
 from ..engine.registry import engine_for, settle_all
 from ..exceptions import describe
+from ..worker.ticks import BEAT_HEADERS_READ, decide_lost_tick_run
 
 logger = logging.getLogger("celery_singleton_lock")
 

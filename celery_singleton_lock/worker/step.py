@@ -70,7 +70,7 @@ def held_locks(app: Any, hostname: str, wait: float = MONITOR_WAIT) -> dict[str,
     and while an earlier read is still waiting no second one starts.
     """
     global _reading
-    if engine_for(app).wire.down:
+    if engine_for(app).down:
         return {"held": None, "locks": [], "error": "lock Redis: not answering"}
     with _reading_lock:
         reading = _reading

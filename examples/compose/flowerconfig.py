@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from celery_singleton_lock.observe.metrics import register
-from celery_singleton_lock.observe.monitor import flower_format_task
+from celery_singleton_lock import flower_format_task
+from celery_singleton_lock import register_metrics as register
 
 LOCKS = f"{os.environ.get('REDIS_URL', 'redis://redis:6379')}/2"  # proj.py's singleton_redis_url
 

@@ -13,26 +13,28 @@ from typing import Any
 import pytest
 from celery.schedules import crontab, schedule
 
-from celery_singleton_lock.beat import ticks
 from celery_singleton_lock.beat.ticks import (
-    ENTRY_HEADER,
-    TICK_HEADER,
     buffer_key,
-    cancel_key,
     claim_key,
-    claim_tick_run,
-    entry_base,
-    from_ms,
     interval_ticks,
     last_sent_key,
     next_fire_after,
     queue_key,
-    run_key,
-    tick_name,
     ticks_around,
-    to_ms,
 )
 from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.worker import ticks as worker_ticks
+from celery_singleton_lock.worker.ticks import (
+    ENTRY_HEADER,
+    TICK_HEADER,
+    cancel_key,
+    claim_tick_run,
+    entry_base,
+    from_ms,
+    run_key,
+    tick_name,
+    to_ms,
+)
 
 UTC = dt.timezone.utc
 T = dt.datetime(2026, 3, 4, 10, 15, 30, 250000, tzinfo=UTC)
@@ -211,7 +213,7 @@ def test_a_tick_runs_once_its_own_id_again_and_another_copy_never(redis_server, 
     assert claim_tick_run(engine, "app:", first) is True
     marker = run_key("app:", "nightly", T)
     assert r.get(marker) == "t1"
-    assert 3_500_000 < r.pttl(marker) <= ticks.RUN_MARKER_TTL_MS == 3600 * 1000
+    assert 3_500_000 < r.pttl(marker) <= worker_ticks.RUN_MARKER_TTL_MS == 3600 * 1000
     assert claim_tick_run(engine, "app:", first) is True  # its retry, a redelivery
     assert claim_tick_run(engine, "app:", first, look_only=True) is True
     with caplog.at_level("INFO", logger="celery_singleton_lock"):

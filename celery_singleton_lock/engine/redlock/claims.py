@@ -3,7 +3,7 @@
 The send-time key of the queue scopes (taken, freed, read), and claims:
 beat's tick claims and the worker's tick-run markers, won on a majority;
 claimants that split the masters give back and try again. The lock itself
-is in :mod:`.redlock`.
+is in :mod:`.engine`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ def no_replace() -> ConfigurationError:
                               "(a server, Sentinel or Cluster), not redlock://")
 
 
-class ClaimOnMajority(Masters):
-    """The send-time keys and claims of :class:`.redlock.RedlockEngine`."""
+class Claims:
+    """The send-time keys and claims of :class:`.engine.RedlockEngine`, each won
+    on a majority of its masters."""
+
+    def __init__(self, majority: Masters) -> None:
+        self.majority = majority
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
                 task_name: str = "", replace: Optional[tuple[int, int]] = None,
@@ -36,12 +40,12 @@ class ClaimOnMajority(Masters):
         """Take the key at send time on a majority, or say who has it."""
         if replace is not None:
             raise no_replace()
-        quorum, total = self.quorum, len(self.masters)
+        quorum, total = self.majority.quorum, len(self.majority.masters)
 
         def taken(r: Any) -> bool:
             return isinstance(r, Enqueued) and r.status is Enqueue.TAKEN
 
-        results = self.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms, task_name,
+        results = self.majority.each(lambda e: e.enqueue(keys, task_id, scope, ttl_ms, task_name,
                                                 done=done),
                             decided=_settled_by(quorum, Enqueued, taken))
         if sum(1 for r in results if taken(r)) >= quorum:
@@ -49,7 +53,7 @@ class ClaimOnMajority(Masters):
         mine = [i for i, r in enumerate(results)
                 if not (isinstance(r, Enqueued) and not taken(r))]
         if mine:
-            self.each(lambda e: e.unqueue(keys, task_id), only=mine, timeout=0.0,
+            self.majority.each(lambda e: e.unqueue(keys, task_id), only=mine, timeout=0.0,
                       skip_stale=False)
         refusals = [r for r in results if isinstance(r, Enqueued) and not taken(r)]
         if len(refusals) + quorum > total:
@@ -57,7 +61,7 @@ class ClaimOnMajority(Masters):
             best = max(counts.values())
             return next(r for r in refusals
                         if counts[(r.status, r.holder.task_id if r.holder else "")] == best)
-        raise QuorumError(f"send-time key {keys.base} not decided", self._failed(
+        raise QuorumError(f"send-time key {keys.base} not decided", self.majority.failed(
             results, lambda r: isinstance(r, Enqueued)), len(refusals), quorum)
 
     def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str]:
@@ -70,10 +74,10 @@ class ClaimOnMajority(Masters):
         Raises :class:`QuorumError` when failures, not a rival, leave the
         claim undecided.
         """
-        quorum = self.quorum
+        quorum = self.majority.quorum
         results: list[Any] = []
         for round_ in range(CLAIM_ROUNDS):
-            results = self.each(lambda e: e.claim(key, value, ttl_ms),
+            results = self.majority.each(lambda e: e.claim(key, value, ttl_ms),
                                 decided=_settled_by(quorum, tuple, lambda r: isinstance(
                                     r, tuple) and r[1] == value))
             ours = [i for i, r in enumerate(results) if isinstance(r, tuple) and r[1] == value]
@@ -81,34 +85,41 @@ class ClaimOnMajority(Masters):
                 return True, value
             rivals = Counter(r[1] for r in results if isinstance(r, tuple) and r[1] != value)
             if ours:  # give back what this round took, before anyone tries again
-                self.each(lambda e: e.unclaim(key, value), only=ours, skip_stale=False)
+                self.majority.each(lambda e: e.unclaim(key, value), only=ours, skip_stale=False)
             late = [i for i, r in enumerate(results) if r is MISSING]
             if late:  # queued after the claim still going on there
-                self.each(lambda e: e.unclaim(key, value), only=late, timeout=0.0,
+                self.majority.each(lambda e: e.unclaim(key, value), only=late, timeout=0.0,
                           skip_stale=False)
             if rivals and rivals.most_common(1)[0][1] >= quorum:
                 return False, rivals.most_common(1)[0][0]
             if sum(1 for r in results if isinstance(r, Exception)) >= quorum:
                 break
             time.sleep(random.uniform(0.005, 0.03) * (round_ + 1))
-        raise QuorumError(f"claim of {key} not decided", self._failed(
+        raise QuorumError(f"claim of {key} not decided", self.majority.failed(
             results, lambda r: isinstance(r, tuple)), sum(
                 1 for r in results if isinstance(r, tuple)), quorum)
 
+    def unclaim(self, key: str, value: str) -> bool:
+        """Give back a claim on every master that holds ``value`` there."""
+        results = self.majority.each(lambda e: e.unclaim(key, value), skip_stale=False,
+                                     decided=lambda rs: sum(r is True for r in rs)
+                                     >= self.majority.quorum)
+        return any(r is True for r in results)
+
     def unqueue(self, keys: LockKeys, task_id: str) -> bool:
-        results = self.each(lambda e: e.unqueue(keys, task_id),
-                            decided=lambda rs: sum(r is True for r in rs) >= self.quorum,
+        results = self.majority.each(lambda e: e.unqueue(keys, task_id),
+                            decided=lambda rs: sum(r is True for r in rs) >= self.majority.quorum,
                             skip_stale=False)
         if all(isinstance(r, Exception) or r is MISSING for r in results):
-            raise QuorumError(f"freeing the send-time key {keys.base}", self._failed(
-                results, lambda r: isinstance(r, bool)), 0, self.quorum)
+            raise QuorumError(f"freeing the send-time key {keys.base}", self.majority.failed(
+                results, lambda r: isinstance(r, bool)), 0, self.majority.quorum)
         return any(r is True for r in results)
 
     def queued_by(self, keys: LockKeys) -> str:
-        results = self.each(lambda e: e.queued_by(keys))
+        results = self.majority.each(lambda e: e.queued_by(keys))
         ids = [r for r in results if isinstance(r, str)]
-        if len(ids) < self.quorum:
-            raise QuorumError(f"reading the send-time key {keys.base}", self._failed(
-                results, lambda r: isinstance(r, str)), len(ids), self.quorum)
+        if len(ids) < self.majority.quorum:
+            raise QuorumError(f"reading the send-time key {keys.base}", self.majority.failed(
+                results, lambda r: isinstance(r, str)), len(ids), self.majority.quorum)
         held = Counter(i for i in ids if i)
         return held.most_common(1)[0][0] if held else ""

@@ -46,12 +46,15 @@ import redis
 from ...config import SingletonConfig
 from ...exceptions import ConfigurationError, QuorumError
 from ...keys import LockKeys
-from ..replies import Acquire, Acquired, Release, Released
+from ..base import Engine, Entry
+from ..replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
 from ..server import LockEngine
 from ..servers import CLIENT_DEFAULTS, make_clients
-from .claims import ClaimOnMajority, no_replace
-from .quorum import MISSING, Master, _settled_by
-from .renewal import RenewOnMajority
+from ..watch import MastersWatch, Watch
+from ..wire import Wire
+from .claims import Claims, no_replace
+from .quorum import MISSING, Master, Masters, _settled_by
+from .renewal import Renewal
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -67,8 +70,14 @@ DRIFT_FACTOR = 0.01
 DRIFT_MS = 2
 
 
-class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
-    """All Redis work of one process for one app, on a majority of masters."""
+class RedlockEngine(Engine):
+    """All Redis work of one process for one app, on a majority of masters.
+
+    Made of one :class:`~..server.LockEngine` per master, the
+    :class:`~.quorum.Masters` that reach them all, and the two parts that
+    combine their answers beside the lock's own operations: :class:`~.claims.
+    Claims` (send-time keys, tick claims) and :class:`~.renewal.Renewal`.
+    """
 
     def __init__(self, masters: Sequence[tuple[str, redis.Redis]],
                  config: SingletonConfig) -> None:
@@ -76,23 +85,47 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
             raise ValueError(f"Redlock needs an odd number of masters, at least 3: "
                              f"got {len(masters)}")
         self.masters = [Master(name, LockEngine(client, config)) for name, client in masters]
-        self.quorum = len(masters) // 2 + 1
         first = self.masters[0].engine
-        self.heartbeat: Optional[Any] = None
         self.config = config
         #: stats, held-lock listings and beat tick claims live on the first master
         self.client = first.client
-        #: what the renewer watches for a server going away: the first master
-        self.wire = first.wire
         kwargs = first.client.connection_pool.connection_kwargs
         timeout = float(kwargs.get("socket_timeout") or 5.0)
         connect = float(kwargs.get("socket_connect_timeout") or timeout)
-        #: the longest a call waits for the masters (a broken connection is
-        #: tried once more, on a fresh connect)
-        self.call_timeout = 2 * (timeout + connect)
-        #: locks written back on a master that had lost them (:meth:`refill`)
-        self.refilled = 0
-        self._counting = threading.Lock()
+        #: every call reaches the masters through it; one waits at most twice
+        #: a timeout and a connect (a broken connection is tried once more)
+        self.majority = Masters(self.masters, call_timeout=2 * (timeout + connect))
+        self.claims = Claims(self.majority)
+        self.renewal = Renewal(self.majority)
+
+    @property
+    def quorum(self) -> int:
+        return self.majority.quorum
+
+    @property
+    def call_timeout(self) -> float:
+        return self.majority.call_timeout
+
+    @property
+    def refilled(self) -> int:
+        """Locks written back on a master that had lost them."""
+        return self.renewal.refilled
+
+    def servers(self) -> list[tuple[str, Any]]:
+        return [(m.name, m.engine.client) for m in self.masters]
+
+    @property
+    def down(self) -> bool:
+        """Too few masters answer for a majority."""
+        return sum(m.engine.down for m in self.masters) > len(self.masters) - self.quorum
+
+    def watch(self) -> Watch:
+        wires = []
+        for master in self.masters:
+            wire = master.engine.wire
+            assert isinstance(wire, Wire)  # a redlock:// URL names plain servers
+            wires.append((master.name, wire))
+        return MastersWatch(wires)
 
     def lease_margin(self, lease: float) -> float:
         """The clock drift allowed (1 % of the lease plus 2 ms): the masters'
@@ -139,7 +172,7 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
             return isinstance(r, Acquired) and r.status is Acquire.GRANTED
 
         decided = _settled_by(quorum, Acquired, granted)
-        results = self.each(
+        results = self.majority.each(
             lambda e: e.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
                                 hostname=hostname, retries=retries, task_name=task_name,
                                 scope=scope, throttle_ms=throttle_ms, done=done),
@@ -154,11 +187,11 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
                 if late:
                     # a master still answering may grant below the token: raise
                     # it there too, after its acquire (not waited for)
-                    self.each(lambda e: e.raise_fence(keys, exec_id, token), only=late,
+                    self.majority.each(lambda e: e.raise_fence(keys, exec_id, token), only=late,
                               timeout=0.0)
                 return Acquired(Acquire.GRANTED, token=token)
             self._give_back(keys, exec_id, task_id, results)
-            failed = {} if carried >= quorum else self._failed(
+            failed = {} if carried >= quorum else self.majority.failed(
                 results, lambda r: granted(r) and r.token == token)
             raise QuorumError(
                 f"lock {keys.base} granted by a majority but "
@@ -172,7 +205,7 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
             # out of reach even had every master that failed granted: a holder
             # decided it, not an outage
             return self._most_given(refusals)
-        raise QuorumError(f"lock {keys.base} not decided", self._failed(
+        raise QuorumError(f"lock {keys.base} not decided", self.majority.failed(
             results, lambda r: isinstance(r, Acquired)), len(grants) + len(refusals), quorum)
 
     def _carry(self, keys: LockKeys, exec_id: str, token: int, results: list[Any],
@@ -181,7 +214,7 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
         lower = [i for i in grants if results[i].token < token]
         carried = len(grants) - len(lower)
         if lower:
-            raised = self.each(lambda e: e.raise_fence(keys, exec_id, token), only=lower,
+            raised = self.majority.each(lambda e: e.raise_fence(keys, exec_id, token), only=lower,
                                decided=lambda rs: carried + sum(r is True for r in rs)
                                >= self.quorum)
             carried += sum(1 for r in raised if r is True)
@@ -194,8 +227,8 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
                 if not (isinstance(r, Acquired) and r.status is not Acquire.GRANTED)]
         if mine:
             # not waited for: each master's queue sends it after the acquire
-            self.each(lambda e: e.release(keys, exec_id, task_id, finished=False), only=mine,
-                      timeout=0.0, skip_stale=False)
+            self.majority.each(lambda e: e.release(keys, exec_id, task_id, finished=False),
+                               only=mine, timeout=0.0, skip_stale=False)
 
     @staticmethod
     def _most_given(refusals: list[Acquired]) -> Acquired:
@@ -212,13 +245,13 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
                 ) -> bool:
         """Release on every master; True when it freed the lock on any (a
         master that does not answer keeps it until its TTL)."""
-        results = self.each(
+        results = self.majority.each(
             lambda e: e.release(keys, exec_id, task_id, finished=finished,
                                 always_record=always_record, done_ttl=done_ttl,
                                 task_name=task_name),
             decided=lambda rs: sum(r is True for r in rs) >= self.quorum, skip_stale=False)
         if all(isinstance(r, Exception) or r is MISSING for r in results):
-            raise QuorumError(f"release of {keys.base}", self._failed(
+            raise QuorumError(f"release of {keys.base}", self.majority.failed(
                 results, lambda r: isinstance(r, bool)), 0, self.quorum)
         return any(r is True for r in results)
 
@@ -254,7 +287,7 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
                 return None
             given = [r for r in results if isinstance(r, Released)]
             if len(given) < quorum:
-                return None, QuorumError(f"release of {keys.base}", self._failed(
+                return None, QuorumError(f"release of {keys.base}", self.majority.failed(
                     results, lambda r: isinstance(r, Released)), len(given), quorum)
             taken = sum(1 for r in given if r.status is Release.TAKEN)
             free = sum(1 for r in given if r.status is Release.FREE)
@@ -287,16 +320,16 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
             master.submit(send(i))
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
-        results = self.each(lambda e: e.hand_off(keys, exec_id, next_retries, lease_ms),
+        results = self.majority.each(lambda e: e.hand_off(keys, exec_id, next_retries, lease_ms),
                             decided=lambda rs: sum(r is True for r in rs) >= self.quorum)
         return sum(1 for r in results if r is True) >= self.quorum
 
     def owner(self, keys: LockKeys) -> dict[str, str]:
         """The owner record most masters hold (empty when none holds one)."""
-        results = self.each(lambda e: e.owner(keys))
+        results = self.majority.each(lambda e: e.owner(keys))
         records = [r for r in results if isinstance(r, dict)]
         if len(records) < self.quorum:
-            raise QuorumError(f"reading the owner of {keys.base}", self._failed(
+            raise QuorumError(f"reading the owner of {keys.base}", self.majority.failed(
                 results, lambda r: isinstance(r, dict)), len(records), self.quorum)
         held = Counter(r.get("exec", "") for r in records if r.get("exec"))
         if not held:
@@ -310,12 +343,51 @@ class RedlockEngine(RenewOnMajority, ClaimOnMajority, LockEngine):
             Acquired(Acquire.GRANTED, token=0)] * len(self.masters),
             list(range(len(self.masters)))) >= self.quorum
 
+    # -- what the two parts do ----------------------------------------------------
+
+    def renew(self, entries: Sequence[Entry]) -> list[Renew]:
+        return self.renewal.renew_round(entries)[0]
+
+    def renew_round(self, entries: Sequence[Entry], *, every: bool = False
+                    ) -> tuple[list[Renew], list[list[int]]]:
+        return self.renewal.renew_round(entries, every=every)
+
+    def refill(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int,
+               lease_ms: int, hostname: str, retries: int, task_name: str,
+               only: Sequence[int], still_held: Callable[[], bool]) -> None:
+        self.renewal.refill(keys, task_id=task_id, exec_id=exec_id, token=token,
+                            lease_ms=lease_ms, hostname=hostname, retries=retries,
+                            task_name=task_name, only=only, still_held=still_held)
+
+    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
+                hostname: str, retries: int, task_name: str) -> Reclaimed:
+        return self.renewal.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
+                                    lease_ms=lease_ms, hostname=hostname, retries=retries,
+                                    task_name=task_name)
+
+    def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
+                task_name: str = "", replace: Optional[tuple[int, int]] = None,
+                done: bool = True) -> Enqueued:
+        return self.claims.enqueue(keys, task_id, scope, ttl_ms, task_name, replace, done)
+
+    def unqueue(self, keys: LockKeys, task_id: str) -> bool:
+        return self.claims.unqueue(keys, task_id)
+
+    def queued_by(self, keys: LockKeys) -> str:
+        return self.claims.queued_by(keys)
+
+    def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str]:
+        return self.claims.claim(key, value, ttl_ms)
+
+    def unclaim(self, key: str, value: str) -> bool:
+        return self.claims.unclaim(key, value)
+
     # -- replies owed --------------------------------------------------------------
 
     def settle(self) -> None:
         """Have every master's thread read the replies it still owes (not
         waited for: each reads them in its own queue, before its next call)."""
-        self.each(lambda e: e.settle(), timeout=0.0, skip_stale=False)
+        self.majority.each(lambda e: e.settle(), timeout=0.0, skip_stale=False)
 
     @property
     def unsettled(self) -> int:

@@ -6,7 +6,7 @@ arrives before the next acquire), and a master that hangs holds up only its
 own queue. :meth:`Masters.each` waits until the answer is decided (a majority
 said yes, said something else, or failed) or every master answered, never
 longer than ``call_timeout``. What each lock operation makes of the answers is
-in :mod:`.redlock`.
+in :mod:`.engine`.
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ def _settled_by(quorum: int, answer: type, yes: Callable[[Any], bool]
 class Masters:
     """The masters of a Redlock engine and the way every call reaches them."""
 
-    masters: list[Master]
-    quorum: int
-    #: the longest a call waits for the masters
-    call_timeout: float
+    def __init__(self, masters: list[Master], call_timeout: float) -> None:
+        self.masters = masters
+        #: a majority of them
+        self.quorum = len(masters) // 2 + 1
+        #: the longest a call waits for the masters
+        self.call_timeout = call_timeout
 
     @property
     def names(self) -> list[str]:
@@ -138,7 +140,7 @@ class Masters:
                 done.wait(remaining)
             return list(results)
 
-    def _failed(self, results: list[Any], ok: Callable[[Any], bool]) -> dict[str, str]:
+    def failed(self, results: list[Any], ok: Callable[[Any], bool]) -> dict[str, str]:
         """The masters whose answer was not ``ok``: those that failed, and those
         not heard from when the failures alone do not explain the outcome."""
         errors = {m.name: _describe(r) for m, r in zip(self.masters, results)

@@ -3,8 +3,8 @@
 Renewal on every master (a lock stays held while a majority renewed it), the
 write-back on a master that lost a lock a majority still holds (restarted
 empty, or it evicted the key), and the holder's own write-back of a lock the
-masters lost (:meth:`RenewOnMajority.reclaim`). The lock's other operations
-are in :mod:`.redlock`.
+masters lost (:meth:`Renewal.reclaim`). The lock's other operations
+are in :mod:`.engine`.
 """
 
 from __future__ import annotations
@@ -25,24 +25,23 @@ from .quorum import Masters, _settled_by
 logger = logging.getLogger("celery_singleton_lock")
 
 
-class RenewOnMajority(Masters):
-    """The renewal half of :class:`.redlock.RedlockEngine`."""
+class Renewal:
+    """How :class:`.engine.RedlockEngine` keeps a held lock on a majority."""
 
-    #: locks written back on a master that had lost them (:meth:`refill`)
-    refilled: int
-    _counting: threading.Lock
+    def __init__(self, majority: Masters) -> None:
+        self.majority = majority
+        #: locks written back on a master that had lost them (:meth:`refill`)
+        self.refilled = 0
+        self._counting = threading.Lock()
 
-    def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
+    def renew_round(self, entries: Sequence[tuple[str, str, int]], *, every: bool = False
+                    ) -> tuple[list[Renew], list[list[int]]]:
         """Renew on every master; per lock: RENEWED while a majority renewed it,
         UNANSWERED when too few masters answered (left alone, like an error),
-        else lost (ABSENT or NOT_OURS, whichever more masters said)."""
-        return self.renew_detail(entries)[0]
-
-    def renew_detail(self, entries: Sequence[tuple[str, str, int]], *, every: bool = False
-                     ) -> tuple[list[Renew], list[list[int]]]:
-        """:meth:`renew`, and per lock the masters that answered that they no
-        longer have it while a majority renewed it (a master restarted empty,
-        or one that evicted the key): :meth:`refill` writes it back there.
+        else lost (ABSENT or NOT_OURS, whichever more masters said). And per
+        lock the masters that answered that they no longer have it while a
+        majority renewed it (a master restarted empty, or one that evicted the
+        key): :meth:`refill` writes it back there.
 
         Only masters that answered before the outcome was decided are heard;
         ``every``: wait for every master (up to :attr:`call_timeout`), as after
@@ -50,7 +49,7 @@ class RenewOnMajority(Masters):
         """
         if not entries:
             return [], []
-        quorum = self.quorum
+        quorum = self.majority.quorum
 
         def all_renewed(results: list[Any]) -> bool:
             answers = [r for r in results if isinstance(r, list)]
@@ -58,11 +57,11 @@ class RenewOnMajority(Masters):
                 sum(1 for a in answers if a[i] is Renew.RENEWED) >= quorum
                 for i in range(len(entries)))
 
-        results = self.each(lambda e: e.renew(entries),
+        results = self.majority.each(lambda e: e.renew(entries),
                             decided=None if every else all_renewed)
         answers = [r for r in results if isinstance(r, list)]
         if not answers:
-            raise QuorumError(f"renewal of {len(entries)} lock(s)", self._failed(
+            raise QuorumError(f"renewal of {len(entries)} lock(s)", self.majority.failed(
                 results, lambda r: isinstance(r, list)), 0, quorum)
         out: list[Renew] = []
         gaps: list[list[int]] = []
@@ -113,19 +112,19 @@ class RenewOnMajority(Masters):
                     done = write_back(engine)
                 except redis.RedisError as exc:
                     logger.warning("Could not write singleton lock %s back on %s: %s",
-                                   keys.base, self.masters[i].name, describe(exc))
+                                   keys.base, self.majority.masters[i].name, describe(exc))
                     return False
                 if done:
                     with self._counting:
                         self.refilled += 1
                     logger.warning("Wrote singleton lock %s of %s[%s] back on %s: that "
                                    "master had lost it (restarted empty?)", keys.base,
-                                   task_name, task_id, self.masters[i].name)
+                                   task_name, task_id, self.majority.masters[i].name)
                 return done
             return run
 
         for i in only:
-            self.each(job(i), only=[i], timeout=0.0)
+            self.majority.each(job(i), only=[i], timeout=0.0)
 
     def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
                 hostname: str, retries: int, task_name: str) -> Reclaimed:
@@ -135,22 +134,22 @@ class RenewOnMajority(Masters):
         def kept(r: Any) -> bool:
             return isinstance(r, Reclaimed) and r.status in (Reclaim.WRITTEN_BACK, Reclaim.OURS)
 
-        results = self.each(
+        results = self.majority.each(
             lambda e: e.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
                                 lease_ms=lease_ms, hostname=hostname, retries=retries,
                                 task_name=task_name),
-            decided=_settled_by(self.quorum, Reclaimed, kept))
+            decided=_settled_by(self.majority.quorum, Reclaimed, kept))
         held = [i for i, r in enumerate(results) if kept(r)]
-        if len(held) >= self.quorum:
+        if len(held) >= self.majority.quorum:
             written = any(results[i].status is Reclaim.WRITTEN_BACK for i in held)
             return Reclaimed(Reclaim.WRITTEN_BACK if written else Reclaim.OURS,
                              token=max(results[i].token for i in held))
         if held:  # not waited for: each master's queue sends it after the write-back
-            self.each(lambda e: e.release(keys, exec_id, task_id, finished=False), only=held,
-                      timeout=0.0, skip_stale=False)
+            self.majority.each(lambda e: e.release(keys, exec_id, task_id, finished=False),
+                               only=held, timeout=0.0, skip_stale=False)
         refusals = [r for r in results if isinstance(r, Reclaimed) and not kept(r)]
         if not refusals:
-            raise QuorumError(f"write-back of {keys.base}", self._failed(
-                results, lambda r: isinstance(r, Reclaimed)), len(held), self.quorum)
+            raise QuorumError(f"write-back of {keys.base}", self.majority.failed(
+                results, lambda r: isinstance(r, Reclaimed)), len(held), self.majority.quorum)
         counts = Counter(r.status for r in refusals)
         return next(r for r in refusals if counts[r.status] == max(counts.values()))

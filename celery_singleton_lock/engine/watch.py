@@ -4,22 +4,22 @@ moment their server goes away (a crash, a restart, a kill).
 A :class:`RedisWatch` waits on one server; :class:`MastersWatch` on every
 Redlock master, :class:`ClusterWatch` on every Cluster primary (following the
 slot map). Each reconnects, backing off, until its server answers again, and
-then reports a :class:`Back`: the renewer (:mod:`.heartbeat`) re-asserts
-every held lock at once.
+then reports a :class:`Back`: the renewer (:mod:`..worker.heartbeat`)
+re-asserts every held lock at once. Each engine says which watch it needs
+(:meth:`.base.Engine.watch`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import redis
 
-from ..engine.cluster import ClusterWire
-from ..engine.outage import Outage
-from ..engine.redlock.engine import RedlockEngine
-from ..engine.wire import Wire
+from .cluster import ClusterWire
+from .outage import Outage
+from .wire import Wire
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -174,12 +174,10 @@ class MastersWatch(MultiWatch):
     away starts a round at once, which writes the held locks back on it if it
     lost them (:meth:`Heartbeat.renew_now`)."""
 
-    def __init__(self, engine: RedlockEngine) -> None:
+    def __init__(self, masters: Sequence[tuple[str, Wire]]) -> None:
         super().__init__()
-        for master in engine.masters:
-            wire = master.engine.wire
-            assert isinstance(wire, Wire)
-            self.watches[master.name] = RedisWatch(wire.new_connection, wire.outage)
+        for name, wire in masters:
+            self.watches[name] = RedisWatch(wire.new_connection, wire.outage)
 
 
 class ClusterWatch(MultiWatch):
@@ -220,3 +218,7 @@ def _run_id(info: Any) -> Optional[str]:
         if line.startswith("run_id:"):
             return line.split(":", 1)[1].strip()
     return None
+
+
+#: what the renewer waits on: one server's watch, or one per server
+Watch = Union[RedisWatch, MultiWatch]
