@@ -2,7 +2,7 @@
 task may override it. Read once from ``app.conf`` (every name starts with
 ``singleton_``) into a :class:`SingletonConfig` cached per app.
 
-Over 400 lines: the table, the checks of its values, the names it refuses
+One idea: the table, the checks of its values, the names it refuses
 (misspelt ones, the peers' options) and the checks of settings together are
 one idea, what a user may write and what it means.
 """

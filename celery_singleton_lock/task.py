@@ -3,7 +3,7 @@
 Orchestration only: the engine does the Redis work, :mod:`.policies` decides
 what a conflict gets, and :mod:`.outcomes` carries the decision out with Celery.
 
-Over 400 lines: one task's path from its send to its end, in the order a
+Over 500 lines: one task's path from its send to its end, in the order a
 call takes it (settings, send, the old library's key during a rollout, run,
 retry); cut anywhere, a reader would follow one call across two files.
 """

@@ -22,7 +22,7 @@ worker, in-process (pytest-celery's ``celery_worker``, or
 (:class:`CeleryWorker`), with the app's broker and ``singleton_redis_url``
 pointing at ``singleton_redis_url``.
 
-Over 400 lines: the helpers a user's tests import (a Redis, a worker,
+One idea: the helpers a user's tests import (a Redis, a worker,
 assertions) and the plugin's fixtures made of them, kept in the one module the
 plugin's entry point names.
 """

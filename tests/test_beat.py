@@ -514,8 +514,8 @@ def test_a_buffered_tick_older_than_a_tick_decided_since_is_dropped_not_sent(red
     for decided, expect_sent in ((newer, False), (older, True)):
         client.set(buffer_key("singleton:", "late"), str(int(older.timestamp() * 1000)))
         beat._done["late"] = decided
-        beat._buffered["late"] = entry
-        beat._send_buffered()
+        beat.overlap._buffered["late"] = entry
+        beat.overlap._send_buffered()
         assert client.get(buffer_key("singleton:", "late")) is None
         assert bool(beat.sent) is expect_sent, (decided, beat.sent)
     assert beat.sent == [("late", older, beat.beat_id)]

@@ -5,7 +5,7 @@ docs/beat.md):
 
 ``skip``             the tick is not sent (unless the run in the way is that of
                      the tick before, sent late: then the tick waits for it, at
-                     most as long as that one was late; :meth:`OverlapMixin._wait_for_late_run`)
+                     most as long as that one was late; :meth:`Overlap._wait_for_late_run`)
 ``buffer_one``       the tick waits in Redis; a newer one replaces it
 ``buffer_all``       every tick waits in Redis, in tick order, up to
                      ``singleton_beat_buffer_max``; each is sent once the run
@@ -19,8 +19,8 @@ docs/beat.md):
 Only the beat that won a tick's claim decides it. Waiting ticks are in Redis,
 so any beat sends them: every beat looks for the ones it does not hold.
 
-Over 400 lines: one idea, the overlap modes of an entry, each a few methods of
-the one mixin, polled from the same place at every tick of the scheduler.
+One idea: the overlap modes of an entry, each a few methods of one object
+that the scheduler owns and asks at every tick.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections import Counter
 from typing import Any, Mapping
 
 import redis
@@ -96,17 +95,16 @@ def _evaluate(values: Any) -> Any:
     return _evaluate_entry_args(values)
 
 
-class OverlapMixin:
-    """The overlap half of :class:`.beat.SingletonSchedulerMixin`."""
+class Overlap:
+    """The overlap modes of one scheduler's entries: what its beat does with a
+    tick whose entry's previous run still runs. The scheduler
+    (:class:`.scheduler.SingletonSchedulerMixin`) owns one, asks it at each tick
+    and lets it send ticks through :meth:`_send`."""
 
-    app: Any
-    schedule: Any
-    producer: Any
-    singleton_beat: Any
-    singleton_stats: Counter[str]
-    _done: dict[str, dt.datetime]
-
-    def _overlap_init(self) -> None:
+    def __init__(self, scheduler: Any) -> None:
+        #: the scheduler: its app, schedule, producer, settings, counters and
+        #: the last tick decided per entry; its clock and its send
+        self.scheduler = scheduler
         self._buffered: dict[str, Any] = {}  # entries this beat polls a buffered tick of
         self._queued: dict[str, Any] = {}  # buffer_all entries this beat polls the queue of
         self._stopped: dict[str, str] = {}  # task id this beat last cancelled/terminated
@@ -117,18 +115,18 @@ class OverlapMixin:
         self._adopt_failing = False  # the last look failed (said once, not every second)
 
     def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
-        raise NotImplementedError  # the scheduler's
+        self.scheduler._send(entry, tick, producer)
 
     def singleton_now(self) -> dt.datetime:
-        raise NotImplementedError  # the scheduler's
+        return self.scheduler.singleton_now()  # type: ignore[no-any-return]
 
     # -- the mode -------------------------------------------------------------------
 
-    def singleton_overlap(self, entry: Any) -> str:
-        """The entry's overlap mode: its ``singleton_overlap`` option, else the setting."""
+    def mode_of(self, entry: Any) -> str:
+        """The entry's overlap mode: its ``mode_of`` option, else the setting."""
         mode = (entry.options or {}).get(OVERLAP_OPTION)
         if mode is None:
-            return str(self.singleton_beat.overlap)
+            return str(self.scheduler.singleton_beat.overlap)
         return str(choice(OVERLAP_MODES, "overlap mode")(
             f"{OVERLAP_OPTION} of beat entry {entry.name!r}", mode))
 
@@ -136,18 +134,18 @@ class OverlapMixin:
         """The lock keys the entry's next run takes, or None when it is no SingletonTask."""
         from ..task import SingletonTask
 
-        task = self.app.tasks.get(entry.task)
+        task = self.scheduler.app.tasks.get(entry.task)
         if not isinstance(task, SingletonTask):
             return None
         return task.singleton_keys(*_evaluate(entry.args), **_evaluate(entry.kwargs))
 
     # -- every tick of the scheduler -----------------------------------------------
 
-    def _overlap_before_tick(self) -> bool:
+    def before_tick(self) -> bool:
         """Look for others' waiting ticks (once a second) and send the ones
         whose run ended. True when this beat has waiting-mode entries."""
-        waiting = [e for e in self.schedule.values()
-                   if self.singleton_overlap(e) in WAITING_MODES
+        waiting = [e for e in self.scheduler.schedule.values()
+                   if self.mode_of(e) in WAITING_MODES
                    and self._task_keys(e) is not None]
         if waiting and time.monotonic() >= self._adopt_at:
             self._adopt_buffers(waiting)
@@ -160,7 +158,7 @@ class OverlapMixin:
             self._send_after_late_runs()
         return bool(waiting)
 
-    def _overlap_delay(self, delay: float, waiting: bool) -> float:
+    def delay(self, delay: float, waiting: bool) -> float:
         if self._buffered or self._queued:
             delay = min(delay, BUFFER_POLL)
         if self._late_waits:
@@ -175,10 +173,10 @@ class OverlapMixin:
         """Take on the waiting ticks this beat does not hold: the beat that
         buffered one may be dead, and nobody would send it. Every beat that
         holds a buffer polls it; ``GETDEL`` / ``ZPOPMIN`` lets one of them send it."""
-        client = engine_for(self.app).client
-        prefix = get_config(self.app).key_prefix
+        client = engine_for(self.scheduler.app).client
+        prefix = get_config(self.scheduler.app).key_prefix
         for entry in entries:
-            queued = self.singleton_overlap(entry) == "buffer_all"
+            queued = self.mode_of(entry) == "buffer_all"
             held = self._queued if queued else self._buffered
             if entry.name in held:
                 continue
@@ -200,7 +198,7 @@ class OverlapMixin:
 
     # -- a claimed tick -------------------------------------------------------------
 
-    def _previous_still_runs(self, entry: Any, tick: dt.datetime, overlap: str) -> bool:
+    def previous_still_runs(self, entry: Any, tick: dt.datetime, overlap: str) -> bool:
         """True when the tick must not be sent now (skipped, buffered or waiting)."""
         keys = self._task_keys(entry)
         if keys is None:
@@ -208,7 +206,7 @@ class OverlapMixin:
         try:
             if overlap == "buffer_all":
                 return not self._arrive_queued(entry, tick, keys)
-            record = engine_for(self.app).owner(keys)
+            record = engine_for(self.scheduler.app).owner(keys)
         except redis.RedisError as exc:
             logger.warning("Beat entry %r tick %s: could not see whether its previous run "
                            "still runs (%r); sent, the task's own lock decides",
@@ -225,7 +223,7 @@ class OverlapMixin:
             return True
         if self._wait_for_late_run(entry, tick):
             return True
-        self.singleton_stats["overlap_skipped"] += 1
+        self.scheduler.singleton_stats["overlap_skipped"] += 1
         logger.info("Beat entry %r tick %s skipped: the previous run still runs (%s)",
                     entry.name, tick_name(tick), keys.base)
         return True
@@ -240,9 +238,9 @@ class OverlapMixin:
             return  # unknown, or already asked by this beat
         try:
             if not terminate:
-                engine_for(self.app).client.set(cancel_key(keys), task_id,
+                engine_for(self.scheduler.app).client.set(cancel_key(keys), task_id,
                                                 px=RUN_MARKER_TTL_MS)
-            self.app.control.revoke(task_id, terminate=terminate)
+            self.scheduler.app.control.revoke(task_id, terminate=terminate)
         except Exception as exc:
             logger.warning("Beat entry %r tick %s: could not %s the running task %s (%r)",
                            entry.name, tick_name(tick),
@@ -251,13 +249,13 @@ class OverlapMixin:
         self._stopped[entry.name] = task_id
         counter, verb = (("overlap_terminated", "terminated") if terminate
                          else ("overlap_cancelled", "asked to cancel"))
-        self.singleton_stats[counter] += 1
+        self.scheduler.singleton_stats[counter] += 1
         logger.info("Beat entry %r tick %s: the previous run %s still runs, %s (%s)",
                     entry.name, tick_name(tick), task_id, verb, keys.base)
 
     # -- skip: a tick after a late one ----------------------------------------------
 
-    def _note_if_late(self, entry: Any, tick: dt.datetime) -> None:
+    def note_if_late(self, entry: Any, tick: dt.datetime) -> None:
         """After sending ``tick`` more than :data:`LATE_SEND` late, under
         ``skip``: note for the tick after it how late this one went, in
         ``<entry>:late`` = ``<next tick ms> <next tick ms + lateness ms>``.
@@ -267,7 +265,7 @@ class OverlapMixin:
         tick, which ``skip`` would drop although, sent on time, the run could
         have ended by then. Each beat decides the next tick from this note,
         whichever beat sent the late one (one ``SET`` per late send)."""
-        if self.singleton_overlap(entry) != "skip":
+        if self.mode_of(entry) != "skip":
             return
         now = self.singleton_now()
         late_ms = to_ms(now) - to_ms(tick)
@@ -278,8 +276,8 @@ class OverlapMixin:
             return
         deadline = to_ms(following) + late_ms
         try:
-            engine_for(self.app).client.set(
-                late_key(get_config(self.app).key_prefix, entry.name),
+            engine_for(self.scheduler.app).client.set(
+                late_key(get_config(self.scheduler.app).key_prefix, entry.name),
                 f"{to_ms(following)} {deadline}",
                 px=max(deadline - to_ms(now), 0) + _LATE_NOTE_MARGIN_MS)
         except redis.RedisError as exc:
@@ -290,14 +288,14 @@ class OverlapMixin:
 
     def _wait_for_late_run(self, entry: Any, tick: dt.datetime) -> bool:
         """``skip``, a run in the way: True when the tick before was sent late
-        (:meth:`_note_if_late` named this tick), the run then taken for that
+        (:meth:`note_if_late` named this tick), the run then taken for that
         one's. The tick waits for it, at most as long as the tick before was
         late: sent once the run ended, skipped if it still runs then (sent on
         time, it would have run into this tick as well). Sent late in turn, it
         notes that for the tick after it."""
-        prefix = get_config(self.app).key_prefix
+        prefix = get_config(self.scheduler.app).key_prefix
         try:
-            raw = engine_for(self.app).client.get(late_key(prefix, entry.name))
+            raw = engine_for(self.scheduler.app).client.get(late_key(prefix, entry.name))
         except redis.RedisError:
             return False
         try:
@@ -307,7 +305,7 @@ class OverlapMixin:
         if following != to_ms(tick) or to_ms(self.singleton_now()) >= deadline:
             return False
         self._late_waits[entry.name] = (entry, tick, deadline)
-        self.singleton_stats["waited_for_late_run"] += 1
+        self.scheduler.singleton_stats["waited_for_late_run"] += 1
         logger.info("Beat entry %r tick %s waits: the run of the tick before it still runs, "
                     "sent %.2f s late; this tick is sent when that run ends, skipped if it "
                     "still runs at %s", entry.name, tick_name(tick),
@@ -320,52 +318,52 @@ class OverlapMixin:
         for name, (entry, tick, deadline) in list(self._late_waits.items()):
             keys = self._task_keys(entry)
             try:
-                running = keys is not None and bool(engine_for(self.app).owner(keys))
+                running = keys is not None and bool(engine_for(self.scheduler.app).owner(keys))
             except redis.RedisError:
                 running = True  # unseen: looked at again, and skipped at the deadline
             if running and to_ms(self.singleton_now()) < deadline:
                 continue
             del self._late_waits[name]
-            decided = self._done.get(name)
+            decided = self.scheduler._done.get(name)
             if running or (decided is not None and decided > tick):
-                self.singleton_stats["overlap_skipped"] += 1
+                self.scheduler.singleton_stats["overlap_skipped"] += 1
                 logger.info("Beat entry %r tick %s skipped: the previous run still runs "
                             "(waited for it until %s)", name, tick_name(tick),
                             tick_name(from_ms(deadline)))
                 continue
             logger.info("Beat entry %r tick %s sent: the late run before it ended", name,
                         tick_name(tick))
-            self._send(entry, tick, self.producer)
+            self._send(entry, tick, self.scheduler.producer)
 
     # -- buffer_one, cancel_other, terminate_other: one tick waits -------------------
 
     def _buffer(self, entry: Any, tick: dt.datetime, why: str) -> None:
         """Keep the tick in Redis, replacing an older one: at most one run waits."""
-        client = engine_for(self.app).client
-        key = buffer_key(get_config(self.app).key_prefix, entry.name)
+        client = engine_for(self.scheduler.app).client
+        key = buffer_key(get_config(self.scheduler.app).key_prefix, entry.name)
         try:
             replaced = client.set(key, str(to_ms(tick)), px=RUN_MARKER_TTL_MS, get=True)
         except redis.RedisError as exc:
-            self.singleton_stats["backend_error"] += 1
+            self.scheduler.singleton_stats["backend_error"] += 1
             logger.error("Beat entry %r tick %s not buffered: %s (%r)",
                          entry.name, tick_name(tick), redis_failure(exc), exc)
             return
         if replaced is not None and _text(replaced) != str(to_ms(tick)):
-            self.singleton_stats["buffer_dropped"] += 1
+            self.scheduler.singleton_stats["buffer_dropped"] += 1
             logger.info("Beat entry %r tick %s dropped from the buffer: tick %s is newer",
                         entry.name, tick_name(from_ms(int(replaced))), tick_name(tick))
-        self.singleton_stats["buffered"] += 1
+        self.scheduler.singleton_stats["buffered"] += 1
         logger.info("Beat entry %r tick %s buffered: %s", entry.name, tick_name(tick), why)
         self._buffered[entry.name] = entry
 
     def _send_buffered(self) -> None:
         """Send a buffered tick once the run before it ended; GETDEL: one beat sends it."""
-        client = engine_for(self.app).client
-        prefix = get_config(self.app).key_prefix
+        client = engine_for(self.scheduler.app).client
+        prefix = get_config(self.scheduler.app).key_prefix
         for name, entry in list(self._buffered.items()):
             keys = self._task_keys(entry)
             try:
-                if keys is not None and engine_for(self.app).owner(keys):
+                if keys is not None and engine_for(self.scheduler.app).owner(keys):
                     continue
                 waiting = client.getdel(buffer_key(prefix, name))
             except redis.RedisError:
@@ -374,16 +372,16 @@ class OverlapMixin:
             if waiting is None:
                 continue  # another beat sent it, or a newer buffer replaced it
             tick = from_ms(int(waiting))
-            decided = self._done.get(name)
+            decided = self.scheduler._done.get(name)
             if decided is not None and decided > tick:
                 # a newer tick was decided meanwhile (sent, buffered or skipped):
                 # it stands for this one, which would run late and out of order
-                self.singleton_stats["buffer_dropped"] += 1
+                self.scheduler.singleton_stats["buffer_dropped"] += 1
                 logger.info("Beat entry %r tick %s dropped from the buffer: tick %s came "
                             "after it", name, tick_name(tick), tick_name(decided))
                 continue
             logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
-            self._send(entry, tick, self.producer)
+            self._send(entry, tick, self.scheduler.producer)
 
     # -- buffer_all: every tick waits, in order --------------------------------------
 
@@ -397,32 +395,32 @@ class OverlapMixin:
         sending it). The marker is read first: a lock seen free before its
         tick's grant would read as "ended" once the marker appears.
         """
-        client = engine_for(self.app).client
-        prefix = get_config(self.app).key_prefix
+        client = engine_for(self.scheduler.app).client
+        prefix = get_config(self.scheduler.app).key_prefix
         raw = client.get(last_sent_key(prefix, name))
         last = _text(raw) if raw is not None else ""
         if last and not client.exists(run_key(prefix, name, from_ms(int(last)))):
             return last, False
-        return last, not engine_for(self.app).owner(keys)
+        return last, not engine_for(self.scheduler.app).owner(keys)
 
     def _arrive_queued(self, entry: Any, tick: dt.datetime, keys: Any) -> bool:
         """buffer_all: True to send the tick now; else it waits (or the queue is full)."""
-        client = engine_for(self.app).client
-        prefix = get_config(self.app).key_prefix
+        client = engine_for(self.scheduler.app).client
+        prefix = get_config(self.scheduler.app).key_prefix
         last, ended = self._queue_gate(entry.name, keys)
         verdict = _text(_script(
             client, _ARRIVE, [queue_key(prefix, entry.name), last_sent_key(prefix, entry.name)],
-            str(to_ms(tick)), last, "1" if ended else "0", self.singleton_beat.buffer_max,
-            RUN_MARKER_TTL_MS, self.singleton_beat.claim_ttl_ms))
+            str(to_ms(tick)), last, "1" if ended else "0", self.scheduler.singleton_beat.buffer_max,
+            RUN_MARKER_TTL_MS, self.scheduler.singleton_beat.claim_ttl_ms))
         if verdict == "send":
             return True
         if verdict == "full":
-            self.singleton_stats["buffer_dropped"] += 1
+            self.scheduler.singleton_stats["buffer_dropped"] += 1
             logger.info("Beat entry %r tick %s dropped: %d ticks already wait "
                         "(singleton_beat_buffer_max)", entry.name, tick_name(tick),
-                        self.singleton_beat.buffer_max)
+                        self.scheduler.singleton_beat.buffer_max)
         else:
-            self.singleton_stats["buffered"] += 1
+            self.scheduler.singleton_stats["buffered"] += 1
             logger.info("Beat entry %r tick %s buffered: the previous run still runs",
                         entry.name, tick_name(tick))
         self._queued[entry.name] = entry
@@ -430,8 +428,8 @@ class OverlapMixin:
 
     def _send_queued(self) -> None:
         """Send the oldest waiting tick of each queue whose previous run ended."""
-        client = engine_for(self.app).client
-        prefix = get_config(self.app).key_prefix
+        client = engine_for(self.scheduler.app).client
+        prefix = get_config(self.scheduler.app).key_prefix
         for name, entry in list(self._queued.items()):
             keys = self._task_keys(entry)
             try:
@@ -440,7 +438,7 @@ class OverlapMixin:
                     continue
                 taken = _script(client, _TAKE, [queue_key(prefix, name),
                                                 last_sent_key(prefix, name)],
-                                last, self.singleton_beat.claim_ttl_ms)
+                                last, self.scheduler.singleton_beat.claim_ttl_ms)
             except redis.RedisError:
                 continue
             if taken == -1:
@@ -450,4 +448,4 @@ class OverlapMixin:
                 continue  # another beat sent one: its run comes first
             tick = from_ms(int(taken))
             logger.info("Beat entry %r tick %s sent from the buffer", name, tick_name(tick))
-            self._send(entry, tick, self.producer)
+            self._send(entry, tick, self.scheduler.producer)

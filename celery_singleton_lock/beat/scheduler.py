@@ -23,7 +23,7 @@ Tick names, their keys and the worker's check that each tick runs once are in
 What a beat does with a tick whose previous run still runs (overlap modes,
 buffered ticks) is in :mod:`.overlap`.
 
-Over 400 lines: one idea, the scheduler mixin: the hooks of Celery's scheduler
+One idea: one idea, the scheduler mixin: the hooks of Celery's scheduler
 it takes over and the wrapped scheduler's entries whose rules and counts it
 keeps (django-celery-beat's rows among them); tick naming and the overlap modes
 are in their own modules.
@@ -59,7 +59,7 @@ from ..worker.ticks import (
     tick_name,
 )
 from .overlap import OVERLAP_OPTION as OVERLAP_OPTION
-from .overlap import OverlapMixin, redis_failure
+from .overlap import Overlap, redis_failure
 from .ticks import claim_key, ticks_around
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -134,7 +134,7 @@ def schedule_modes(app: Any) -> Optional[list[str]]:
 # -- the scheduler --------------------------------------------------------------------
 
 
-class SingletonSchedulerMixin(OverlapMixin):
+class SingletonSchedulerMixin:
     """Put in front of a Celery scheduler class: each tick is claimed before it is sent.
 
     Overrides ``is_due`` (ticks by nominal time, interval entries aligned to the
@@ -159,7 +159,7 @@ class SingletonSchedulerMixin(OverlapMixin):
         self._done: dict[str, dt.datetime] = {}  # last tick decided here, per entry
         self._due: dict[str, dt.datetime] = {}  # tick is_due found, for apply_entry
         self._sending: dict[str, dt.datetime] = {}  # tick being sent, for apply_async
-        self._overlap_init()
+        self.overlap = Overlap(self)
         super().__init__(*args, **kwargs)
 
     def setup_schedule(self) -> None:
@@ -271,9 +271,9 @@ class SingletonSchedulerMixin(OverlapMixin):
         """Celery's tick; first, waiting ticks whose run ended are sent, and
         every beat with entries whose ticks may wait looks for waiting ticks it
         does not hold (their beat may have died): :mod:`.overlap`."""
-        waiting = self._overlap_before_tick()
+        waiting = self.overlap.before_tick()
         delay: float = super().tick(*args, **kwargs)  # type: ignore[misc]
-        return self._overlap_delay(delay, waiting)
+        return self.overlap.delay(delay, waiting)
 
     # -- sending ------------------------------------------------------------------
 
@@ -289,8 +289,8 @@ class SingletonSchedulerMixin(OverlapMixin):
         self._done[entry.name] = tick
         if not self._claim(entry, tick) or not self._still_due(entry, tick):
             return
-        overlap = self.singleton_overlap(entry)
-        if overlap != "allow" and self._previous_still_runs(entry, tick, overlap):
+        overlap = self.overlap.mode_of(entry)
+        if overlap != "allow" and self.overlap.previous_still_runs(entry, tick, overlap):
             return
         self._send(entry, tick, producer)
 
@@ -335,7 +335,7 @@ class SingletonSchedulerMixin(OverlapMixin):
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         finally:
             self._sending.pop(entry.name, None)
-        self._note_if_late(entry, tick)
+        self.overlap.note_if_late(entry, tick)
 
     def _still_due(self, entry: Any, tick: dt.datetime) -> bool:
         """The entry's own rules once more, after the claim, on its stored state

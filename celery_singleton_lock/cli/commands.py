@@ -6,7 +6,7 @@ report, 1 refused, nothing to do, or findings to look at, 2 usage, settings or
 connection error, or credentials refused. Only key hashes are ever printed,
 never argument values, and every URL goes out with its password masked.
 
-Over 400 lines: one click group, whose commands share the context they read
+One idea: one click group, whose commands share the context they read
 (app, settings, engine, the task a name means) and one way of failing (a line
 and an exit code, never a traceback); what they print lives in
 :mod:`.listing` and :mod:`.purging`.
