@@ -26,16 +26,16 @@ nox.options.sessions = ["oldest", "newest"]
 
 #: the promise subset: real servers, real `celery worker` subprocesses
 PROMISES = [
-    "tests/test_promises.py",
-    "tests/test_engine.py",
-    "tests/test_link.py",
-    "tests/test_exit_paths.py",
-    "tests/test_duplicates.py",
-    "tests/test_scopes.py",
-    "tests/test_redelivery.py",
-    "tests/test_checks.py",
-    "tests/test_cli.py",
-    "tests/test_beat.py",
+    "tests/contract/test_contract_one_server.py",
+    "tests/engine/test_engine.py",
+    "tests/engine/test_link.py",
+    "tests/lock/test_exit_paths.py",
+    "tests/conflict/test_duplicates.py",
+    "tests/conflict/test_scopes.py",
+    "tests/conflict/test_redelivery.py",
+    "tests/checks/test_checks.py",
+    "tests/cli/test_cli.py",
+    "tests/beat/test_beat.py",
 ]
 
 TEST_TOOLS = [
@@ -144,5 +144,5 @@ def pythons(session: nox.Session) -> None:
 def wheel(session: nox.Session) -> None:
     """sdist and wheel built, twine-checked, the wheel's demo run from a fresh venv."""
     session.install("-e", ".", "build>=1.2", "twine>=5", *TEST_TOOLS)
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/test_wheel.py",
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/project/test_wheel.py",
                 *session.posargs)

@@ -1,6 +1,6 @@
 """``python -m tests.djangofencing``: django_update on a model with a fence field,
 in an in-memory SQLite database; prints ``fenced`` when every check holds.
-Run by tests/test_fencing.py in a process of its own (Django is configured
+Run by tests/lock/test_fencing.py in a process of its own (Django is configured
 once per process)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Mutation testing of the Lua scripts, through the engine tests.
 
 mutmut mutates Python only. This makes the same kind of small bug in a script
-of ``celery_singleton_lock/lua/`` (a comparison flipped or loosened, ``and``
+of ``celery_singleton_lock/engine/lua/`` (a comparison flipped or loosened, ``and``
 for ``or``, an off-by-one), one at a time, in a copy of the repository, and
 runs the engine tests there against a real redis-server; a mutant no test
 fails on survives and is printed with its line::
@@ -9,7 +9,7 @@ fails on survives and is printed with its line::
     python -m tests.lua_mutants acquire_slots release      # the scripts to mutate
     python -m tests.lua_mutants --all                       # every script (long)
 
-Arguments after ``--`` go to pytest (default: ``tests/test_engine.py -x``).
+Arguments after ``--`` go to pytest (default: ``tests/engine/test_engine.py -x``).
 CONTRIBUTING.md has the last run's figures.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LUA = Path("celery_singleton_lock") / "lua"
+LUA = Path("celery_singleton_lock") / "engine" / "lua"
 
 #: (pattern, replacement): each match in a line of code is one mutant
 OPERATORS: list[tuple[str, str]] = [
@@ -111,7 +111,7 @@ def main() -> int:
                else args.scripts)
     if not scripts:
         parser.error("name the scripts to mutate, or --all")
-    return run(scripts, pytest_args or ["tests/test_engine.py", "-x"])
+    return run(scripts, pytest_args or ["tests/engine/test_engine.py", "-x"])
 
 
 if __name__ == "__main__":

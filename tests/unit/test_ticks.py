@@ -1,6 +1,6 @@
 """Beat ticks: names, keys and fire times every beat computes alike from its
 clock alone, and the worker's run marker (on a real redis-server; beats and
-workers are in tests/test_beat.py)."""
+workers are in tests/beat/test_beat.py)."""
 
 from __future__ import annotations
 

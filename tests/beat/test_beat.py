@@ -30,7 +30,7 @@ from celery_singleton_lock.beat.ticks import buffer_key, claim_key, interval_tic
 from celery_singleton_lock.engine.registry import connect, engine_for
 from celery_singleton_lock.exceptions import ConfigurationError
 from celery_singleton_lock.worker.ticks import claim_tick_run, entry_base, from_ms, tick_name
-from tests import promises
+from tests.contract import promises
 from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 
 pytestmark = pytest.mark.worker
@@ -500,7 +500,7 @@ def test_a_buffered_tick_older_than_a_tick_decided_since_is_dropped_not_sent(red
     run an older tick after a newer one. It is dropped and counted; a buffer
     of the latest tick is sent."""
     from tests.beatapp import make_beat_app
-    from tests.promises import VirtualScheduler
+    from tests.contract.promises import VirtualScheduler
 
     app = make_beat_app(redis_server.url(), "unused", schedule={
         "late": {"task": "t.tick_hold", "every": 4, "kwargs": {"key": uuid.uuid4().hex},

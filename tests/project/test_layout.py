@@ -231,7 +231,7 @@ def test_the_dockerignore_keeps_all_but_what_the_image_copies_out():
                  "dist/x.whl", "celery_singleton_lock.egg-info/PKG-INFO",
                  "celery_singleton_lock/__pycache__/task.cpython-311.pyc",
                  "tests/unit/x.pyc", ".pytest_cache/v", "tests/.mypy_cache/x",
-                 ".ruff_cache/x", "tests/test_layout.py", "docs/index.md",
+                 ".ruff_cache/x", "tests/project/test_layout.py", "docs/index.md",
                  "benchmarks/results/results.json", "examples/beat/tasks.py"):
         assert ignored(junk, patterns), junk
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],

@@ -1,7 +1,7 @@
 """The bad day, on real workers: a killed pool child, a Redis outage.
 
 Short forms run in the default suite. ``SLT_CHAOS_ROUNDS=N`` (or
-``python -m pytest tests/test_chaos.py --chaos-long`` via the env var) repeats
+``python -m pytest tests/worker/test_chaos.py --chaos-long`` via the env var) repeats
 the fork race N times per broker.
 """
 

@@ -24,7 +24,7 @@ from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.worker.heartbeat import Heartbeat
 from celery_singleton_lock.worker.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_run
-from tests import promises
+from tests.contract import promises
 from tests.deployments import Cluster
 from tests.support import (
     RedisServer,

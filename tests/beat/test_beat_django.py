@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("django_celery_beat")
 
-import tests.test_beat as beat_tests
+import tests.beat.test_beat as beat_tests
 from tests.support import ROOT, wait_for
-from tests.test_beat import parse
+from tests.beat.test_beat import parse
 
 UTC = dt.timezone.utc
 
@@ -124,7 +124,7 @@ def test_two_real_beats_over_postgresql_keep_every_rule_of_django_celery_beat(
     database add up to the runs, whichever beat sent them, one beat killed
     (-9) and started again on the way."""
     from tests.pg import own_database
-    from tests.test_beat import Beat, claimed, tick_events
+    from tests.beat.test_beat import Beat, claimed, tick_events
 
     with own_database() as dsn:
         db = dict(part.split("=", 1) for part in dsn.split())["dbname"]

@@ -20,7 +20,7 @@ from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Release, Renew
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
-from tests import promises
+from tests.contract import promises
 from tests.conftest import Events
 from tests.deployments import valkey_server_binary
 from tests.support import RedisServer, Worker, discard

@@ -16,7 +16,7 @@ from celery import Celery
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, is_skipped
 from tests.support import ROOT, Worker, discard, wait_for
-from tests.test_cli import run_cli
+from tests.cli.test_cli import run_cli
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -200,7 +200,7 @@ def test_a_slot_whose_holder_died_unseen_is_taken_back(app, redis_server, events
     ran: the record is all that is left), slot 1 by a live run: the next call
     frees slot 2 and runs in it instead of being skipped for a lease."""
     from celery_singleton_lock.keys import LockKeys
-    from tests.test_cli import hold_stale
+    from tests.cli.test_cli import hold_stale
 
     t = app.tasks["t.limit2"]
     keys = t.singleton_keys(key)

@@ -10,7 +10,7 @@ import pytest
 
 from celery_singleton_lock import is_skipped
 from tests.support import Worker, discard, wait_for
-from tests.test_cli import run_cli
+from tests.cli.test_cli import run_cli
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker

@@ -15,7 +15,7 @@ import pytest
 from celery_singleton_lock.beat.ticks import queue_key
 from celery_singleton_lock.worker.ticks import from_ms, tick_name
 from tests.support import wait_for
-from tests.test_beat import (  # noqa: F401
+from tests.beat.test_beat import (  # noqa: F401
     Beat,
     beat_worker,
     beats,

@@ -1,0 +1,1 @@
+"""Beat without a leader: real beat processes, overlap modes, django-celery-beat."""

@@ -1,0 +1,1 @@
+"""The doctor and the checks at worker start."""

@@ -1,0 +1,1 @@
+"""`celery singleton ...` as users run it."""

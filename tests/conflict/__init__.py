@@ -1,0 +1,1 @@
+"""What a duplicate gets: skip, retry, raise, replace; scopes, limits, throttles, redeliveries."""

@@ -1,0 +1,1 @@
+"""The engine and every deployment it talks to: one server, Sentinel, Cluster, Redlock, Valkey, WAIT, TLS."""

@@ -1,0 +1,1 @@
+"""A key means what the user means: arguments, models, migrations."""

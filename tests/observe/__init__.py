@@ -1,0 +1,1 @@
+"""What an operator sees: Flower, events, log lines."""

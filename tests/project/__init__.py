@@ -1,0 +1,1 @@
+"""The project itself: its house, docs, examples, packaging, benchmarks and test helpers."""

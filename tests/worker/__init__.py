@@ -1,0 +1,1 @@
+"""The bad day on real workers: kills, outages, freezes, shutdowns."""
