@@ -31,8 +31,18 @@ class Script:
 
     @classmethod
     def load(cls, name: str) -> Script:
-        source = resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+        """``lua/<name>.lua`` after the prelude every script shares (the owner
+        record's layout, ``lua/_record.lua``)."""
+        source = _read(PRELUDE) + _read(name)
         return cls(name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+#: the prelude of every script: the owner record's layout, written once
+PRELUDE = "_record"
+
+
+def _read(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
 
 
 def pack(parts: Sequence[Any]) -> bytes:

@@ -105,6 +105,7 @@ def install() -> None:
         return current(mask_settings(conf))
 
     filter_hidden_settings.__doc__ = current.__doc__
+    filter_hidden_settings.__wrapped__ = current  # type: ignore[attr-defined]
     setattr(filter_hidden_settings, _MARK, True)
     utils.filter_hidden_settings = filter_hidden_settings
 

@@ -23,8 +23,8 @@ import pytest
 pytest.importorskip("django_celery_beat")
 
 import tests.beat.test_beat as beat_tests
-from tests.support import ROOT, wait_for
 from tests.beat.test_beat import parse
+from tests.support import ROOT, wait_for
 
 UTC = dt.timezone.utc
 
@@ -123,8 +123,8 @@ def test_two_real_beats_over_postgresql_keep_every_rule_of_django_celery_beat(
     expires runs only until then and ends disabled; and the run counts in the
     database add up to the runs, whichever beat sent them, one beat killed
     (-9) and started again on the way."""
-    from tests.pg import own_database
     from tests.beat.test_beat import Beat, claimed, tick_events
+    from tests.pg import own_database
 
     with own_database() as dsn:
         db = dict(part.split("=", 1) for part in dsn.split())["dbname"]

@@ -14,7 +14,6 @@ import pytest
 
 from celery_singleton_lock.beat.ticks import queue_key
 from celery_singleton_lock.worker.ticks import from_ms, tick_name
-from tests.support import wait_for
 from tests.beat.test_beat import (  # noqa: F401
     Beat,
     beat_worker,
@@ -23,6 +22,7 @@ from tests.beat.test_beat import (  # noqa: F401
     parse,
     tick_events,
 )
+from tests.support import wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -18,8 +18,8 @@ import pytest
 import tests.beat.test_beat as beat_tests
 from celery_singleton_lock.beat.ticks import claim_key, queue_key
 from celery_singleton_lock.worker.ticks import from_ms, tick_name
-from tests.support import wait_for
 from tests.beat.test_beat import Beat, stats, tick_events
+from tests.support import wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -15,8 +15,8 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, is_skipped
-from tests.support import ROOT, Worker, discard, wait_for
 from tests.cli.test_cli import run_cli
+from tests.support import ROOT, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker

@@ -26,8 +26,8 @@ from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Reclaim
 from celery_singleton_lock.keys import LockKeys
-from tests.support import RedisServer, Worker, discard, owner_record, wait_for
 from tests.engine.test_restart_race import OFFSETS, wait_for_renewal
+from tests.support import RedisServer, Worker, discard, owner_record, wait_for
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 3.0}

@@ -9,8 +9,8 @@ from typing import Any, Iterator
 import pytest
 
 from celery_singleton_lock import is_skipped
-from tests.support import Worker, discard, wait_for
 from tests.cli.test_cli import run_cli
+from tests.support import Worker, discard, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker

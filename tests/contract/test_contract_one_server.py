@@ -12,8 +12,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.contract import promises
 from tests.conftest import Events
+from tests.contract import promises
 from tests.support import RedisServer, Worker, discard
 from tests.workerapp import make_app
 

@@ -1,1 +1,2 @@
-"""The engine and every deployment it talks to: one server, Sentinel, Cluster, Redlock, Valkey, WAIT, TLS."""
+"""The engine and every deployment it talks to: one server, Sentinel, Cluster, Redlock, Valkey,
+WAIT, TLS."""

@@ -34,9 +34,9 @@ from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.worker.heartbeat import Heartbeat
 from celery_singleton_lock.worker.ticks import entry_base
+from tests.beat.test_beat import Beat, tick_events
 from tests.contract import promises
 from tests.support import ROOT, RedisServer, Worker, discard, owner_field, wait_for
-from tests.beat.test_beat import Beat, tick_events
 from tests.workerapp import make_app
 
 

@@ -20,8 +20,8 @@ from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Release, Renew
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
-from tests.contract import promises
 from tests.conftest import Events
+from tests.contract import promises
 from tests.deployments import valkey_server_binary
 from tests.support import RedisServer, Worker, discard
 from tests.workerapp import make_app

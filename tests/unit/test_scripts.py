@@ -52,3 +52,25 @@ def test_a_lone_surrogate_fails_as_the_general_packing_does() -> None:
             general(keys, args)
         with pytest.raises(UnicodeEncodeError):
             evalsha(SCRIPTS["acquire"], keys, args)
+
+
+def test_the_owner_record_layout_is_written_once_for_lua_and_python():
+    """Every script starts with the prelude that names the owner record's fields;
+    it lists them in the order Python reads them (``replies.RECORD_FIELDS``), and
+    no script spells a record pattern of its own."""
+    import re
+    from importlib import resources
+
+    from celery_singleton_lock.engine.calls import SCRIPTS
+    from celery_singleton_lock.engine.replies import RECORD_FIELDS
+    from celery_singleton_lock.engine.scripts import PRELUDE
+
+    lua = resources.files("celery_singleton_lock.engine").joinpath("lua")
+    prelude = lua.joinpath(f"{PRELUDE}.lua").read_text()
+    listed = re.search(r"^--\s+(exec handoff .*)$", prelude, re.M)
+    assert listed and tuple(listed.group(1).split()) == RECORD_FIELDS
+    for script in SCRIPTS.values():
+        assert script.source.startswith(prelude)
+        own = lua.joinpath(f"{script.name}.lua").read_text()
+        # a record is matched field by field only through the prelude's patterns
+        assert "[^\\n]*\\n[^\\n]*\\n" not in own, script.name

@@ -66,20 +66,18 @@ local handed = false
 -- the task id ends the record: only a record that ends with ours is read field by field
 if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
   -- exec, handoff, copies, then nine fields, then the task id
-  local exec, handoff, copies, holder = string.match(record,
-    '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$')
+  local exec, handoff, copies, holder = string.match(record, RECORD_EXEC_HANDOFF_COPIES_TASK)
   if holder == task_id then
-    if handoff == string.match(ARGV[4], '^[^\n]*\n[^\n]*\n([^\n]*)') then
+    if handoff == string.match(ARGV[4], REST_RETRIES) then
       -- the retried execution takes back the key its earlier attempt kept for it
       handed = true
     elseif exec == exec_id then
       redis.call('PEXPIRE', lock, ARGV[3])
-      return string.match(record, '^[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)')
+      return string.match(record, RECORD_TOKEN)
     else
       -- a redelivered copy: the holder must leave a trace when it finishes
       if copies ~= '1' then
-        redis.call('SET', lock, exec .. '\n' .. handoff .. '\n1' ..
-          string.sub(record, #exec + #handoff + #copies + 3), 'KEEPTTL')
+        redis.call('SET', lock, with_copies(record, exec, handoff, copies), 'KEEPTTL')
       end
       return {2, record}
     end
@@ -120,7 +118,7 @@ if not handed then
     if other then
       -- sent while another was queued, past the send-time check (a canvas
       -- member, a plain send_task): the queued one owns the key
-      return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n' .. (string.match(other, '\n(.*)$') or other), 0}
+      return {0, holder_record(string.match(other, '\n(.*)$') or other), 0}
     end
   end
   if own_queued then
@@ -146,8 +144,7 @@ if last and (#last > #now or (#last == #now and last >= now)) then
   token = string.format('%.0f', tonumber(last) + 1)
   redis.call('SET', fence, token, 'PX', '86400000')
 end
-redis.call('SET', lock, exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4],
-  'PX', ARGV[3])
+redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
 if throttle then
   -- a start opens the window; a retry of the task that opened it keeps it
   local ends = string.format('%.0f', math.floor(tonumber(now) / 1000) + tonumber(ARGV[6]))

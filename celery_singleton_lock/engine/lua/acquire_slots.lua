@@ -25,8 +25,6 @@
 local fence, fin, done, back = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if done == fence then done = nil end  -- no done window: no marker to look for
 local task_id, exec_id = ARGV[1], ARGV[2]
-local FIELDS = '^([^\n]*)\n([^\n]*)\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
-  '[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n(.*)$'
 
 local function grant(slot)
   local t = redis.call('TIME')
@@ -39,8 +37,7 @@ local function grant(slot)
     token = string.format('%.0f', tonumber(last) + 1)
     redis.call('SET', fence, token, 'PX', '86400000')
   end
-  redis.call('SET', KEYS[4 + slot], exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' ..
-    ARGV[4], 'PX', ARGV[3])
+  redis.call('SET', KEYS[4 + slot], new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
   return {1, token, slot}
 end
 
@@ -51,18 +48,18 @@ for slot = 1, #KEYS - 4 do
   if not record then
     free = free or slot
   elseif string.sub(record, -#task_id - 1) == '\n' .. task_id then
-    local exec, handoff, copies, holder = string.match(record, FIELDS)
+    local exec, handoff, copies, holder = string.match(record, RECORD_EXEC_HANDOFF_COPIES_TASK)
     if holder == task_id then
-      if handoff == string.match(ARGV[4], '^[^\n]*\n[^\n]*\n([^\n]*)') then
+      if handoff == string.match(ARGV[4], REST_RETRIES) then
         return grant(slot)  -- the retry takes back the slot its attempt kept for it
       end
       if exec == exec_id then
         redis.call('PEXPIRE', KEYS[4 + slot], ARGV[3])
-        return {1, string.match(record, '^[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)'), slot}
+        return {1, string.match(record, RECORD_TOKEN), slot}
       end
       if copies ~= '1' then
-        redis.call('SET', KEYS[4 + slot], exec .. '\n' .. handoff .. '\n1' ..
-          string.sub(record, #exec + #handoff + #copies + 3), 'KEEPTTL')
+        redis.call('SET', KEYS[4 + slot], with_copies(record, exec, handoff, copies),
+          'KEEPTTL')
       end
       return {2, record, slot}
     end
@@ -91,7 +88,7 @@ if not free then
   for slot = 1, #KEYS - 4 do
     if records[slot] then return {0, records[slot], 0, slot} end
   end
-  return {0, '\n\n\n\n\n\n\n\n0\n\n\n\n', 0, 1}
+  return {0, holder_record(''), 0, 1}
 end
 if redis.call('GET', fin) == task_id then
   return {3, task_id}

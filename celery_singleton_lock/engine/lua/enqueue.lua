@@ -69,7 +69,7 @@ if ARGV[2] == 'queue_and_run' then
   local record = redis.call('GET', lock)
   if record then
     -- the owner record's last field, after twelve others (docs/redis-keys.md)
-    return {0, string.match(record, '^' .. string.rep('[^\n]*\n', 12) .. '(.*)$'), 1}
+    return {0, string.match(record, RECORD_TASK), 1}
   end
 end
 redis.call('SET', queued, ARGV[4] .. '\n' .. task_id, 'PX', ARGV[3])

@@ -11,8 +11,7 @@ if not record then
   return 0
 end
 -- exec, handoff, copies, token: the record's first four fields
-local exec, handoff, copies, token = string.match(record,
-  '^([^\n]*)\n([^\n]*)\n([^\n]*)\n([^\n]*)\n')
+local exec, handoff, copies, token = string.match(record, RECORD_HEAD)
 if exec ~= ARGV[1] then
   return 0
 end

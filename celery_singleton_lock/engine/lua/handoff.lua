@@ -9,7 +9,7 @@ local record = redis.call('GET', lock)
 if not record then
   return 0
 end
-local exec, handoff = string.match(record, '^([^\n]*)\n([^\n]*)\n')
+local exec, handoff = string.match(record, RECORD_EXEC_HANDOFF)
 if exec ~= ARGV[1] then
   return 0
 end

@@ -31,7 +31,7 @@ local lock, fence, back = KEYS[1], KEYS[2], KEYS[3]
 local exec_id, holder_token = ARGV[1], ARGV[3]
 local record = redis.call('GET', lock)
 if record then
-  local exec, token = string.match(record, '^([^\n]*)\n[^\n]*\n[^\n]*\n([^\n]*)\n')
+  local exec, token = string.match(record, RECORD_EXEC_TOKEN)
   if exec == exec_id then
     redis.call('PEXPIRE', lock, ARGV[2])
     return {1, token}
@@ -58,8 +58,7 @@ if last and not below(last, token) then
   token = string.format('%.0f', tonumber(last) + 1)
 end
 redis.call('SET', fence, token, 'PX', '86400000')
-redis.call('SET', lock, exec_id .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4],
-  'PX', ARGV[2])
+redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[2])
 if back then
   redis.call('HSET', back, '', '1', lock, token)
   redis.call('PEXPIRE', back, ARGV[5])

@@ -16,7 +16,7 @@ local record = redis.call('GET', lock)
 local ours, copies = false, nil
 if record then
   local exec
-  exec, copies = string.match(record, '^([^\n]*)\n[^\n]*\n([^\n]*)\n')
+  exec, copies = string.match(record, RECORD_EXEC_COPIES)
   ours = exec == ARGV[1]
 end
 local mode = ARGV[2] or '1'
@@ -24,9 +24,7 @@ if mode == '2' then
   redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
 elseif mode == '1' and ours and copies == '1' then
   -- fields 7 (fin TTL) and 13 (task id)
-  local fin_ms, task = string.match(record,
-    '^[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n[^\n]*\n([^\n]*)\n[^\n]*\n[^\n]*\n[^\n]*\n' ..
-    '[^\n]*\n[^\n]*\n(.*)$')
+  local fin_ms, task = string.match(record, RECORD_FIN_TASK)
   redis.call('SET', KEYS[2], task, 'PX', fin_ms)
 end
 if KEYS[3] then

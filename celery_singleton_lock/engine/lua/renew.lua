@@ -13,7 +13,7 @@ for i, lock in ipairs(KEYS) do
   if not record then
     out[i] = 3
   else
-    local exec, handoff = string.match(record, '^([^\n]*)\n([^\n]*)\n')
+    local exec, handoff = string.match(record, RECORD_EXEC_HANDOFF)
     if exec ~= ARGV[2 * i - 1] then
       out[i] = 0
     elseif handoff ~= '' then
