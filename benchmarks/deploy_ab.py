@@ -34,7 +34,7 @@ DRIVER = r"""
 import json, sys, time, uuid
 from celery_singleton_lock import SingletonConfig
 try:
-    from celery_singleton_lock.engine import LockEngine
+    from celery_singleton_lock.engine.server import LockEngine
 except ImportError:  # versions where the engine lived in lock.py
     from celery_singleton_lock.lock import LockEngine
 from celery_singleton_lock.keys import LockKeys

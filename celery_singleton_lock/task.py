@@ -1,7 +1,7 @@
 """SingletonTask: take the key's lock before the body runs, hold it while it runs.
 
-Orchestration only: the engine does the Redis work, :mod:`.policies` decides
-what a conflict gets, and :mod:`.outcomes` carries the decision out with Celery.
+Orchestration only: the engine does the Redis work, :mod:`.conflict.policies` decides
+what a conflict gets, and :mod:`.conflict.outcomes` carries the decision out with Celery.
 
 Over 500 lines: one task's path from its send to its end, in the order a
 call takes it (settings, send, the old library's key during a rollout, run,
@@ -92,7 +92,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     #: the worker's request class: it tells the pool process whether task
     #: events are on now (a skip then shows as SKIPPED in Flower)
-    Request = "celery_singleton_lock.bootsteps:SingletonRequest"
+    Request = "celery_singleton_lock.worker.step:SingletonRequest"
 
     #: a duplicate refused under the ``raise`` policy is expected: Celery logs
     #: it as one INFO line, not as an ERROR with a traceback

@@ -8,7 +8,7 @@ replica or a Redis without persistence forgets grants. Each check returns
 turns them into a worker's start-up verdict and ``celery singleton doctor``
 prints them.
 
-:mod:`.permissions` and :mod:`.serverchecks` hold the checks themselves,
+:mod:`.permissions` and :mod:`.server` hold the checks themselves,
 :mod:`.findings` what they say. No Celery import: the checks need only a
 redis-py client and the settings.
 """

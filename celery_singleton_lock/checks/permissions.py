@@ -292,7 +292,7 @@ def publishing_check(client: redis.Redis, config: SingletonConfig) -> list[Findi
 
 #: what a beat sends beyond claiming ticks (``SET NX PX``, then ``GET``) and
 #: reading a running task's owner record (``GET``), by the overlap mode of its
-#: SingletonTask entries (:mod:`.overlap`): a waiting tick is looked for with
+#: SingletonTask entries (:mod:`..beat.overlap`): a waiting tick is looked for with
 #: ``EXISTS``, taken with ``GETDEL``, and ``buffer_all``'s queue is kept by two
 #: small scripts called by SHA (``EVALSHA``, ``SCRIPT LOAD``: in the worker's
 #: rule too) that call the sorted-set commands

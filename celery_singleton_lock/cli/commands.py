@@ -9,7 +9,7 @@ never argument values, and every URL goes out with its password masked.
 One idea: one click group, whose commands share the context they read
 (app, settings, engine, the task a name means) and one way of failing (a line
 and an exit code, never a traceback); what they print lives in
-:mod:`.listing` and :mod:`.purging`.
+:mod:`.listing` and :mod:`.purge`.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def send_again(task: Any, config: SingletonConfig, args: Sequence[Any],
     The countdown is one the broker can carry (at least a second under
     RabbitMQ's native delayed delivery), and the message carries the headers Celery
     would put on a retry: the request's own, less the broker's bookkeeping
-    (``x-death`` and the like, ``x-delivery-count``; :mod:`.transport`).
+    (``x-death`` and the like, ``x-delivery-count``; :mod:`.broker`).
     """
     req = task.request
     waits = int(getattr(req, WAITS_HEADER, None) or 0)

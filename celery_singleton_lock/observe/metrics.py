@@ -14,7 +14,7 @@ Served two ways:
 * by Flower's ``/metrics``, through its ``--conf`` file (Python)::
 
       # flowerconfig.py
-      from celery_singleton_lock.metrics import register
+      from celery_singleton_lock import register_metrics as register
       register("redis://lock-redis:6379/0")   # singleton_redis_url
 
 * by ``celery -A proj singleton metrics --port 9808`` (its own HTTP server).

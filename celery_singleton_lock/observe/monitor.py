@@ -91,7 +91,7 @@ def configure_worker(hostname: str, task_events: bool) -> None:
 # -- task events -----------------------------------------------------------------
 
 #: the request field by which the worker's main process tells a pool process
-#: whether task events go out now (:class:`.bootsteps.SingletonRequest`)
+#: whether task events go out now (:class:`..worker.step.SingletonRequest`)
 EVENTS_FIELD = "singleton_task_events"
 
 
@@ -324,7 +324,7 @@ def flower_format_task(url: str, prefix: str = "singleton:",
     "Singleton lock": its key and slot, fencing token and age::
 
         # flowerconfig.py  (celery -A proj flower --conf=flowerconfig.py)
-        from celery_singleton_lock.monitor import flower_format_task
+        from celery_singleton_lock import flower_format_task
         format_task = flower_format_task("redis://locks:CHANGE-ME@redis:6379/2")
 
     ``url`` is the lock Redis (``singleton_redis_url``). The locks are read

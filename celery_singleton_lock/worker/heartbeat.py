@@ -3,7 +3,7 @@ per interval.
 
 The thread starts with the first lock the process takes (so after fork). It
 sleeps in ``select`` on two things: a wake-up pipe (a lock with a shorter lease
-arrived) and its watch (:mod:`.watch`), a connection of its own to the lock
+arrived) and its watch (:mod:`..engine.watch`), a connection of its own to the lock
 Redis that turns readable the moment the server goes away, so the renewer
 learns of it at once instead of at its next round, and re-asserts every held
 lock as soon as Redis answers again. On a Cluster it watches every primary the

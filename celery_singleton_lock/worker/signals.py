@@ -7,7 +7,7 @@ instead of letting the lease run out. Handlers are thin, idempotent (Celery
 fires some twice) and never block the worker's event loop: the wait for the
 child to exit happens in a short-lived thread.
 
-:func:`connect` is called by the worker step (:mod:`.bootsteps`) when a worker
+:func:`connect` is called by the worker step (:mod:`.step`) when a worker
 of an app with a singleton task starts, never on import.
 """
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
-import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -44,10 +43,9 @@ def killed_child_is_freed_by_the_main_process(app: Any, events: Any, key: str,
     res = app.tasks["t.hold"].delay(key, 20.0, "kill9")
     pid = wait_for(lambda: events.starts("kill9"), 15, what="start")[0]["pid"]
     assert lock_exists("t.hold", key)
-    t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    # within 10 s, where the lease alone would take 30
     wait_for(lambda: not lock_exists("t.hold", key), 10, what="key freed")
-    assert time.monotonic() - t0 < 15
     with pytest.raises(Exception, match=r"WorkerLost|exited prematurely"):
         res.get(timeout=10)
 

@@ -405,7 +405,7 @@ def test_a_shard_with_no_replica_after_its_failover_does_as_its_setting_says(
         assert "(singleton_wait_no_replica: proceed)" in proceed.logs()
         waiting = waits_app.tasks["t.hold"].delay(f"{name}", 0.0, "waits")
         wait_for(lambda: "No replica acknowledged the grant" in release.logs()
-                 and "TooFewReplicasError): retrying later" in release.logs(), 30,
+                 and "(TooFewReplicasError: " in release.logs(), 30,
                  what="a grant given back, saying why")
         assert not events.starts("waits")
         victim.start()  # rejoins as the promoted node's replica

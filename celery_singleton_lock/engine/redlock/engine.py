@@ -22,10 +22,10 @@ where lock logic lives.
   fewer answers leave it alone (its deadline makes it lost, as a lapsed lease),
   a majority that no longer has it makes it lost at once. A master that says
   it no longer has a lock a majority renewed (restarted empty) gets it written
-  back (:meth:`RedlockEngine.refill`, from the renewer): :mod:`.redlockrenew`.
+  back (:meth:`RedlockEngine.refill`, from the renewer): :mod:`.renewal`.
 - **Claims** (beat's tick claims, the worker's tick-run markers) and the
   queue scopes' send-time key: won on a majority; claimants that split the
-  masters give back and try again: :mod:`.redlockclaims`.
+  masters give back and try again: :mod:`.claims`.
 - **Release** on every master; one that does not answer is left to its TTL.
 
 Calls to the masters go out concurrently (:mod:`.quorum`): a call waits until
