@@ -37,7 +37,6 @@ from .keys import KeyBuilder, KeySpec, LockKeys
 from .lock import REQUEST_ATTR, Lease, SingletonLock
 from .models import ModelArguments
 from .observe import monitor
-from .observe.masking import install as install_masking
 from .process import PROCESS, ForkSafeLock
 from .rollout import SENT_HEADER, OtherLibrary, OtherLock
 from .worker.heartbeat import heartbeat_for
@@ -105,9 +104,6 @@ class SingletonTask(Task):  # type: ignore[misc]
     def bind(cls, app: Any) -> Any:
         # the worker step checks the settings at start and wires the signals
         app.steps["worker"].add(SingletonStep)
-        # an app with a singleton task prints its configuration (celery report,
-        # inspect conf, Flower) with the lock Redis's password masked
-        install_masking()
         # a task's own throws=(...) adds to ours
         throws = cls.throws if isinstance(cls.throws, tuple) else (cls.throws,)
         if not any(issubclass(DuplicateTaskError, t) for t in throws):

@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from .scheduler import SingletonScheduler, SingletonSchedulerMixin
 
-__all__ = ['SingletonScheduler', 'SingletonSchedulerMixin']
+__all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]

@@ -209,7 +209,6 @@ def _no_app_given(app: Any) -> bool:
 @click.group(name="singleton")
 def singleton() -> None:
     """See and fix singleton locks (celery-singleton-lock)."""
-    masking.install()  # what the commands print masks the lock Redis's password
 
 
 @singleton.command(name="list", cls=CeleryCommand)

@@ -31,6 +31,12 @@ from tests.support import RedisServer, Worker, discard, owner_record, wait_for
 from tests.workerapp import make_app
 
 CONF = {"singleton_ttl": 3.0}
+#: the soak's lease: long enough that a pool process starved of CPU for a few
+#: seconds on a loaded machine keeps renewing (a lease that runs out under a
+#: holder is the lost-lock case, tested with frozen processes elsewhere); the
+#: write-back after an empty restart and the slots held back meanwhile scale
+#: with it and are exercised the same way
+SOAK_CONF = {"singleton_ttl": 10.0}
 
 
 def grant(engine: Any, keys: LockKeys, n: int) -> Any:
@@ -193,13 +199,13 @@ def test_limit_soak_killed_children_and_an_empty_restart(redis_server, events):
     lock_server = RedisServer().start()
     lock_url = f"redis://127.0.0.1:{lock_server.port}/2"
     queue = f"limit-soak-{uuid.uuid4().hex[:6]}"
-    workers = [Worker(redis_server.url(), queue, concurrency=3, conf=CONF, lock_url=lock_url,
+    workers = [Worker(redis_server.url(), queue, concurrency=3, conf=SOAK_CONF, lock_url=lock_url,
                       name=name).start() for name in ("a", "b")]
     rng = random.Random(45)
     killed_at: dict[int, float] = {}
     sent: list[Any] = []
     try:
-        app = make_app(redis_server.url(), queue, lock_url=lock_url, conf=CONF)
+        app = make_app(redis_server.url(), queue, lock_url=lock_url, conf=SOAK_CONF)
         task = app.tasks["t.limit2"]
         keys = [f"ls-{uuid.uuid4().hex[:6]}-{i}" for i in range(3)]
         started = last_kill = time.monotonic()
@@ -228,7 +234,8 @@ def test_limit_soak_killed_children_and_an_empty_restart(redis_server, events):
         print(f"\nlimit soak: {len(sent)} calls, {len(spans)} executions, "
               f"{len(killed_at)} children killed, {restarts} empty restart(s); "
               f"most at once {most}, two in a slot {len(doubled)}")
-        assert most <= 2 and doubled == []
+        lost = {e["id"] for e in events.all() if e["ev"] == "end" and e.get("lost")}
+        assert most <= 2 and doubled == [], (most, doubled, sorted(lost))
     finally:
         for w in workers:
             discard(w)

@@ -132,8 +132,8 @@ def test_sdist_and_wheel_pass_twine_check_and_carry_scripts_and_types(dist: Path
     assert [s.name for s in sdists] == [f"celery_singleton_lock-{__version__}.tar.gz"]
     run(sys.executable, "-m", "twine", "check", "--strict", *map(str, wheels + sdists), cwd=dist)
     names = zipfile.ZipFile(wheels[0]).namelist()
-    lua = {n.rsplit("/", 1)[1] for n in names if n.startswith("celery_singleton_lock/lua/")}
-    shipped = {p.name for p in (ROOT / "celery_singleton_lock" / "lua").glob("*.lua")}
+    lua = {n.rsplit("/", 1)[1] for n in names if n.startswith("celery_singleton_lock/engine/lua/")}
+    shipped = {p.name for p in (ROOT / "celery_singleton_lock" / "engine" / "lua").glob("*.lua")}
     assert lua == shipped and shipped
     assert "celery_singleton_lock/py.typed" in names
     assert not [n for n in names if n.startswith(("tests/", "examples/", "benchmarks/"))]
