@@ -10,7 +10,6 @@ claim was lost (a Redis failover that dropped the key).
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import logging
 from typing import Any, Mapping, Optional
@@ -21,6 +20,7 @@ from celery.schedules import schedule as interval_schedule
 
 from .engine import LockEngine
 from .keys import LockKeys, digest
+from .wallclock import crontab_fire_after
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -83,19 +83,9 @@ def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
     """The first nominal fire time strictly after ``ref``, in UTC (None: never again)."""
     ref = _aware(ref)
     if isinstance(sched, crontab):
-        # remaining_delta works in the crontab's own timezone; start + delta is the
-        # next fire time there (what Celery's remaining() computes too). Celery
-        # 5.3 matches the fields in the zone ``ref`` is given in, and skips the
-        # rest of an hour unless its own now() falls on ref's day: both given.
-        local = ref.astimezone(sched.tz)
-        probe = copy.copy(sched)
-        probe.nowfun = lambda: local
-        start, delta, _ = probe.remaining_delta(local)
-        nxt = _aware(start + delta).astimezone(UTC)
-        if nxt <= ref:  # the minute of ref itself: step past it
-            return next_fire_after(sched, ref + dt.timedelta(minutes=1) - dt.timedelta(
-                seconds=ref.second, microseconds=ref.microsecond))
-        return nxt
+        # walked as wall times in the crontab's zone, each read as instants:
+        # repeated and missing wall times (daylight saving) by :mod:`.wallclock`'s rules
+        return crontab_fire_after(sched, ref)
     clocked = getattr(sched, "clocked_time", None)
     if isinstance(clocked, dt.datetime):  # django-celery-beat's one-off schedule
         fire = _aware(clocked).astimezone(UTC)
