@@ -85,6 +85,12 @@ def check_ms(setting: str, value: Any) -> int:
     return value
 
 
+def check_rate(setting: str, value: Any) -> str:
+    from .rate import check_rate as check  # rate.py decides with policies.py, which reads this
+
+    return check(setting, value)
+
+
 def check_str(setting: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ConfigurationError(setting, f"expected a string, got {value!r}")
@@ -137,6 +143,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("scope", "run", choice(SCOPES, "scope"), per_task=True),
     Setting("done_ttl", 0.0, check_optional_ttl, per_task=True),
     Setting("throttle", 0.0, check_optional_ttl, per_task=True),
+    # "10/m": at most 10 starts of one key in any minute, fleet-wide (rate.py)
+    Setting("rate", "", check_rate, per_task=True),
     Setting("limit", 1, check_limit, per_task=True),
     # with on_duplicate "replace": the queued call starts this long after the
     # latest send, but never later than debounce_max after the burst's first
@@ -314,6 +322,7 @@ class SingletonConfig:
     scope: str
     done_ttl: float
     throttle: float
+    rate: str
     limit: int
     debounce: float
     debounce_max: float
@@ -378,6 +387,14 @@ def check_together(task_name: str, config: SingletonConfig) -> None:
         raise ConfigurationError("singleton_limit", f"{where}{config.limit} per key goes with "
                                  f"singleton_scope='run' only, without a throttle; "
                                  f"not with {other}")
+    if config.rate and config.throttle:
+        raise ConfigurationError("singleton_rate", f"{where}{config.rate!r} with "
+                                                   f"singleton_throttle: choose one (a "
+                                                   f"throttle is a rate of one)")
+    if config.rate and config.redis_url.startswith(("redlock://", "redlocks://")):
+        raise ConfigurationError("singleton_rate", f"{where}{config.rate!r} needs one lock Redis "
+                                                   f"(a server, Sentinel or Cluster), not "
+                                                   f"redlock://")
     if config.redis_url.startswith(("redlock://", "redlocks://")) and (
             config.limit > 1 or config.on_duplicate == "replace"):
         # each master would grant its own slot, or keep its own queued call:

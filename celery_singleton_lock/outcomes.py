@@ -28,7 +28,8 @@ logger = logging.getLogger("celery_singleton_lock")
 #: header counting how often a request was sent again to wait for its key
 WAITS_HEADER = "singleton_waits"
 #: how Flower's result of a skip names the holder, by the skip's reason
-_RESULT_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by"}
+_RESULT_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by",
+          "rate limited": "rate limited by"}
 
 
 class Ended:

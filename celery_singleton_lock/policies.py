@@ -110,6 +110,10 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
         return Decision(Do.FAIL, holder=holder, reason="throttled", reopens_in=reopens,
                         state="started",
                         error=DuplicateTaskError(task_name, key, holder, "started"))
+    if status is Acquire.RATE_LIMITED:
+        from .rate import decide  # rate.py builds on this module
+
+        return decide(answer, on_duplicate=on_duplicate, task_name=task_name, key=key)
     if status is Acquire.SAME_TASK:
         # a redelivered copy of a running task: it comes back later and is
         # dropped if the original finished, run if the original died

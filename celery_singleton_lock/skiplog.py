@@ -41,7 +41,8 @@ class SkipLineFilter(logging.Filter):
 
 _FILTER = SkipLineFilter()
 #: how the line names the holder, by the skip's reason
-_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by"}
+_VERBS = {"done": "done by", "throttled": "throttled by", "replaced": "replaced by",
+          "rate limited": "rate limited by"}
 
 
 def log_skip(logger: logging.Logger, name: str, task_id: Optional[str],

@@ -36,6 +36,7 @@ from .models import ModelArguments
 from .outcomes import IGNORE, carry_out
 from .policies import Decision, Do
 from .process import PROCESS, ForkSafeLock
+from .rate import rate_option
 from .replacing import debounced, replace_args, supersede
 from .replies import Acquire, Acquired
 from .results import DeduplicatedResult, is_deduplicated
@@ -72,6 +73,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     ``singleton_done_ttl``     seconds a success keeps its key done (0 or None: off)
     ``singleton_throttle``     seconds: at most one start per key in that window,
                                whatever its outcome (0 or None: off)
+    ``singleton_rate``         ``"10/m"``: at most 10 starts per key in any minute,
+                               across the fleet (:mod:`.rate`)
     ``singleton_debounce``     with ``"replace"``: seconds the queued call waits
                                after the latest send (``singleton_debounce_max``:
                                never longer than that after the burst's first)
@@ -83,6 +86,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_scope: Optional[str] = None
     singleton_done_ttl: Optional[float] = None
     singleton_throttle: Optional[float] = None
+    singleton_rate: Optional[str] = None
     singleton_debounce: Optional[float] = None
     singleton_debounce_max: Optional[float] = None
 
@@ -416,13 +420,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
                 scope=config.scope, throttle_ms=int(config.throttle * 1000),
                 slots=config.limit, replace=config.on_duplicate == "replace",
-                done=config.done_ttl > 0,
+                done=config.done_ttl > 0, **rate_option(config.rate),
             )
 
         answer = attempt()
         holder = answer.holder
         if holder is not None and answer.status not in (
-                Acquire.DONE, Acquire.THROTTLED, Acquire.REPLACED) and (
+                Acquire.DONE, Acquire.THROTTLED, Acquire.REPLACED, Acquire.RATE_LIMITED) and (
                 engine.clear_dead_holder(keys.slot(answer.slot), holder) or (
                     answer.status is Acquire.HELD and config.limit > 1
                     and engine.clear_dead_slots(keys, config.limit))):
