@@ -16,6 +16,10 @@ And these helpers, imported from ``celery_singleton_lock.testing``:
 ``assert_deduplicated(result, holder=, reason=)``  a send refused at send time
 ``RedisServer``, ``CeleryWorker``, ``wait_for``    what the fixtures are made of
 
+And the fault kit (:mod:`.faults`, imported from here too): ``FaultWorker``,
+``frozen``, ``restart``, ``assert_at_most_once``, ``assert_no_overlap``,
+``recorded_runs``, ``Run``.
+
 Eager mode (``task_always_eager``) takes no lock, on purpose: run the task on a
 worker, in-process (pytest-celery's ``celery_worker``, or
 ``celery.contrib.testing.worker.start_worker``) or as a subprocess
@@ -42,21 +46,51 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+if TYPE_CHECKING:  # imported on first use (faults.py builds on this module)
+    from .faults import (
+        FaultWorker,
+        Run,
+        assert_at_most_once,
+        assert_no_overlap,
+        frozen,
+        recorded_runs,
+        restart,
+    )
+
 __all__ = [
     "CeleryWorker",
+    "FaultWorker",
     "RedisServer",
+    "Run",
+    "assert_at_most_once",
     "assert_deduplicated",
+    "assert_no_overlap",
     "assert_skipped",
     "free_port",
+    "frozen",
     "hold_key",
+    "recorded_runs",
+    "restart",
     "wait_for",
 ]
+
+#: the fault kit's names, from :mod:`.faults` (which builds on this module)
+_FAULT_KIT = frozenset({"FaultWorker", "Run", "assert_at_most_once", "assert_no_overlap",
+                        "frozen", "recorded_runs", "restart"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FAULT_KIT:
+        from . import faults
+
+        return getattr(faults, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def free_port() -> int:
