@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from celery.exceptions import Ignore, Retry
 
-from . import monitor, policies
+from . import monitor, policies, traces
 from .canvas import send_on
 from .config import SingletonConfig
 from .engines import engine_for
@@ -47,6 +47,7 @@ def carry_out(task: Any, decision: Decision, config: SingletonConfig, keys: Lock
     """Do what :mod:`.policies` decided for an execution that did not get its lock."""
     req = task.request
     name, task_id, do = task.name, req.id, decision.do
+    traces.decided(keys, decision)  # on the task's span, with OpenTelemetry
     if do is Do.SKIP:
         skipped = skip_result(keys.base, decision.holder, decision.reason, decision.state,
                               decision.reopens_in)

@@ -22,7 +22,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from kombu.utils.uuid import uuid
 
-from . import monitor, policies
+from . import monitor, policies, traces
 from .bootsteps import SingletonStep
 from .canvas import delay_of, in_a_canvas, send_delay
 from .config import TASK_OPTIONS, SingletonConfig, check_task_names, get_config
@@ -358,6 +358,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
                                                  key=keys.base, error=exc)
             return carry_out(self, decision, config, keys, args, kwargs, backend_error=exc)
+        traces.waited(keys, time.monotonic() - started)
 
         if answer.status is not Acquire.GRANTED:
             decision = policies.at_run(answer, on_duplicate=config.on_duplicate,
@@ -384,6 +385,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._release(engine, lock)  # another copy of the tick took it meanwhile
             raise Ignore()
         setattr(req, REQUEST_ATTR, lock)
+        traces.ran(keys, lock.token, lock.slot)
         logger.debug("Acquired singleton lock %s for %s[%s] token=%s",
                      keys.base, self.name, req.id, lock.token)
         heartbeat = heartbeat_for(engine)
