@@ -20,6 +20,7 @@ from . import checks, masking, monitor, signals
 from .config import get_config
 from .engines import engine_for
 from .exceptions import ConfigurationError
+from .rate import uses_rate
 from .revoke import watch_revoke_command
 from .servers import mode_of
 
@@ -107,7 +108,7 @@ class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
             engine = engine_for(parent.app)
             # A wrong password or a missing ACL permission would fail every lock
             # call for as long as the worker runs: say so now, and stop.
-            checks.startup_check(engine)
+            checks.startup_check(engine, rate=uses_rate(parent.app))
         except ConfigurationError as exc:
             logger.critical("celery-singleton-lock: %s", exc)
             raise SystemExit(f"celery-singleton-lock configuration error: {exc}") from None

@@ -49,9 +49,11 @@ from .serverchecks import (
 
 logger = logging.getLogger("celery_singleton_lock")
 
-def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
+def run_checks(client: redis.Redis, config: SingletonConfig,
+               rate: bool = False) -> list[Finding]:
     """Every check, in the order a reader fixes them: reach, authenticate,
-    run the scripts, then what can make a granted lock lie."""
+    run the scripts, then what can make a granted lock lie (``rate``: a task
+    has ``singleton_rate``, its scripts' commands are tried too)."""
     url = mask_url(config.redis_url)
     findings: list[Finding] = []
     try:
@@ -59,7 +61,7 @@ def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
         findings.append(Finding(OK, "reachable", f"lock Redis at {url} answers as user "
                                                  f"{user_of(client)!r}"))
         findings.extend(version_check(client))
-        findings.extend(scripts_check(client, config))
+        findings.extend(scripts_check(client, config, rate))
         findings.extend(publishing_check(client, config))
         findings.extend(eviction_check(client))
         findings.extend(clock_check(client, config))
@@ -86,11 +88,11 @@ def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
     return findings
 
 
-def engine_checks(engine: LockEngine) -> list[Finding]:
+def engine_checks(engine: LockEngine, rate: bool = False) -> list[Finding]:
     """:func:`run_checks` on the engine's Redis; with Redlock, on every master,
     after a summary (code ``redlock``) of which masters answer."""
     if not isinstance(engine, RedlockEngine):
-        return run_checks(engine.client, engine.config)
+        return run_checks(engine.client, engine.config, rate)
     findings: list[Finding] = []
     answering: list[str] = []
     silent: list[str] = []
@@ -132,16 +134,16 @@ def beat_check(engine: LockEngine, modes: Sequence[str]) -> list[Finding]:
 
 # -- worker start-up ---------------------------------------------------------------
 
-def startup_check(engine: LockEngine) -> None:
+def startup_check(engine: LockEngine, rate: bool = False) -> None:
     """Check the lock Redis when a worker starts.
 
     A wrong password or a missing permission fails every lock call for as long
     as the worker runs, so it stops the start (ConfigurationError). Redis merely
     down is logged and the start goes on: it may be back in seconds, and until
     then ``singleton_on_backend_error`` decides each task, as it would for an
-    outage later on.
+    outage later on. ``rate``: a task of the app has ``singleton_rate``.
     """
-    findings = engine_checks(engine)
+    findings = engine_checks(engine, rate)
     errors: list[Finding] = []
     for finding in findings:
         if finding.code == "redlock":

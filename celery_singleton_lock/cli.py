@@ -350,9 +350,10 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     from .beat import schedule_modes
     from .checks import beat_check, engine_checks
     from .findings import ERROR, OK
+    from .rate import uses_rate
 
     c = _Context(ctx)
-    findings = engine_checks(c.engine)
+    findings = engine_checks(c.engine, uses_rate(c.app))  # with singleton_rate: its commands
     modes = schedule_modes(c.app)  # what a beat of this app needs; None: no beat_schedule
     if modes is not None and not any(f.code in ("unreachable", "auth") for f in findings):
         findings += beat_check(c.engine, modes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 
 from .exceptions import ConfigurationError, DuplicateTaskError
 from .policies import Decision, Do
@@ -59,6 +60,14 @@ def check_rate(setting: str, value: object) -> str:
         setting, f"expected '<starts>/<window>' such as '10/m', '100/30s' or '5/2h' "
                  f"(at most that many starts of one key in any such window, across "
                  f"every worker), got {value!r}")
+
+
+def uses_rate(app: Any) -> bool:
+    """The app sets ``singleton_rate``, or one of its tasks does: the worker's
+    start-up check then tries the rate-limited acquire too (its commands)."""
+    if app.conf.get("singleton_rate"):
+        return True
+    return any(getattr(task, "singleton_rate", None) for task in app.tasks.values())
 
 
 def rate_option(text: str) -> dict[str, tuple[int, int]]:

@@ -91,6 +91,8 @@ def crontab_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
         if not _day_matches(sched, day):
             continue
         for hour in hours:
+            if n == 0 and hour < start.hour:
+                continue  # the first day's hours before the start: none is after ref
             for minute in minutes:
                 wall = dt.datetime.combine(day, dt.time(hour, minute))
                 if wall < start:

@@ -162,6 +162,7 @@ def window(counts: Counter[str], start: dt.datetime, end: dt.datetime) -> Counte
     return Counter({t: n for t, n in counts.items() if name(start) <= t <= name(end)})
 
 
+@pytest.mark.timeout(240)
 def test_fall_back_every_intended_time_once_with_two_beats_one_killed(dst_redis):
     """2026-11-01, New York: 01:00-01:59 happens twice (05:00-06:59 UTC).
     ``*/15`` and ``minute=0`` run once per real period through both passes
@@ -184,6 +185,7 @@ def test_fall_back_every_intended_time_once_with_two_beats_one_killed(dst_redis)
     assert after and all(int(h["singleton_beat_id"].split(":")[1]) != killed for h in after)
 
 
+@pytest.mark.timeout(240)
 def test_spring_forward_a_time_in_the_gap_runs_once_with_two_beats_one_killed(dst_redis):
     """2026-03-08, New York: 02:00-02:59 does not exist. ``hour=2, minute=30``
     runs once, at 03:30 EDT (07:30 UTC); ``*/15`` and ``minute=0`` lose nothing."""

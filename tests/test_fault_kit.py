@@ -76,6 +76,7 @@ def bare_site(into: Path, roots: tuple[str, ...] = ("celery-singleton-lock", "py
     return site
 
 
+@pytest.mark.timeout(240)
 def test_the_docs_example_passes_with_only_the_package_pytest_and_redis_server(tmp_path):
     files = example_files()
     assert set(files) == {"shop_tasks.py", "test_at_most_once.py"}
@@ -91,7 +92,7 @@ def test_the_docs_example_passes_with_only_the_package_pytest_and_redis_server(t
         assert probe.returncode != 0, f"{other} is importable in the bare environment"
     out = subprocess.run([*bare, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "test_at_most_once.py"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert "1 passed" in out.stdout
 

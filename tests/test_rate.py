@@ -16,11 +16,13 @@ from typing import Any, Iterator
 
 import pytest
 
-from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock import SingletonConfig, checks, permissions
+from celery_singleton_lock.engines import connect
 from celery_singleton_lock.exceptions import ConfigurationError
-from celery_singleton_lock.rate import parse
+from celery_singleton_lock.rate import parse, uses_rate
 from tests.rateapp import RATE, make_rate_app
 from tests.support import RedisServer, Worker, discard, wait_for
+from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
 
@@ -51,6 +53,7 @@ def events(redis_server: RedisServer) -> list[dict[str, Any]]:
     return [json.loads(e) for e in redis_server.client(3).lrange("rate-events", 0, -1)]
 
 
+@pytest.mark.timeout(240)
 def test_a_steady_stream_never_puts_more_than_n_starts_in_a_window(redis_server, rate_workers):
     """30 s: a call of the skipping task every 0.1 s, one of the waiting task
     every 0.3 s (a third over the limit), each on its own key. No 2 s window
@@ -116,3 +119,36 @@ def test_the_rate_setting_is_checked_with_a_clear_error():
     with pytest.raises(ConfigurationError, match="redlock"):
         SingletonConfig.defaults("redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3").for_task(
             "t", {"singleton_rate": "1/m"})
+
+
+@pytest.mark.parametrize("command", permissions.RATE_COMMANDS)
+def test_a_lock_user_that_may_not_run_what_the_rate_needs_stops_a_worker_of_such_tasks(
+        command):
+    """The worker's rule stays as documented without singleton_rate; a worker
+    whose app has it tries the rate-limited acquire at start and refuses to
+    start when its lock user may not run one of the five commands, naming it."""
+    with RedisServer() as server:
+        rule = permissions.acl_rule("singleton:", 2, rate=True)
+        assert all(f"+{c}" in rule.split() for c in permissions.RATE_COMMANDS)
+        assert not any(f"+{c}" in permissions.acl_rule("singleton:", 2).split()
+                       for c in permissions.RATE_COMMANDS)
+        server.client().execute_command("ACL", "SETUSER", "locks", "on", ">pw", *rule.split(),
+                                        f"-{command}")
+        engine = connect(SingletonConfig.defaults(
+            f"redis://locks:pw@127.0.0.1:{server.port}/2"))
+        checks.startup_check(engine)  # no task with a rate: nothing more is needed
+        with pytest.raises(ConfigurationError, match=rf"\b{command}\b"):
+            checks.startup_check(engine, rate=True)
+        server.client().execute_command("ACL", "SETUSER", "locks", f"+{command}")
+        checks.startup_check(engine, rate=True)
+        assert server.client(2).dbsize() == 0 or all(
+            server.client(2).pttl(k) > 0 for k in server.client(2).keys("*"))
+
+
+def test_a_worker_knows_its_app_uses_a_rate():
+    app = make_rate_app("redis://127.0.0.1:1/0", "q")
+    assert uses_rate(app)
+    plain = make_app("redis://127.0.0.1:1/0", "q")
+    assert not uses_rate(plain)
+    plain.conf.singleton_rate = "5/m"
+    assert uses_rate(plain)
