@@ -226,7 +226,9 @@ class SingletonSchedulerMixin(OverlapMixin):
         ``set_as_current=False``: its fields are matched in this beat's app's
         zone, as Celery meant when it gave the entry the app."""
         sched = entry.schedule
-        if isinstance(sched, crontab) and getattr(sched, "_app", self.app) is None:
+        # Celery's own crontab only: a subclass may set its zone itself
+        # (django-celery-beat's TzAwareCrontab, the row's timezone)
+        if type(sched) is crontab and getattr(sched, "_app", self.app) is None:
             sched.app = self.app
             for cached in ("tz", "utc_enabled"):  # cached_property values of the other app
                 sched.__dict__.pop(cached, None)

@@ -224,3 +224,28 @@ def test_a_schedule_read_back_from_the_file_keeps_the_beats_zone(dst_redis, tmp_
         beat.__class__ = At
         assert beat.is_due(beat.schedule["at0130"]).is_due
         beat.close()
+
+
+def test_a_crontab_with_its_own_zone_keeps_it(dst_redis, tmp_path):
+    """django-celery-beat's TzAwareCrontab carries the row's zone: giving a
+    schedule the beat's app back never replaces a zone the schedule set itself."""
+    pytest.importorskip("django_celery_beat")
+    from zoneinfo import ZoneInfo
+
+    from django_celery_beat.tzcrontab import TzAwareCrontab
+
+    from celery_singleton_lock.beat import SingletonScheduler
+    from tests.beatapp import make_beat_app
+
+    app = make_beat_app(dst_redis.url(), "q", conf={"timezone": "UTC"})
+    app.conf.beat_schedule = {"at0130": {"task": "t.tick", "schedule": TzAwareCrontab(
+        minute=30, hour=1, tz=ZoneInfo(ZONE))}}
+
+    class At(SingletonScheduler):
+        def singleton_now(self) -> dt.datetime:
+            return utc(2026, 11, 1, 5, 30, 1)  # 01:30:01 EDT, 05:30:01 UTC
+
+    for _ in range(2):  # the second start reads the entry back from the file
+        beat = At(app=app, lazy=False, schedule_filename=str(tmp_path / "s"))
+        assert beat.is_due(beat.schedule["at0130"]).is_due
+        beat.close()
