@@ -2,7 +2,7 @@
 task may override it. Read once from ``app.conf`` (every name starts with
 ``singleton_``) into a :class:`SingletonConfig` cached per app.
 
-One idea: the table, the checks of its values, the names it refuses
+Over 500 lines: the table, the checks of its values, the names it refuses
 (misspelt ones, the peers' options) and the checks of settings together are
 one idea, what a user may write and what it means.
 """
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Optional
@@ -105,6 +107,40 @@ def check_ms(setting: str, value: Any) -> int:
     return value
 
 
+#: seconds of each unit a rate may be given in (``singleton_rate``)
+_RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([smhd])\s*$")
+
+
+@functools.lru_cache(maxsize=256)
+def parse_rate(text: str) -> tuple[int, int]:
+    """``"10/m"``, ``"100/30s"``, ``"5/2h"`` as (starts, window in ms); raises ValueError."""
+    found = _RATE.match(text)
+    if found is None:
+        raise ValueError(text)
+    count, amount, unit = found.groups()
+    window_ms = round(float(amount or 1) * _RATE_UNITS[unit] * 1000)
+    if int(count) < 1 or window_ms < 1:
+        raise ValueError(text)
+    return int(count), window_ms
+
+
+def check_rate(setting: str, value: Any) -> str:
+    """A string ``"<starts>/<window>"`` (``""``: no limit)."""
+    if value == "":
+        return ""
+    if isinstance(value, str):
+        try:
+            parse_rate(value)
+            return value.strip()
+        except ValueError:
+            pass
+    raise ConfigurationError(
+        setting, f"expected '<starts>/<window>' such as '10/m', '100/30s' or '5/2h' "
+                 f"(at most that many starts of one key in any such window, across "
+                 f"every worker), got {value!r}")
+
+
 def check_str(setting: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ConfigurationError(setting, f"expected a string, got {value!r}")
@@ -157,6 +193,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("scope", "run", choice(SCOPES, "scope"), per_task=True),
     Setting("done_ttl", 0.0, check_optional_ttl, per_task=True),
     Setting("throttle", 0.0, check_optional_ttl, per_task=True),
+    # "10/m": at most 10 starts of one key in any minute, fleet-wide (docs/rate.md)
+    Setting("rate", "", check_rate, per_task=True),
     Setting("limit", 1, check_limit, per_task=True),
     # with on_duplicate "replace": the queued call starts this long after the
     # latest send, but never later than debounce_max after the burst's first
@@ -334,6 +372,7 @@ class SingletonConfig:
     scope: Scope
     done_ttl: float
     throttle: float
+    rate: str
     limit: int
     debounce: float
     debounce_max: float
@@ -347,6 +386,11 @@ class SingletonConfig:
     wait_policy: WaitPolicy
     wait_no_replica: str
     also_lock: Optional[dict[str, Any]]
+
+    @property
+    def rate_window(self) -> tuple[int, int]:
+        """``singleton_rate`` as (starts, window ms); (0, 0) without a limit."""
+        return parse_rate(self.rate) if self.rate else (0, 0)
 
     @classmethod
     def from_app(cls, app: Any) -> SingletonConfig:
@@ -398,6 +442,14 @@ def check_together(task_name: str, config: SingletonConfig) -> None:
         raise ConfigurationError("singleton_limit", f"{where}{config.limit} per key goes with "
                                  f"singleton_scope='run' only, without a throttle; "
                                  f"not with {other}")
+    if config.rate and config.throttle:
+        raise ConfigurationError("singleton_rate", f"{where}{config.rate!r} with "
+                                                   f"singleton_throttle: choose one (a "
+                                                   f"throttle is a rate of one)")
+    if config.rate and config.redis_url.startswith(("redlock://", "redlocks://")):
+        raise ConfigurationError("singleton_rate", f"{where}{config.rate!r} needs one lock Redis "
+                                                   f"(a server, Sentinel or Cluster), not "
+                                                   f"redlock://")
     if config.redis_url.startswith(("redlock://", "redlocks://")) and (
             config.limit > 1 or config.on_duplicate == REPLACE):
         # each master would grant its own slot, or keep its own queued call:

@@ -159,6 +159,7 @@ class LockKeys:
     ``queued`` string: task id that took the key when it was sent
     ``done``  string: task id whose success keeps the key done (``singleton_done_ttl``)
     ``throttle`` string: task that opened the throttle window (``singleton_throttle``)
+    ``rate``     sorted set: the starts within ``singleton_rate``'s window
     ``replaced`` hash: superseded task id -> the task id that replaced it, and
     ``""`` -> when the burst's first send took the key, server ms
     (``singleton_on_duplicate="replace"``)
@@ -185,6 +186,12 @@ class LockKeys:
     @property
     def throttle(self) -> str:
         return f"{self.base}:throttle"
+
+    @property
+    def rate(self) -> str:
+        """Sorted set: the task ids that started within ``singleton_rate``'s window
+        (score: the start, server ms)."""
+        return f"{self.base}:rate"
 
     @property
     def replaced(self) -> str:

@@ -36,7 +36,7 @@ from .exceptions import DuplicateTaskError, LockBackendError, describe
 from .keys import KeyBuilder, KeySpec, LockKeys
 from .lock import REQUEST_ATTR, Lease, SingletonLock
 from .models import ModelArguments
-from .observe import monitor
+from .observe import monitor, traces
 from .process import PROCESS, ForkSafeLock
 from .rollout import SENT_HEADER, OtherLibrary, OtherLock
 from .worker.heartbeat import heartbeat_for
@@ -75,6 +75,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     ``singleton_done_ttl``     seconds a success keeps its key done (0 or None: off)
     ``singleton_throttle``     seconds: at most one start per key in that window,
                                whatever its outcome (0 or None: off)
+    ``singleton_rate``         ``"10/m"``: at most 10 starts per key in any minute,
+                               across the fleet (:mod:`.rate`)
     ``singleton_debounce``     with ``"replace"``: seconds the queued call waits
                                after the latest send (``singleton_debounce_max``:
                                never longer than that after the burst's first)
@@ -86,6 +88,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_scope: Optional[str] = None
     singleton_done_ttl: Optional[float] = None
     singleton_throttle: Optional[float] = None
+    singleton_rate: Optional[str] = None
     singleton_debounce: Optional[float] = None
     singleton_debounce_max: Optional[float] = None
 
@@ -357,6 +360,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
                                                  key=keys.base, error=exc)
             return carry_out(self, decision, config, keys, args, kwargs, backend_error=exc)
+        traces.waited(keys, time.monotonic() - started)
 
         if answer.status is not Acquire.GRANTED:
             decision = policies.at_run(answer, on_duplicate=config.on_duplicate,
@@ -384,6 +388,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._release(engine, lock)  # another copy of the tick took it meanwhile
             raise Ignore()
         setattr(req, REQUEST_ATTR, lock)
+        traces.ran(keys, lock.token, lock.slot)
         logger.debug("Acquired singleton lock %s for %s[%s] token=%s",
                      keys.base, self.name, req.id, lock.token)
         heartbeat = heartbeat_for(engine)
@@ -422,13 +427,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
                 scope=config.scope, throttle_ms=int(config.throttle * 1000),
                 slots=config.limit, replace=config.on_duplicate == REPLACE,
-                done=config.done_ttl > 0,
+                done=config.done_ttl > 0, rate=config.rate_window,
             )
 
         answer = attempt()
         holder = answer.holder
         if holder is not None and answer.status not in (
-                Acquire.DONE, Acquire.THROTTLED, Acquire.REPLACED) and (
+                Acquire.DONE, Acquire.THROTTLED, Acquire.REPLACED, Acquire.RATE_LIMITED) and (
                 engine.clear_dead_holder(keys.slot(answer.slot), holder) or (
                     answer.status is Acquire.HELD and config.limit > 1
                     and engine.clear_dead_slots(keys, config.limit))):

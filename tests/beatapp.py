@@ -4,8 +4,10 @@ Configured from the environment like ``tests.workerapp`` (whose tasks it has
 too), plus:
 
 ``SLT_BEAT_SCHEDULE``  JSON ``{name: {"task", "every" | "crontab", "kwargs", "options"}}``
+                     (``crontab``: the minute field, or a dict of crontab's fields)
 ``SLT_CLOCK_OFFSET``   seconds added to this beat's clock (clock-skew tests)
 ``SLT_BEAT_NAME``      where this beat publishes ``singleton_stats`` (db 3, ``beatstats:<name>``)
+``SLT_CURRENT_APP``    set: the app is made the current app, as a project's usually is
 
 Tasks ``t.tick`` (plain), ``t.tick_hold`` and ``t.tick_cancellable``
 (SingletonTasks) record the beat headers they arrive with in db 3 list ``events``.
@@ -105,13 +107,18 @@ def make_beat_app(redis_url: str, queue: str, lock_url: str | None = None,
     for name, spec in (schedule or {}).items():
         entries[name] = {
             "task": spec["task"],
-            "schedule": (crontab(minute=spec["crontab"]) if "crontab" in spec
+            "schedule": (_crontab(spec["crontab"]) if "crontab" in spec
                          else dt.timedelta(seconds=spec["every"])),
             "kwargs": spec.get("kwargs", {}),
             "options": spec.get("options", {}),
         }
     app.conf.beat_schedule = entries
     return app
+
+
+def _crontab(spec: Any) -> crontab:
+    """``"*/5"`` (the minute field) or ``{"minute": ..., "hour": ...}``."""
+    return crontab(**spec) if isinstance(spec, dict) else crontab(minute=spec)
 
 
 def publish_stats(scheduler: Any, published: dict[str, int]) -> dict[str, int]:
@@ -142,13 +149,16 @@ class RecordingScheduler(SingletonScheduler):
 
 
 def _from_env() -> Celery:
-    return make_beat_app(
+    app = make_beat_app(
         os.environ.get("SLT_REDIS_URL", "redis://127.0.0.1:6379/0"),
         os.environ.get("SLT_QUEUE", "celery"),
         os.environ.get("SLT_LOCK_URL") or None,
         json.loads(os.environ.get("SLT_CONF") or "{}"),
         json.loads(os.environ.get("SLT_BEAT_SCHEDULE") or "{}"),
     )
+    if os.environ.get("SLT_CURRENT_APP"):
+        app.set_current()  # as a project's app is (Celery's default): schedules read its zone
+    return app
 
 
 def __getattr__(name: str) -> Celery:

@@ -212,6 +212,7 @@ class SingletonSchedulerMixin:
         """Due when the latest nominal tick within the window was not decided
         here yet and the entry's own rules let it run (:meth:`_entry_rules`)."""
         now = self.singleton_now()
+        self._bind_app(entry)
         latest, nxt = ticks_around(entry.schedule, now, self.singleton_window(entry))
         delay = (nxt - now).total_seconds() + _WAKE_SLACK if nxt is not None else (
             self.max_interval)
@@ -223,6 +224,20 @@ class SingletonSchedulerMixin:
             self._due[entry.name] = latest
             return schedstate(True, delay)
         return schedstate(False, delay)
+
+    def _bind_app(self, entry: Any) -> None:
+        """A schedule read back from the schedule file has lost its app
+        (Celery pickles a crontab without it) and reads ``timezone`` from the
+        current app, which is not this beat's when its app was made with
+        ``set_as_current=False``: its fields are matched in this beat's app's
+        zone, as Celery meant when it gave the entry the app."""
+        sched = entry.schedule
+        # Celery's own crontab only: a subclass may set its zone itself
+        # (django-celery-beat's TzAwareCrontab, the row's timezone)
+        if type(sched) is crontab and getattr(sched, "_app", self.app) is None:
+            sched.app = self.app
+            for cached in ("tz", "utc_enabled"):  # cached_property values of the other app
+                sched.__dict__.pop(cached, None)
 
     def _entry_rules(self, entry: Any, timing: Any) -> tuple[bool, float]:
         """The wrapped scheduler's own due-check of ``entry`` (Celery's

@@ -9,7 +9,6 @@ waiting for a run (:mod:`.overlap`).
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import logging
 from typing import Any, Optional
@@ -18,6 +17,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 
 from ..worker.ticks import UTC, aware, entry_base, from_ms, to_ms
+from .wallclock import crontab_fire_after
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -41,19 +41,9 @@ def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
     """The first nominal fire time strictly after ``ref``, in UTC (None: never again)."""
     ref = aware(ref)
     if isinstance(sched, crontab):
-        # remaining_delta works in the crontab's own timezone; start + delta is the
-        # next fire time there (what Celery's remaining() computes too). Celery
-        # 5.3 matches the fields in the zone ``ref`` is given in, and skips the
-        # rest of an hour unless its own now() falls on ref's day: both given.
-        local = ref.astimezone(sched.tz)
-        probe = copy.copy(sched)
-        probe.nowfun = lambda: local
-        start, delta, _ = probe.remaining_delta(local)
-        nxt = aware(start + delta).astimezone(UTC)
-        if nxt <= ref:  # the minute of ref itself: step past it
-            return next_fire_after(sched, ref + dt.timedelta(minutes=1) - dt.timedelta(
-                seconds=ref.second, microseconds=ref.microsecond))
-        return nxt
+        # walked as wall times in the crontab's zone, each read as instants:
+        # repeated and missing wall times (daylight saving) by :mod:`.wallclock`'s rules
+        return crontab_fire_after(sched, ref)
     clocked = getattr(sched, "clocked_time", None)
     if isinstance(clocked, dt.datetime):  # django-celery-beat's one-off schedule
         fire = aware(clocked).astimezone(UTC)

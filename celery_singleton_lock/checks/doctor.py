@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import redis
 from redis.exceptions import (
@@ -37,9 +37,11 @@ from .server import clock_check, eviction_check, persistence_check, replication_
 
 logger = logging.getLogger("celery_singleton_lock")
 
-def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
+def run_checks(client: redis.Redis, config: SingletonConfig,
+               rate: bool = False) -> list[Finding]:
     """Every check, in the order a reader fixes them: reach, authenticate,
-    run the scripts, then what can make a granted lock lie."""
+    run the scripts, then what can make a granted lock lie (``rate``: a task
+    has ``singleton_rate``, its scripts' commands are tried too)."""
     url = mask_url(config.redis_url)
     findings: list[Finding] = []
     try:
@@ -47,7 +49,7 @@ def run_checks(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
         findings.append(Finding(OK, "reachable", f"lock Redis at {url} answers as user "
                                                  f"{user_of(client)!r}"))
         findings.extend(version_check(client))
-        findings.extend(scripts_check(client, config))
+        findings.extend(scripts_check(client, config, rate))
         findings.extend(publishing_check(client, config))
         findings.extend(eviction_check(client))
         findings.extend(clock_check(client, config))
@@ -90,19 +92,27 @@ def not_redis(url: str, exc: BaseException) -> Finding:
         "speaks TLS); that address serves something else")
 
 
-def engine_checks(engine: Engine) -> list[Finding]:
+def uses_rate(app: Any) -> bool:
+    """The app sets ``singleton_rate``, or one of its tasks does: the start-up
+    check then tries the rate-limited acquire too (its commands)."""
+    if app.conf.get("singleton_rate"):
+        return True
+    return any(getattr(task, "singleton_rate", None) for task in app.tasks.values())
+
+
+def engine_checks(engine: Engine, rate: bool = False) -> list[Finding]:
     """:func:`run_checks` on the engine's Redis; where the locks live on several
     (Redlock), on every master, after a summary (code ``redlock``) of which
     masters answer."""
     servers = engine.servers()
     if len(servers) == 1:
-        return run_checks(engine.client, engine.config)
+        return run_checks(engine.client, engine.config, rate)
     findings: list[Finding] = []
     answering: list[str] = []
     silent: list[str] = []
     for name, client in servers:
         config = dataclasses.replace(engine.config, redis_url=f"redis://{name}")
-        own = run_checks(client, config)
+        own = run_checks(client, config, rate)
         down = any(f.code in ("unreachable", "not-redis") for f in own)
         (silent if down else answering).append(name)
         findings.extend(dataclasses.replace(f, message=f"master {name}: {f.message}")
@@ -139,16 +149,16 @@ def beat_check(engine: Engine, modes: Sequence[str]) -> list[Finding]:
 
 # -- worker start-up ---------------------------------------------------------------
 
-def startup_check(engine: Engine) -> None:
+def startup_check(engine: Engine, rate: bool = False) -> None:
     """Check the lock Redis when a worker starts.
 
     A wrong password or a missing permission fails every lock call for as long
     as the worker runs, so it stops the start (ConfigurationError). Redis merely
     down is logged and the start goes on: it may be back in seconds, and until
     then ``singleton_on_backend_error`` decides each task, as it would for an
-    outage later on.
+    outage later on. ``rate``: a task of the app has ``singleton_rate``.
     """
-    findings = engine_checks(engine)
+    findings = engine_checks(engine, rate)
     errors: list[Finding] = []
     for finding in findings:
         if finding.code == "redlock":

@@ -59,42 +59,62 @@ def script_commands(script: Script) -> tuple[str, ...]:
     return tuple(sorted({name.lower() for name in _CALL.findall(script.source)}))
 
 
-def required_commands(db: int = 0) -> tuple[str, ...]:
-    """Every command a worker's ACL user needs; SELECT only off database 0."""
+#: what the acquire scripts call only for a task with ``singleton_rate``: not
+#: in the rule unless asked for (``rate``), so a rule granted before stays whole
+RATE_COMMANDS = ("zadd", "zcard", "zrange", "zremrangebyscore", "zscore")
+
+
+def required_commands(db: int = 0, rate: bool = False) -> tuple[str, ...]:
+    """Every command a worker's ACL user needs; SELECT only off database 0;
+    ``rate``: a task of the app has ``singleton_rate``."""
     names = set(CLIENT_COMMANDS)
     for script in SCRIPTS.values():
         names.update(script_commands(script))
+    if not rate:
+        names.difference_update(RATE_COMMANDS)
     if db:
         names.add("select")
     return tuple(sorted(names))
 
 
-def acl_rule(prefix: str, db: int = 0, publish: bool = True) -> str:
+def acl_rule(prefix: str, db: int = 0, publish: bool = True, rate: bool = False) -> str:
     """The minimal ACL rule (after ``ACL SETUSER <user> on >password``);
-    ``publish=False`` leaves out what only the statistics need."""
+    ``publish=False`` leaves out what only the statistics need; ``rate``
+    adds what ``singleton_rate`` needs."""
     pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
-    names = set(required_commands(db)) | (set(PUBLISH_COMMANDS) if publish else set())
+    names = set(required_commands(db, rate)) | (set(PUBLISH_COMMANDS) if publish else set())
     commands = " ".join(f"+{name}" for name in sorted(names))
     return f"resetkeys ~{pattern}* resetchannels -@all {commands}"
 
 
 def noperm_command(client: redis.Redis, config: SingletonConfig,
-                    exc: NoPermissionError) -> Finding:
+                   exc: NoPermissionError, rate: bool = False) -> Finding:
     text = server_text(exc)
     named = _NAMED_COMMAND.search(text)
     what = f"command {named.group(1)!r}" if named else "a command"
     return Finding(
         ERROR, "noperm",
         f"ACL user {user_of(client)!r} may not run {what}: {text}",
-        f"grant it: ACL SETUSER {user_of(client)} {acl_rule(config.key_prefix, db_of(client))}",
+        f"grant it: ACL SETUSER {user_of(client)} "
+        f"{acl_rule(config.key_prefix, db_of(client), rate=rate)}",
     )
 
 
-def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str
-                 ) -> list[tuple[str, list[str], list[Any]]]:
+def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str,
+                 rated: Optional[LockKeys] = None) -> list[tuple[str, list[str], list[Any]]]:
     """One harmless call of every script on a fresh random key under our prefix;
     whatever they write expires within seconds. Then, on a second key, a send
-    that replaces a queued one and that one's start (``"replace"``)."""
+    that replaces a queued one and that one's start (``"replace"``); on a
+    third (``rated``), a start under ``singleton_rate`` and one refused by it."""
+    rate_probes: list[tuple[str, list[str], list[Any]]] = [] if rated is None else [
+        ("acquire", *acquire_call(rated, task_id, exec_id, 5000, socket.gethostname(), 0,
+                                  "celery_singleton_lock.checks", "run", 1000, done=False,
+                                  rate=(1, 5000))),
+        ("release", *release_call(rated, exec_id, task_id, False, False, 0.0, 1000)),
+        ("acquire", *acquire_call(rated, exec_id, exec_id, 5000, socket.gethostname(), 0,
+                                  "celery_singleton_lock.checks", "run", 1000, done=False,
+                                  rate=(1, 5000))),
+    ]
     return [
         ("enqueue", *enqueue_call(keys, task_id, "queue_and_run", 5000)),
         ("acquire", *acquire_call(keys, task_id, exec_id, 5000, socket.gethostname(), 0,
@@ -119,6 +139,7 @@ def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str
         ("acquire", *acquire_call(other, task_id, exec_id, 5000, socket.gethostname(), 0,
                                   "celery_singleton_lock.checks", "queue", 1000,
                                   replace=True)),
+        *rate_probes,
     ]
 
 
@@ -130,10 +151,16 @@ _COMMAND_PROBES: dict[str, str] = {
     "pttl": "return redis.call('PTTL', KEYS[1])",
     "hget": "return redis.call('HGET', KEYS[1], 'x')",
     "hgetall": "return redis.call('HGETALL', KEYS[1])",
+    "zscore": "return redis.call('ZSCORE', KEYS[1], 'x')",
+    "zcard": "return redis.call('ZCARD', KEYS[1])",
+    "zrange": "return redis.call('ZRANGE', KEYS[1], 0, 0)",
+    "zremrangebyscore": "return redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', 0)",
     "pexpire": "return redis.call('PEXPIRE', KEYS[1], 1000)",
     "del": "return redis.call('DEL', KEYS[1])",
     "set": "return redis.call('SET', KEYS[1], '1', 'PX', 1000)",
     "hset": "return redis.call('HSET', KEYS[1] .. ':h', 'x', '1')",
+    # XX: only updates a member already there, so nothing is written
+    "zadd": "return redis.call('ZADD', KEYS[1] .. ':z', 'XX', 1, 'x')",
 }
 
 
@@ -178,16 +205,20 @@ def _acl_log(client: redis.Redis) -> Optional[list[str]]:
     return out
 
 
-def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
+def scripts_check(client: redis.Redis, config: SingletonConfig,
+                  rate: bool = False) -> list[Finding]:
+    """Every script a worker calls, run once as the lock user (``rate``: the
+    acquire under ``singleton_rate`` too)."""
     keys = LockKeys(config.key_prefix, uuid.uuid4().hex)
     other = LockKeys(config.key_prefix, uuid.uuid4().hex)
+    rated = LockKeys(config.key_prefix, uuid.uuid4().hex)
     task_id = f"checks-{uuid.uuid4().hex}"
     exec_id = uuid.uuid4().hex
     user = user_of(client)
-    rule = f"ACL SETUSER {user} {acl_rule(config.key_prefix, db_of(client))}"
+    rule = f"ACL SETUSER {user} {acl_rule(config.key_prefix, db_of(client), rate=rate)}"
     findings: list[Finding] = []
     command_denied: list[str] = []
-    probes = _probe_calls(keys, other, task_id, exec_id)
+    probes = _probe_calls(keys, other, task_id, exec_id, rated if rate else None)
     for name, keys_, args in probes:
         script = SCRIPTS[name]
         try:
@@ -206,7 +237,7 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
                     f"ACL user {user!r} may not access keys under the prefix "
                     f"{config.key_prefix!r} (script {name}): {text}",
                     f"allow the key pattern: {rule}")]
-            return [*findings, noperm_command(client, config, exc)]
+            return [*findings, noperm_command(client, config, exc, rate)]
         except ReadOnlyError:
             return [*findings, readonly()]
         except ResponseError as exc:
@@ -229,8 +260,11 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
         command(client, "DEL", keys.fence, keys.fin, keys.done)
     with contextlib.suppress(redis.RedisError):
         command(client, "DEL", other.queued, other.replaced)
+    with contextlib.suppress(redis.RedisError):
+        command(client, "DEL", rated.fence, rated.fin, rated.rate)
     if command_denied:
-        wanted = sorted({c for n in command_denied for c in script_commands(SCRIPTS[n])})
+        wanted = sorted({c for n in command_denied for c in script_commands(SCRIPTS[n])
+                         if rate or c not in RATE_COMMANDS})
         denied = _denied_in_scripts(client, config.key_prefix, wanted)
         logged = _acl_log(client)
         named = ", ".join(denied) if denied else "a command they call"

@@ -405,11 +405,11 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     Exits 0 when all is well, 1 on findings to look at, 2 when the lock Redis
     is unreachable, is not a Redis, or refuses the credentials."""
     from ..beat.scheduler import schedule_modes
-    from ..checks.doctor import beat_check, engine_checks
+    from ..checks.doctor import beat_check, engine_checks, uses_rate
     from ..checks.findings import ERROR, OK
 
     c = _Context(ctx)
-    findings = engine_checks(c.engine)
+    findings = engine_checks(c.engine, uses_rate(c.app))  # with singleton_rate: its commands
     modes = schedule_modes(c.app)  # what a beat of this app needs; None: no beat_schedule
     if modes is not None and not any(f.code in UNUSABLE for f in findings):
         findings += beat_check(c.engine, modes)

@@ -20,7 +20,7 @@ from ..engine.registry import engine_for
 from ..exceptions import LockBackendError, WaitingForKey, describe
 from ..keys import LockKeys
 from ..lock import REQUEST_ATTR, SingletonLock
-from ..observe import monitor
+from ..observe import monitor, traces
 from ..observe.skiplog import log_skip, log_wait, naming
 from . import policies
 from .broker import schedulable, without_broker_headers
@@ -72,6 +72,7 @@ def carry_out(task: Any, decision: Decision, config: SingletonConfig, keys: Lock
     """Do what :mod:`.policies` decided for an execution that did not get its lock."""
     req = task.request
     name, task_id, do = task.name, req.id, decision.do
+    traces.decided(keys, decision)  # on the task's span, with OpenTelemetry
     if do is Do.SKIP:
         skipped = skip_result(keys.base, decision.holder, decision.reason, decision.state,
                               decision.reopens_in)

@@ -22,6 +22,9 @@ from ..config import SKIPPING, SingletonConfig
 from ..engine.replies import Acquire, Acquired, Enqueue, Enqueued
 from ..exceptions import DuplicateTaskError, LockBackendError, describe
 
+#: the reason a call over its key's ``singleton_rate`` gives (skip results, logs, metrics)
+RATE_LIMITED = "rate limited"
+
 
 class Do(Enum):
     # at run
@@ -108,6 +111,19 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
             return Decision(Do.WAIT, holder=holder, reason="throttled", reopens_in=reopens,
                             state="started")
         return Decision(Do.FAIL, holder=holder, reason="throttled", reopens_in=reopens,
+                        state="started",
+                        error=DuplicateTaskError(task_name, key, holder, "started"))
+    if status is Acquire.RATE_LIMITED:
+        # singleton_rate: the key's window holds its N starts already; skip, or
+        # come back when the oldest start leaves it (never sooner), or raise
+        reopens = answer.reopens_ms / 1000.0
+        if on_duplicate in SKIPPING:
+            return Decision(Do.SKIP, holder=holder, reason=RATE_LIMITED, reopens_in=reopens,
+                            state="started")
+        if on_duplicate == "retry":
+            return Decision(Do.WAIT, holder=holder, reason=RATE_LIMITED, reopens_in=reopens,
+                            state="started")
+        return Decision(Do.FAIL, holder=holder, reason=RATE_LIMITED, reopens_in=reopens,
                         state="started",
                         error=DuplicateTaskError(task_name, key, holder, "started"))
     if status is Acquire.SAME_TASK:

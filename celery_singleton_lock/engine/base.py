@@ -88,8 +88,9 @@ class Engine(ABC):
     def acquire(self, keys: LockKeys, *, task_id: str, exec_id: str, lease_ms: int,
                 hostname: str, retries: int, task_name: str, scope: str = "run",
                 throttle_ms: int = 0, slots: int = 1, replace: bool = False,
-                done: bool = True) -> Acquired:
-        """Take the lock for an execution that starts now."""
+                done: bool = True, rate: tuple[int, int] = (0, 0)) -> Acquired:
+        """Take the lock for an execution that starts now (``rate``: the starts
+        and window ms of ``singleton_rate``)."""
 
     @abstractmethod
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,

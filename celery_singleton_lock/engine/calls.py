@@ -39,7 +39,8 @@ def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_n
 
 def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
                  retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0,
-                 replace: bool = False, done: bool = True) -> tuple[list[str], list[Any]]:
+                 replace: bool = False, done: bool = True, rate: tuple[int, int] = (0, 0)
+                 ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``acquire.lua``.
 
     Redis pays for every string passed (about as much as for a command run
@@ -50,10 +51,17 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
     under scope ``run``, the done marker's key only when the task keeps a done
     window (``done``: nothing else writes one for its keys, which hold its name);
     on the other paths the lock's own key takes the done marker's place then.
+    ``rate``: (starts, window ms) of ``singleton_rate``; every key is passed
+    then, the lock's own key for "not replacing".
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     # where KEYS go by position, the lock's own key stands for "no done marker"
     done_key = keys.done if done else keys.lock
+    if rate[0] > 0:
+        return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
+                 keys.replaced if replace else keys.lock, keys.rate],
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
+                 rate[0], rate[1]])
     if replace:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
                  keys.replaced],
@@ -70,13 +78,17 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
 
 def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
                        hostname: str, retries: int, task_name: str, fin_ms: int, slots: int,
-                       done: bool = True) -> tuple[list[str], list[Any]]:
+                       done: bool = True, rate: tuple[int, int] = (0, 0)
+                       ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1);
-    without a done window (``done`` False) the fence's key stands for the marker's."""
+    without a done window (``done`` False) the fence's key stands for the marker's;
+    ``rate``: (starts, window ms) of ``singleton_rate``, its key last."""
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    return ([keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
-             *(k.lock for k in keys.slots(slots))],
-            [task_id, exec_id, lease_ms, rest])
+    keys_ = [keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
+             *(k.lock for k in keys.slots(slots))]
+    if rate[0] > 0:
+        return [*keys_, keys.rate], [task_id, exec_id, lease_ms, rest, rate[0], rate[1]]
+    return keys_, [task_id, exec_id, lease_ms, rest]
 
 
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,

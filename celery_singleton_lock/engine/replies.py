@@ -26,6 +26,7 @@ class Acquire(IntEnum):
     DONE = 4  #: another task succeeded within ``singleton_done_ttl``
     THROTTLED = 5  #: another task started within the ``singleton_throttle`` window
     REPLACED = 6  #: a later send took this queued one's place (``"replace"``)
+    RATE_LIMITED = 7  #: the key's ``singleton_rate`` window is full (:mod:`.rate`)
 
 
 class Release(IntEnum):
@@ -78,7 +79,7 @@ class Acquired:
     holder: Optional[Holder] = None
     #: the refused execution owns the key it took at send time (it was accepted)
     queued_by_it: bool = False
-    #: THROTTLED: milliseconds until the window reopens
+    #: THROTTLED, RATE_LIMITED: milliseconds until the window reopens
     reopens_ms: int = 0
     #: ``singleton_limit`` > 1: the slot granted, or the slot of ``holder``
     slot: int = 1
@@ -91,7 +92,7 @@ class Acquired:
         the throttle window)."""
         if self.status is Acquire.DONE:
             return "done"
-        if self.status is Acquire.THROTTLED:
+        if self.status in (Acquire.THROTTLED, Acquire.RATE_LIMITED):
             return "started"
         if self.status is Acquire.REPLACED:
             return "queued"
@@ -197,7 +198,7 @@ def acquired(reply: Any) -> Acquired:
             return Acquired(status, holder=_holder(reply[1]), slot=int(reply[2]))
         if status in (Acquire.FINISHED, Acquire.DONE, Acquire.REPLACED):
             return Acquired(status, holder=Holder(reply[1]))
-        if status is Acquire.THROTTLED:
+        if status in (Acquire.THROTTLED, Acquire.RATE_LIMITED):
             return Acquired(status, holder=Holder(reply[1]),
                             reopens_ms=max(int(reply[2]), 0))
         return Acquired(status, holder=_holder(reply[1]),

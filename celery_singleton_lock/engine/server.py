@@ -137,6 +137,7 @@ class LockEngine(Engine):
         slots: int = 1,
         replace: bool = False,
         done: bool = True,
+        rate: tuple[int, int] = (0, 0),
     ) -> Acquired:
         """Take the lock for an execution that starts now.
 
@@ -148,6 +149,7 @@ class LockEngine(Engine):
         ``slots`` > 1: one of that many slots (``singleton_limit``), named by
         the answer's ``slot``. ``done`` False: the task keeps no done window
         (``singleton_done_ttl``), so no done marker is looked for, on every path.
+        ``rate``: (starts, window ms) of ``singleton_rate`` (:mod:`.rate`).
 
         With ``singleton_wait_replicas``, a grant is not its holder's until
         WAIT confirms it: it is marked meanwhile (:meth:`.LockKeys.waiting`),
@@ -160,7 +162,8 @@ class LockEngine(Engine):
         ``singleton_on_backend_error`` decides (by default: retry later).
         """
         answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                    task_name, scope, throttle_ms, slots, replace, done)
+                                    task_name, scope, throttle_ms, slots, replace, done,
+                                    rate)
         if not self._wait or answer.status is not Acquire.HELD:
             return answer
         # one pending grant is decided within WAIT's timeout and a round trip;
@@ -179,7 +182,8 @@ class LockEngine(Engine):
                 raise UnconfirmedHolderError(keys.base, pending, now - started)
             time.sleep(PENDING_POLL)
             answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                        task_name, scope, throttle_ms, slots, replace, done)
+                                        task_name, scope, throttle_ms, slots, replace, done,
+                                    rate)
             if answer.status is not Acquire.HELD:
                 return answer
 
@@ -198,15 +202,18 @@ class LockEngine(Engine):
 
     def _acquire_once(self, keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
                       hostname: str, retries: int, task_name: str, scope: str,
-                      throttle_ms: int, slots: int, replace: bool, done: bool) -> Acquired:
+                      throttle_ms: int, slots: int, replace: bool, done: bool,
+                      rate: tuple[int, int] = (0, 0)) -> Acquired:
         if slots > 1:
             script = self._acquire_slots
             keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
-                                             retries, task_name, self._fin_ms, slots, done)
+                                             retries, task_name, self._fin_ms, slots, done,
+                                             rate)
         else:
             script = self._acquire
             keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                       task_name, scope, self._fin_ms, throttle_ms, replace, done)
+                                       task_name, scope, self._fin_ms, throttle_ms, replace, done,
+                                       rate)
         try:
             if not self._wait:
                 reply, _ = self.wire.call(script, keys_, args)

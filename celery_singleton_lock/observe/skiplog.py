@@ -53,7 +53,7 @@ _FILTER = SkipLineFilter()
 #: how a skip or a refusal names the holder, by its reason: the one table the
 #: log, Flower's result column and the caller's events all read
 VERBS = {"duplicate": "duplicate of", "done": "done by", "throttled": "throttled by",
-         "replaced": "replaced by"}
+         "replaced": "replaced by", "rate limited": "rate limited by"}
 
 
 def naming(reason: str, holder: object, key: str) -> str:

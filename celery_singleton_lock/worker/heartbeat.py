@@ -195,9 +195,13 @@ class Heartbeat:
             return self._sleeping
 
     def _drain_wake(self) -> None:
+        """Read the wake-up bytes, only while ``select`` says some are there:
+        eventlet's monkey-patched ``os.read`` waits for data on an empty pipe
+        instead of raising BlockingIOError, which stopped the renewer for good."""
         try:
-            while os.read(self._wake_r, 512):
-                pass
+            while select.select([self._wake_r], [], [], 0)[0]:
+                if not os.read(self._wake_r, 512):
+                    return
         except BlockingIOError:
             pass
 

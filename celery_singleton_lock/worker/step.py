@@ -133,7 +133,7 @@ class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
             engine = engine_for(parent.app)
             # A wrong password or a missing ACL permission would fail every lock
             # call for as long as the worker runs: say so now, and stop.
-            checks.startup_check(engine)
+            checks.startup_check(engine, rate=checks.uses_rate(parent.app))
         except ConfigurationError as exc:
             logger.critical("celery-singleton-lock: %s", exc)
             raise SystemExit(f"celery-singleton-lock configuration error: {exc}") from None

@@ -105,9 +105,9 @@ def test_task_options_override_only_per_task_settings_and_name_the_task():
 
     assert {s.name for s in TASK_OPTIONS} == {"singleton_ttl", "singleton_on_duplicate",
                                               "singleton_scope", "singleton_done_ttl",
-                                              "singleton_throttle", "singleton_limit",
-                                              "singleton_debounce", "singleton_debounce_max",
-                                              "singleton_also_lock"}
+                                              "singleton_throttle", "singleton_rate",
+                                              "singleton_limit", "singleton_debounce",
+                                              "singleton_debounce_max", "singleton_also_lock"}
     app_level = SingletonConfig.defaults("redis://h/0", ttl=10.0)
     task_level = app_level.for_task("t.x", {"singleton_ttl": 2, "singleton_scope": None})
     assert (task_level.ttl, task_level.scope) == (2.0, "run")

@@ -21,6 +21,11 @@
 --                 the id of the task that replaced it (enqueue.lua)
 --                 (singleton_on_duplicate 'replace' only; KEYS[6] and ARGV[5]
 --                 to ARGV[7] are then passed too, ARGV[6] '0' when not throttled)
+-- KEYS[8] rate    sorted set: task ids that started within singleton_rate's window,
+--                 scored by their start (server ms); with ARGV[8] the starts
+--                 allowed in a window, ARGV[9] the window in ms (KEYS[5] to
+--                 KEYS[7] and ARGV[5] to ARGV[7] are then passed too, KEYS[7]
+--                 the lock's own key when not replacing)
 --
 -- The owner record is one string, fields joined by newlines (docs/redis-keys.md):
 --   exec, handoff, copies, token, at, lease, fin, retries, pid, hostkey, host, name, task
@@ -36,6 +41,9 @@
 --                               which reopens in ms
 --   {6, task}                   replaced: a later send took this one's place while
 --                               it was queued; that task runs instead
+--   {7, task, ms}               rate limited: as many starts as allowed are within
+--                               the window ('task': the oldest), which admits
+--                               another in ms
 -- accepted = 1: the refused execution took the key when it was sent; it keeps
 -- that marker, because a send that was accepted must run (it waits its turn).
 local lock, fence, fin, done, queued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -43,6 +51,8 @@ if done == lock then done = nil end  -- no done window: no marker to look for
 local throttle = KEYS[6]
 if throttle and ARGV[6] == '0' then throttle = nil end
 local replaced = KEYS[7]
+if replaced == lock then replaced = nil end
+local rate = KEYS[8]
 local task_id, exec_id = ARGV[1], ARGV[2]
 
 -- The marker this task left when it was sent: the key passes from it to the
@@ -106,6 +116,23 @@ if not handed then
     end
   end
 
+  if rate then
+    -- the starts of the last window, oldest first; this task id's own retry
+    -- is the start it already made
+    local t = redis.call('TIME')
+    local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local window = tonumber(ARGV[9])
+    redis.call('ZREMRANGEBYSCORE', rate, '-inf', now_ms - window)
+    local count = redis.call('ZCARD', rate)
+    if count >= tonumber(ARGV[8]) and not redis.call('ZSCORE', rate, task_id) then
+      if own_queued then redis.call('DEL', queued) end
+      -- the window admits one more once the start that makes it full leaves
+      local oldest = redis.call('ZRANGE', rate, count - tonumber(ARGV[8]),
+        count - tonumber(ARGV[8]), 'WITHSCORES')
+      return {7, oldest[1], tonumber(oldest[2]) + window - now_ms}
+    end
+  end
+
   if record then
     return {0, record, own_queued and 1 or 0}
   end
@@ -149,5 +176,10 @@ if throttle then
   -- a start opens the window; a retry of the task that opened it keeps it
   local ends = string.format('%.0f', math.floor(tonumber(now) / 1000) + tonumber(ARGV[6]))
   redis.call('SET', throttle, ARGV[7] .. '\n' .. ends .. '\n' .. task_id, 'PX', ARGV[6], 'NX')
+end
+if rate then
+  -- a start takes a place in the window (a retry of the same task keeps its own)
+  redis.call('ZADD', rate, 'NX', math.floor(tonumber(now) / 1000), task_id)
+  redis.call('PEXPIRE', rate, ARGV[9])
 end
 return token

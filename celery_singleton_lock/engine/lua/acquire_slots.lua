@@ -11,6 +11,8 @@
 --                 is not granted (its holder may be about to write it back)
 -- KEYS[5..]       the slots' owner records, slot 1 first (slot 1 is the key's
 --                 lock of singleton_limit = 1)
+-- KEYS[#KEYS]     with ARGV[5]: singleton_rate's sorted set of starts (acquire.lua),
+--                 ARGV[5] the starts allowed in a window, ARGV[6] the window in ms
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
 -- (the owner record's layout is acquire.lua's: docs/redis-keys.md)
@@ -22,9 +24,12 @@
 --   {2, record, slot}           held by another execution of this task id
 --   {3, task}                   this task id already finished
 --   {4, task}                   done: another task succeeded within done_ttl
+--   {7, task, ms}               rate limited (acquire.lua)
 local fence, fin, done, back = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if done == fence then done = nil end  -- no done window: no marker to look for
 local task_id, exec_id = ARGV[1], ARGV[2]
+local rate = ARGV[5] and KEYS[#KEYS]
+local nslots = #KEYS - 4 - (rate and 1 or 0)
 
 local function grant(slot)
   local t = redis.call('TIME')
@@ -38,11 +43,15 @@ local function grant(slot)
     redis.call('SET', fence, token, 'PX', '86400000')
   end
   redis.call('SET', KEYS[4 + slot], new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
+  if rate then
+    redis.call('ZADD', rate, 'NX', math.floor(tonumber(now) / 1000), task_id)
+    redis.call('PEXPIRE', rate, ARGV[6])
+  end
   return {1, token, slot}
 end
 
 local records, free = {}, nil
-for slot = 1, #KEYS - 4 do
+for slot = 1, nslots do
   local record = redis.call('GET', KEYS[4 + slot])
   records[slot] = record
   if not record then
@@ -72,12 +81,24 @@ if done_by then
   if done_by == task_id then return {3, task_id} end
   return {4, done_by}
 end
+if free and rate then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local window = tonumber(ARGV[6])
+  redis.call('ZREMRANGEBYSCORE', rate, '-inf', now_ms - window)
+  local count = redis.call('ZCARD', rate)
+  if count >= tonumber(ARGV[5]) and not redis.call('ZSCORE', rate, task_id) then
+    local oldest = redis.call('ZRANGE', rate, count - tonumber(ARGV[5]),
+      count - tonumber(ARGV[5]), 'WITHSCORES')
+    return {7, oldest[1], tonumber(oldest[2]) + window - now_ms}
+  end
+end
 if free and redis.call('HGET', back, '') then
   -- the server forgot the key and some of its slots are written back: the
   -- others may be too, by holders still running; none is granted until
   -- 'back' expires (reclaim.lua)
   free = nil
-  for slot = 1, #KEYS - 4 do
+  for slot = 1, nslots do
     if not records[slot] and redis.call('HGET', back, KEYS[4 + slot]) then
       free = slot  -- written back, then released: its holder is done
       break
@@ -85,7 +106,7 @@ if free and redis.call('HGET', back, '') then
   end
 end
 if not free then
-  for slot = 1, #KEYS - 4 do
+  for slot = 1, nslots do
     if records[slot] then return {0, records[slot], 0, slot} end
   end
   return {0, holder_record(''), 0, 1}

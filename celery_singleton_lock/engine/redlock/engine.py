@@ -156,8 +156,10 @@ class RedlockEngine(Engine):
         slots: int = 1,
         replace: bool = False,
         done: bool = True,
+        rate: tuple[int, int] = (0, 0),
     ) -> Acquired:
-        """Take the lock on a majority of the masters within the validity time."""
+        """Take the lock on a majority of the masters within the validity time
+        (``rate``: refused by the settings' check, one Redis decides it)."""
         if slots > 1:
             # each master could grant a different slot: no majority would hold one
             raise ConfigurationError("singleton_limit", f"{slots} slots per key: not on "

