@@ -109,10 +109,14 @@ if not handed then
     if window then ends, by = string.match(window, '^[^\n]*\n(%d+)\n(.*)$') end
     if by and by ~= task_id then
       -- another task started within the window: whatever its outcome, this
-      -- one does not start before the window reopens
-      if own_queued then redis.call('DEL', queued) end
+      -- one does not start before the window reopens (the key's own expiry
+      -- may lag its end by a millisecond: at the end, it is open)
       local t = redis.call('TIME')
-      return {5, by, tonumber(ends) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))}
+      local left = tonumber(ends) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+      if left > 0 then
+        if own_queued then redis.call('DEL', queued) end
+        return {5, by, left}
+      end
     end
   end
 
