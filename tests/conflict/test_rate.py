@@ -16,7 +16,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from celery_singleton_lock import SingletonConfig, checks, permissions
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.checks import doctor as checks
+from celery_singleton_lock.checks import permissions
 from celery_singleton_lock.checks.doctor import uses_rate
 from celery_singleton_lock.config import parse_rate as parse
 from celery_singleton_lock.engine.registry import connect

