@@ -5,7 +5,8 @@ docs/beat.md):
 
 ``skip``             the tick is not sent (unless the run in the way is that of
                      the tick before, sent late: then the tick waits for it, at
-                     most as long as that one was late; :meth:`Overlap._wait_for_late_run`)
+                     most as long as that run started late;
+                     :meth:`Overlap._wait_for_late_run`)
 ``buffer_one``       the tick waits in Redis; a newer one replaces it
 ``buffer_all``       every tick waits in Redis, in tick order, up to
                      ``singleton_beat_buffer_max``; each is sent once the run
@@ -221,7 +222,7 @@ class Overlap:
             self._stop_holder(entry, tick, keys, record, overlap == "terminate_other")
             self._buffer(entry, tick, "it is sent when the previous run ended")
             return True
-        if self._wait_for_late_run(entry, tick):
+        if self._wait_for_late_run(entry, tick, record):
             return True
         self.scheduler.singleton_stats["overlap_skipped"] += 1
         logger.info("Beat entry %r tick %s skipped: the previous run still runs (%s)",
@@ -258,7 +259,8 @@ class Overlap:
     def note_if_late(self, entry: Any, tick: dt.datetime) -> None:
         """After sending ``tick`` more than :data:`LATE_SEND` late, under
         ``skip``: note for the tick after it how late this one went, in
-        ``<entry>:late`` = ``<next tick ms> <next tick ms + lateness ms>``.
+        ``<entry>:late`` = ``<next tick ms> <next tick ms + lateness ms> <this
+        tick ms>``.
 
         The first tick after a start or a restart is sent when the beat comes
         up, anywhere in its period; its run may then still run at the next
@@ -278,7 +280,7 @@ class Overlap:
         try:
             engine_for(self.scheduler.app).client.set(
                 late_key(get_config(self.scheduler.app).key_prefix, entry.name),
-                f"{to_ms(following)} {deadline}",
+                f"{to_ms(following)} {deadline} {to_ms(tick)}",
                 px=max(deadline - to_ms(now), 0) + _LATE_NOTE_MARGIN_MS)
         except redis.RedisError as exc:
             logger.warning("Beat entry %r tick %s was sent %.2f s late and that could not be "
@@ -286,22 +288,29 @@ class Overlap:
                            "is skipped", entry.name, tick_name(tick), late_ms / 1000,
                            redis_failure(exc), exc)
 
-    def _wait_for_late_run(self, entry: Any, tick: dt.datetime) -> bool:
+    def _wait_for_late_run(self, entry: Any, tick: dt.datetime,
+                           record: Mapping[str, str]) -> bool:
         """``skip``, a run in the way: True when the tick before was sent late
         (:meth:`note_if_late` named this tick), the run then taken for that
-        one's. The tick waits for it, at most as long as the tick before was
-        late: sent once the run ended, skipped if it still runs then (sent on
-        time, it would have run into this tick as well). Sent late in turn, it
-        notes that for the tick after it."""
+        one's. The tick waits for it as long as that run started late (by its
+        grant's time in ``record``, so a worker slow to pick the late tick up
+        counts too; at least as long as the send was late): sent once the run
+        ended, skipped if it still runs then (started on time, it would have
+        run into this tick as well). Sent late in turn, it notes that for the
+        tick after it."""
         prefix = get_config(self.scheduler.app).key_prefix
         try:
             raw = engine_for(self.scheduler.app).client.get(late_key(prefix, entry.name))
         except redis.RedisError:
             return False
         try:
-            following, deadline = (int(part) for part in _text(raw or "").split())
-        except ValueError:
+            parts = [int(part) for part in _text(raw or "").split()]
+            following, deadline = parts[0], parts[1]
+        except (ValueError, IndexError):
             return False
+        at = str(record.get("at", ""))
+        if len(parts) > 2 and at.isdigit():  # the late tick's run started this late
+            deadline = max(deadline, following + int(at) - parts[2])
         if following != to_ms(tick) or to_ms(self.singleton_now()) >= deadline:
             return False
         self._late_waits[entry.name] = (entry, tick, deadline)
