@@ -22,6 +22,8 @@ from celery_singleton_lock.keys import LockKeys
 from .lockserver import Server
 
 LEASE_MS = 30_000
+#: how long a key's fencing counter outlives its lock: singleton_fence_ttl's default
+KEEP_MS = int(SingletonConfig.defaults("redis://").fence_ttl * 1000)
 
 #: redis-py's connection, whose methods carry no annotations
 Connection: Any = redis.Connection
@@ -156,7 +158,7 @@ def fcall_workload(server: Server, tasks: int) -> Callable[[], None]:
         for keys, task_id, exec_id in calls:
             token = fcall("acquire", *acquire_call(
                 keys, task_id, exec_id, LEASE_MS, "celery@bench", 0, "bench.trivial", "run",
-                fin_ms, done=False))
+                fin_ms, done=False, keep_ms=KEEP_MS))
             if not (isinstance(token, bytes) and token.isdigit()):
                 raise RuntimeError(f"the FCALL acquire was refused a free key: {token!r}")
             fcall("release", *release_call(keys, exec_id, task_id, True, False, 0.0, fin_ms))
@@ -269,7 +271,8 @@ def delifeq_workload(server: Server, tasks: int) -> Callable[[], None]:
     def run() -> None:
         for keys, task_id, exec_id in calls:
             names, argv = acquire_call(keys, task_id, exec_id, LEASE_MS, "celery@bench", 0,
-                                       "bench.trivial", "run", fin_ms, done=False)
+                                       "bench.trivial", "run", fin_ms, done=False,
+                                       keep_ms=KEEP_MS)
             conn.send_packed_command([pack(["EVALSHA", take, len(names), *names, *argv])],
                                      check_health=False)
             token = conn.read_response()

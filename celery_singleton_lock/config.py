@@ -167,6 +167,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry_max_delay", 30.0, check_ttl),
     Setting("finished_ttl", 3600.0, check_ttl),
     Setting("queue_ttl", 300.0, check_ttl),
+    # how long a key's fencing counter outlives its lock (docs/fencing.md#retention)
+    Setting("fence_ttl", 300.0, check_ttl),
     # WAIT after each grant and renewal: replicas that must acknowledge (0: off),
     # how long to wait for them, what to do when fewer did (docs/deployments.md)
     Setting("wait_replicas", 0, check_count),
@@ -342,6 +344,7 @@ class SingletonConfig:
     retry_max_delay: float
     finished_ttl: float
     queue_ttl: float
+    fence_ttl: float
     wait_replicas: int
     wait_timeout: int
     wait_policy: WaitPolicy

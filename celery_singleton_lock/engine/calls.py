@@ -13,9 +13,6 @@ from ..keys import LockKeys
 from ..process import HOST_KEY, PROCESS
 from .scripts import Script
 
-#: how long a key's fencing counter outlives its last grant (written in acquire.lua)
-FENCE_TTL_MS = 24 * 3600 * 1000
-
 #: every script, read once at import (the main worker process makes engines
 #: in its reaper thread while the pool forks)
 SCRIPTS: dict[str, Script] = {
@@ -39,8 +36,11 @@ def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_n
 
 def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
                  retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0,
-                 replace: bool = False, done: bool = True) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``acquire.lua``.
+                 replace: bool = False, done: bool = True, *, keep_ms: int
+                 ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``acquire.lua``; ``keep_ms``: how long the key's
+    fencing counter outlives the lock (``singleton_fence_ttl``), passed last
+    as the counter's TTL from the grant, the lease and that.
 
     Redis pays for every string passed (about as much as for a command run
     inside the script), so the owner record's fields that the script does not
@@ -52,31 +52,35 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
     on the other paths the lock's own key takes the done marker's place then.
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    fence_ms = lease_ms + keep_ms
     # where KEYS go by position, the lock's own key stands for "no done marker"
     done_key = keys.done if done else keys.lock
     if replace:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
                  keys.replaced],
-                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
+                 fence_ms])
     if throttle_ms > 0:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle],
-                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
+                 fence_ms])
     if scope == "run":
         return ([keys.lock, keys.fence, keys.fin, keys.done] if done else
-                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest]
+                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest, fence_ms]
     return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued],
-            [task_id, exec_id, lease_ms, rest, scope])
+            [task_id, exec_id, lease_ms, rest, scope, fence_ms])
 
 
 def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
                        hostname: str, retries: int, task_name: str, fin_ms: int, slots: int,
-                       done: bool = True) -> tuple[list[str], list[Any]]:
+                       done: bool = True, *, keep_ms: int
+                       ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1);
     without a done window (``done`` False) the fence's key stands for the marker's."""
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     return ([keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
              *(k.lock for k in keys.slots(slots))],
-            [task_id, exec_id, lease_ms, rest])
+            [task_id, exec_id, lease_ms, rest, lease_ms + keep_ms])
 
 
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
@@ -123,13 +127,24 @@ def unqueue_call(keys: LockKeys, task_id: str) -> tuple[list[str], list[Any]]:
     return [keys.queued], [task_id]
 
 
-def renew_call(entries: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``renew.lua`` for ``(lock key, exec id, lease ms)`` entries."""
-    args: list[Any] = []
-    for _, exec_id, lease_ms in entries:
+def renew_call(entries: Sequence[tuple[str, str, int]], keep_ms: int
+               ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``renew.lua`` for ``(lock key, exec id, lease ms)``
+    entries: each lock with its key's fencing counter, which outlives it by
+    ``keep_ms``."""
+    names: list[str] = []
+    args: list[Any] = [keep_ms]
+    for lock, exec_id, lease_ms in entries:
+        names.append(lock)
+        names.append(fence_of(lock))
         args.append(exec_id)
         args.append(lease_ms)
-    return [e[0] for e in entries], args
+    return names, args
+
+
+def fence_of(lock: str) -> str:
+    """The fencing counter's key of a lock key (of any slot: they share it)."""
+    return lock[:lock.rindex(":lock")] + ":fence"
 
 
 def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
@@ -139,8 +154,8 @@ def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
 
 
 def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_ms: int,
-                 hostname: str, retries: int, task_name: str, fin_ms: int
-                 ) -> tuple[list[str], list[Any]]:
+                 hostname: str, retries: int, task_name: str, fin_ms: int,
+                 *, keep_ms: int) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``reclaim.lua``: write back a held lock the server forgot.
 
     The key's ``back`` hash, which tells the other slots of a ``singleton_limit``
@@ -149,7 +164,7 @@ def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_m
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     return [keys.lock, keys.fence, keys.back], [exec_id, lease_ms, token, rest,
-                                                back_ms(lease_ms)]
+                                                back_ms(lease_ms), lease_ms + keep_ms]
 
 
 def back_ms(lease_ms: int) -> int:
@@ -158,6 +173,7 @@ def back_ms(lease_ms: int) -> int:
     return lease_ms // 3 + 1000
 
 
-def fence_call(keys: LockKeys, exec_id: str, token: int) -> tuple[list[str], list[Any]]:
+def fence_call(keys: LockKeys, exec_id: str, token: int, keep_ms: int
+               ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``fence.lua``: raise the key's counter to ``token``."""
-    return [keys.lock, keys.fence], [exec_id, token, FENCE_TTL_MS]
+    return [keys.lock, keys.fence], [exec_id, token, keep_ms]

@@ -78,6 +78,8 @@ class LockEngine(Engine):
         self._fence = SCRIPTS["fence"]
         self._reclaim = SCRIPTS["reclaim"]
         self._fin_ms = int(config.finished_ttl * 1000)
+        #: how long a key's fencing counter outlives its lock (singleton_fence_ttl)
+        self._keep_ms = int(config.fence_ttl * 1000)
         self.renew_chunk = RENEW_CHUNK
         #: sent right after each grant and renewal, in the same write
         self._wait: tuple[Any, ...] = (
@@ -202,11 +204,13 @@ class LockEngine(Engine):
         if slots > 1:
             script = self._acquire_slots
             keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
-                                             retries, task_name, self._fin_ms, slots, done)
+                                             retries, task_name, self._fin_ms, slots, done,
+                                             keep_ms=self._keep_ms)
         else:
             script = self._acquire
             keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                       task_name, scope, self._fin_ms, throttle_ms, replace, done)
+                                       task_name, scope, self._fin_ms, throttle_ms, replace, done,
+                                       keep_ms=self._keep_ms)
         try:
             if not self._wait:
                 reply, _ = self.wire.call(script, keys_, args)
@@ -371,11 +375,11 @@ class LockEngine(Engine):
         if isinstance(self.wire, ClusterWire):
             return renew_per_slot(self.wire, self._renew, entries, wait=self._wait,
                                   wait_replicas=self.config.wait_replicas,
-                                  chunk=self.renew_chunk)
+                                  chunk=self.renew_chunk, keep_ms=self._keep_ms)
         chunk = self.renew_chunk
         calls: list[tuple[list[str], list[Any]]] = []
         for start in range(0, len(entries), chunk):
-            calls.append(renew_call(entries[start:start + chunk]))
+            calls.append(renew_call(entries[start:start + chunk], self._keep_ms))
         if len(calls) == 1 and not self._wait:
             reply, _ = self.wire.call(self._renew, *calls[0])
             return replies.renewed(reply, len(entries))
@@ -386,7 +390,7 @@ class LockEngine(Engine):
                            "acknowledged", len(entries), acked, self.config.wait_replicas)
         out: list[Renew] = []
         for (keys, _), reply in zip(calls, answers):
-            out.extend(replies.renewed(reply, len(keys)))
+            out.extend(replies.renewed(reply, len(keys) // 2))
         return out
 
     def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
@@ -396,14 +400,14 @@ class LockEngine(Engine):
         not if someone released it or another execution holds it now."""
         reply, _ = self.wire.call(self._reclaim, *reclaim_call(
             keys, task_id, exec_id, token, lease_ms, hostname, retries, task_name,
-            self._fin_ms))
+            self._fin_ms, keep_ms=self._keep_ms))
         return replies.reclaimed(reply)
 
     def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
         """Raise the key's fencing counter (and the owner record's token) to at
         least ``token``, if ``exec_id`` holds the lock here. Redlock uses it to
         put the token it hands out on a majority of its masters."""
-        reply, _ = self.wire.call(self._fence, *fence_call(keys, exec_id, token))
+        reply, _ = self.wire.call(self._fence, *fence_call(keys, exec_id, token, self._keep_ms))
         return replies.flag(reply, "fence")
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:

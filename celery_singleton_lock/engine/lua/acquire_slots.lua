@@ -13,6 +13,7 @@
 --                 lock of singleton_limit = 1)
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
+-- ARGV[5] how long the fencing counter lives from this grant, ms (acquire.lua)
 -- (the owner record's layout is acquire.lua's: docs/redis-keys.md)
 --
 -- Returns
@@ -32,10 +33,10 @@ local function grant(slot)
   local now = t[1] .. string.sub('00000', #us) .. us
   -- the server clock is the tokens' floor (acquire.lua says why)
   local token = now
-  local last = redis.call('SET', fence, now, 'PX', '86400000', 'GET')
+  local last = redis.call('SET', fence, now, 'PX', ARGV[5], 'GET')
   if last and (#last > #now or (#last == #now and last >= now)) then
     token = string.format('%.0f', tonumber(last) + 1)
-    redis.call('SET', fence, token, 'PX', '86400000')
+    redis.call('SET', fence, token, 'PX', ARGV[5])
   end
   redis.call('SET', KEYS[4 + slot], new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
   return {1, token, slot}
