@@ -111,15 +111,17 @@ def bare_scripts_workload(server: Server, tasks: int, fenced: bool = False
     return run
 
 
-def _engine(server: Server) -> LockEngine:
-    config = SingletonConfig.defaults(f"redis://127.0.0.1:{server.port}/0")
+def _engine(server: Server, native: str = "auto") -> LockEngine:
+    config = SingletonConfig.defaults(f"redis://127.0.0.1:{server.port}/0", native=native)
     return LockEngine.from_config(config)
 
 
-def ours_workload(server: Server, tasks: int) -> Callable[[], None]:
+def ours_workload(server: Server, tasks: int, native: str = "auto") -> Callable[[], None]:
     """The engine's acquire and release, as the worker calls them for a task
-    with the default settings (no done window)."""
-    engine = _engine(server)
+    with the default settings (no done window): by default as the library
+    chooses (native commands on a server that has them, :mod:`celery_singleton_lock.
+    engine.native`), ``native="off"`` the scripts on any server."""
+    engine = _engine(server, native)
     calls = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex, f"w1:{i}")
              for i in range(tasks)]
     engine.acquire(calls[0][0], task_id="warm", exec_id="warm", lease_ms=LEASE_MS,
@@ -292,4 +294,5 @@ WORKLOADS: dict[str, Callable[[Server, int], Callable[[], None]]] = {
     "redispy": redispy_workload, "scripts": bare_scripts_workload,
     "fenced": lambda server, tasks: bare_scripts_workload(server, tasks, fenced=True),
     "fcall": fcall_workload, "hashfield": hashfield_workload, "delifeq": delifeq_workload,
+    "ours_scripts": lambda server, tasks: ours_workload(server, tasks, native="off"),
 }

@@ -224,9 +224,10 @@ def scripts_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]
                 continue
             findings.append(Finding(ERROR, "script", f"script {name} failed: {server_text(exc)}",
                                     "check that the server supports Lua scripting (EVALSHA)"))
-    # nothing of the probe stays: the grant's fencing counter would live a day
-    # (acquire.lua), the finish and done markers a second; the replace probe's
-    # send-time key and superseded ids five seconds (one slot per DEL: a Cluster)
+    # nothing of the probe stays: the grant's fencing counter would live the
+    # lease and singleton_fence_ttl (acquire.lua), the finish and done markers
+    # a second; the replace probe's send-time key and superseded ids five
+    # seconds (one slot per DEL: a Cluster)
     with contextlib.suppress(redis.RedisError):
         command(client, "DEL", keys.fence, keys.fin, keys.done)
     with contextlib.suppress(redis.RedisError):

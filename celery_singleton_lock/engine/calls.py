@@ -90,7 +90,7 @@ def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
     done window) passes two keys and the execution id; the finish marker's
     task id and TTL come from the owner record."""
     done_ms = int(done_ttl * 1000)
-    mode = 0 if not finished else 2 if always_record else 1
+    mode = release_mode(finished, always_record)
     if done_ms > 0:
         return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms,
                                                  _field(task_name)]
@@ -99,6 +99,11 @@ def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
     if mode == 1:
         return [keys.lock, keys.fin], [exec_id]
     return [keys.lock, keys.fin], [exec_id, mode]
+
+
+def release_mode(finished: bool, always_record: bool) -> int:
+    """release.lua's mode: 1 finished, 2 finished and recorded always, 0 not finished."""
+    return 0 if not finished else 2 if always_record else 1
 
 
 def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = "",

