@@ -62,7 +62,7 @@ local last = redis.call('GET', KEYS[2])
 if last and (#last > #now or (#last == #now and last >= now)) then
   token = string.format('%.0f', tonumber(last) + 1)
 end
-redis.call('SET', KEYS[2], token, 'PX', '86400000')
+redis.call('SET', KEYS[2], token, 'PX', '330000')
 return token
 """
 
@@ -200,10 +200,10 @@ local t = redis.call('TIME')
 local us = t[2]
 local now = t[1] .. string.sub('00000', #us) .. us
 local token = now
-local last = redis.call('SET', KEYS[2], now, 'PX', '86400000', 'GET')
+local last = redis.call('SET', KEYS[2], now, 'PX', '330000', 'GET')
 if last and (#last > #now or (#last == #now and last >= now)) then
   token = string.format('%.0f', tonumber(last) + 1)
-  redis.call('SET', KEYS[2], token, 'PX', '86400000')
+  redis.call('SET', KEYS[2], token, 'PX', '330000')
 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[2] .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])

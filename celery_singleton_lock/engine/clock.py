@@ -41,6 +41,8 @@ class ServerClock:
         #: (server µs less this process's monotonic µs as the request left,
         #: its round trip µs), latest last
         self.heard_from: deque[tuple[int, int]] = deque(maxlen=WINDOW)
+        #: what a proposal adds to this process's monotonic clock
+        self._ahead = 0
 
     @property
     def known(self) -> bool:
@@ -51,10 +53,11 @@ class ServerClock:
         now arrives; 0 before anything was heard."""
         if not self.heard_from:
             return 0
-        offset = min(o for o, _ in self.heard_from)
-        trips = [t for _, t in self.heard_from]
-        margin = min(MARGIN_MAX_US, max(MARGIN_US, trips[-1] - min(trips)))
-        return now_us() + offset + margin
+        return time.monotonic_ns() // 1000 + self._ahead
 
     def heard(self, sent: int, reply: Any, received: int) -> None:
-        self.heard_from.append((server_us(reply) - sent, received - sent))
+        heard = self.heard_from
+        heard.append((server_us(reply) - sent, received - sent))
+        trips = [t for _, t in heard]
+        margin = min(MARGIN_MAX_US, max(MARGIN_US, trips[-1] - min(trips)))
+        self._ahead = min(o for o, _ in heard) + margin

@@ -45,6 +45,7 @@ from .clock import AHEAD_US, ServerClock, now_us, server_us
 from .commands import (
     COMMANDS,
     FIELDS,
+    GRANT,
     Command,
     Flavor,
     fields_of,
@@ -123,16 +124,11 @@ class Native:
         proposed = self.clock.propose()
         record = new_record(exec_id, proposed, proposed, rest)
         fence_ms = lease_ms + self.keep_ms
-        commands: list[Command] = [
-            ("SET", keys.lock, record, "NX", "PX", lease_ms, "GET"),
-            ("SET", keys.fence, proposed, "NX", "PX", fence_ms, "GET"),
-            ("GET", keys.fin)]
-        if done:
-            commands.append(("GET", keys.done))
-        commands.append(("TIME",))
+        names = [keys.lock, keys.fence, keys.fin, keys.done] if done else [
+            keys.lock, keys.fence, keys.fin]
         sent = now_us()
         try:
-            answers, _ = self.send(commands)
+            answers, _ = self.wire.call(GRANT, names, [record, lease_ms, proposed, fence_ms])
         except BROKEN as exc:
             if not isinstance(exc, RedisUnanswered):
                 # Redis may still run it: undone, owner-checked, once it answers
@@ -324,9 +320,11 @@ class Native:
 
     def _release_commands(self, keys: LockKeys, held: Held, task_id: str, mode: int,
                           done_ms: int, task_name: str) -> list[Command]:
-        commands = self._markers(keys, task_id, mode, done_ms, task_name)
-        fields = fields_of(held.record)
-        if mode == 1 and fields[2] == "1":  # a copy was seen (and renewed past)
+        commands = self._markers(keys, task_id, mode, done_ms, task_name) if (
+            mode != 1 or done_ms) else []
+        if mode == 1 and held.record.split("\n", 3)[2] == "1":
+            # a copy was seen (and renewed past)
+            fields = fields_of(held.record)
             commands.append(("SET", keys.fin, fields[FIELDS], "PX", fields[6]))
         commands.append(self.flavor.delete_if(keys.lock, held.record))
         return commands
