@@ -13,6 +13,11 @@ from ..keys import LockKeys
 from ..process import HOST_KEY, PROCESS
 from .scripts import Script
 
+#: the share of the lease a host's clock may be off the Redis clock before the
+#: start-up checks warn (checks/server.py): a key's fencing counter outlives
+#: its lock by at least that much, whatever singleton_fence_ttl says
+CLOCK_FRACTION = 0.1
+
 #: every script, read once at import (the main worker process makes engines
 #: in its reaper thread while the pool forks)
 SCRIPTS: dict[str, Script] = {
@@ -20,6 +25,13 @@ SCRIPTS: dict[str, Script] = {
     for name in ("acquire", "acquire_slots", "release", "renew", "handoff", "enqueue", "unqueue",
                  "fence", "reclaim")
 }
+
+
+def fence_ttl_ms(lease_ms: int, keep_ms: int) -> int:
+    """How long a key's fencing counter lives from a grant or a renewal: the
+    lease, and ``keep_ms`` (``singleton_fence_ttl``) but at least a tenth of the
+    lease (docs/fencing.md#retention; renew.lua counts the same)."""
+    return lease_ms + max(keep_ms, int(lease_ms * CLOCK_FRACTION))
 
 
 def _field(value: str) -> str:
@@ -52,7 +64,7 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
     on the other paths the lock's own key takes the done marker's place then.
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    fence_ms = lease_ms + keep_ms
+    fence_ms = fence_ttl_ms(lease_ms, keep_ms)
     # where KEYS go by position, the lock's own key stands for "no done marker"
     done_key = keys.done if done else keys.lock
     if replace:
@@ -80,7 +92,7 @@ def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     return ([keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
              *(k.lock for k in keys.slots(slots))],
-            [task_id, exec_id, lease_ms, rest, lease_ms + keep_ms])
+            [task_id, exec_id, lease_ms, rest, fence_ttl_ms(lease_ms, keep_ms)])
 
 
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
@@ -169,7 +181,8 @@ def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_m
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     return [keys.lock, keys.fence, keys.back], [exec_id, lease_ms, token, rest,
-                                                back_ms(lease_ms), lease_ms + keep_ms]
+                                                back_ms(lease_ms),
+                                                fence_ttl_ms(lease_ms, keep_ms)]
 
 
 def back_ms(lease_ms: int) -> int:

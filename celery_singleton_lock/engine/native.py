@@ -40,7 +40,7 @@ import redis
 
 from ..keys import LockKeys
 from ..process import Holder
-from .calls import fence_of, record_rest
+from .calls import fence_of, fence_ttl_ms, record_rest
 from .clock import AHEAD_US, ServerClock, now_us, server_us
 from .commands import (
     COMMANDS,
@@ -123,7 +123,7 @@ class Native:
             self.clock.heard(sent, self.send([("TIME",)])[0][0], now_us())
         proposed = self.clock.propose()
         record = new_record(exec_id, proposed, proposed, rest)
-        fence_ms = lease_ms + self.keep_ms
+        fence_ms = fence_ttl_ms(lease_ms, self.keep_ms)
         names = [keys.lock, keys.fence, keys.fin, keys.done] if done else [
             keys.lock, keys.fence, keys.fin]
         sent = now_us()
@@ -151,7 +151,8 @@ class Native:
                     token = int(fields[3])
                     self.held[(keys.lock, exec_id)] = Held(holder, token)
                     if counter is not None and counter != str(proposed):
-                        self._raise_later(keys.fence, token, lease_ms + self.keep_ms, counter)
+                        self._raise_later(keys.fence, token,
+                                          fence_ttl_ms(lease_ms, self.keep_ms), counter)
                     return Acquired(Acquire.GRANTED, token=token)
                 else:
                     # a redelivered copy: the holder must leave a finish marker
@@ -378,7 +379,7 @@ class Native:
             return False
         if held is None:  # another process's grant: its counter may be below its token
             token = int(fields_of(record)[3] or 0)
-            self._raise(keys.fence, token, lease_ms + self.keep_ms,
+            self._raise(keys.fence, token, fence_ttl_ms(lease_ms, self.keep_ms),
                         self.send([("GET", keys.fence)])[0][0])
 
         def handed(r: str) -> str:
@@ -415,7 +416,7 @@ class Native:
             known.append(held)
             if held is not None:
                 commands.append(("SET", lock, held.record, "IFEQ", held.record, "PX", lease_ms))
-                commands.append(("PEXPIRE", fence_of(lock), lease_ms + self.keep_ms))
+                commands.append(("PEXPIRE", fence_of(lock), fence_ttl_ms(lease_ms, self.keep_ms)))
         answers = self.send(commands)[0] if commands else []
         out: list[Renew] = []
         at = 0
@@ -439,8 +440,9 @@ class Native:
                 return Renew.NOT_OURS
             if fields[1] != "":
                 return Renew.HANDED_OFF
+            fence_ms = fence_ttl_ms(lease_ms, self.keep_ms)
             answers, _ = self.send([("SET", lock, record, "IFEQ", record, "PX", lease_ms),
-                                    ("PEXPIRE", fence_of(lock), lease_ms + self.keep_ms)])
+                                    ("PEXPIRE", fence_of(lock), fence_ms)])
             if answers[0] == "OK":
                 held = self.held.get((lock, exec_id))
                 if held is not None:  # a copy marked it: compared as it is now
@@ -466,7 +468,7 @@ class Native:
         new = max(now, token + 1)
         rest = record_rest(task_id, lease_ms, hostname, retries, task_name, self.fin_ms)
         record = new_record(exec_id, new, now, rest)
-        fence_ms = lease_ms + self.keep_ms
+        fence_ms = fence_ttl_ms(lease_ms, self.keep_ms)
         counter, holder = self.send([("SET", keys.fence, new, "NX", "PX", fence_ms, "GET"),
                                      ("SET", keys.lock, record, "NX", "PX", lease_ms, "GET")])[0]
         if holder is not None:

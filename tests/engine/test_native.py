@@ -413,3 +413,18 @@ def test_a_worker_on_a_server_that_runs_no_script(valkey, no_scripts_url):
         promises.duplicate_storm_runs_one_at_a_time(app, events, uuid.uuid4().hex[:12])
     finally:
         discard(worker)
+
+
+def test_the_counter_lives_the_lease_and_the_retention_on_both_paths(valkey, vr):
+    """The native path keeps the key's counter as the scripts do: the lease and
+    ``singleton_fence_ttl`` (at least a tenth of the lease) from the grant and
+    from each renewal, ``singleton_fence_ttl`` after a release that raised it."""
+    for path in PATHS:
+        engine = engine_on(valkey.url(2), path, fence_ttl=1.0)
+        keys = new_keys()
+        assert take(engine, keys, "t", "e", lease_ms=60_000).status is Acquire.GRANTED
+        assert 65_000 < vr.pttl(keys.fence) <= 66_000, path
+        vr.pexpire(keys.fence, 1_000)
+        assert engine.renew([(keys.lock, "e", 60_000)]) == [Renew.RENEWED]
+        assert 65_000 < vr.pttl(keys.fence) <= 66_000, path
+        assert engine.release(keys, "e", "t") is True

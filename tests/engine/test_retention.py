@@ -139,3 +139,16 @@ def _granted(engine: Any, keys: LockKeys) -> Any:
     except Exception:  # the outage's first calls fail at once until it answers
         return None
     return got.token if got.status is Acquire.GRANTED else None
+
+
+def test_the_counter_outlives_a_long_lease_by_at_least_a_tenth_of_it(redis_server, r):
+    """``singleton_fence_ttl`` shorter than the clock allowance the start-up
+    checks use (a tenth of the lease): the counter still outlives the lock by
+    that allowance, at the grant and at each renewal."""
+    engine = connect(SingletonConfig.defaults(redis_server.url(2), fence_ttl=1.0))
+    keys = new_keys()
+    assert take(engine, keys, "t", "e", lease_ms=60_000).status is Acquire.GRANTED
+    assert 65_000 < r.pttl(keys.fence) <= 66_000
+    r.pexpire(keys.fence, 1_000)
+    assert engine.renew([(keys.lock, "e", 60_000)]) == [Renew.RENEWED]
+    assert 65_000 < r.pttl(keys.fence) <= 66_000

@@ -2,7 +2,8 @@
 -- counter of each lock's key with it (it outlives the lock: reclaim.lua).
 --
 -- KEYS[2i-1]   lock of the i-th held lock   KEYS[2i]  its key's fencing counter
--- ARGV[1]      how long a counter outlives its lock, ms (singleton_fence_ttl)
+-- ARGV[1]      how long a counter outlives its lock, ms (singleton_fence_ttl;
+--              at least a tenth of the lease: calls.fence_ttl_ms)
 -- ARGV[2i]     the i-th lock's execution id
 -- ARGV[2i+1]   its lease ms
 --
@@ -25,7 +26,8 @@ for i = 1, #KEYS / 2 do
     else
       local lease = ARGV[2 * i + 1]
       redis.call('PEXPIRE', lock, lease)
-      redis.call('PEXPIRE', KEYS[2 * i], tonumber(lease) + keep)
+      local ms = tonumber(lease)
+      redis.call('PEXPIRE', KEYS[2 * i], ms + math.max(keep, math.floor(ms / 10)))
       out[i] = 1
     end
   end
