@@ -11,6 +11,11 @@ Three ways of taking a lock, alternated within each round:
 - ours: ``LockEngine.acquire`` then ``LockEngine.release`` (one EVALSHA each);
 - the floor: ``SET key 1 NX PX`` then ``DEL key`` through redis-py;
 - redis-py's ``redis.lock.Lock``: ``acquire(blocking=False)`` then ``release()``.
+
+``python -m benchmarks.capacity`` (:func:`main`) measures what a team plans
+a lock Redis with and writes ``docs/capacity.md``: the above for ours on each
+path, the floor and both peers (:data:`PAGE_KINDS`), then memory, bytes per
+held lock, renewal cost and connections (:mod:`.capacityrun`).
 """
 
 from __future__ import annotations
@@ -29,25 +34,41 @@ OURS = "celery-singleton-lock"
 FLOOR = "floor: bare SET NX PX + DEL"
 REDIS_PY = "redis-py Lock"
 KINDS = (OURS, FLOOR, REDIS_PY)
+#: ours forced onto each path, and the peers as their backends take and free
+OURS_NATIVE = "celery-singleton-lock, native commands"
+OURS_SCRIPTS = "celery-singleton-lock, scripts"
+CELERY_SINGLETON = "celery-singleton"
+CELERY_ONCE = "celery-once"
+PAGE_KINDS = (OURS_NATIVE, OURS_SCRIPTS, FLOOR, CELERY_SINGLETON, CELERY_ONCE)
 LEASE_MS = 60_000
-# the commands each kind's client sends (the others run inside scripts)
-SENT = {OURS: {"evalsha"}, FLOOR: {"set", "del"}, REDIS_PY: {"set", "evalsha"}}
+# the commands each kind's client sends (the others run inside scripts, and
+# INFO commandstats counts those too: OURS is measured on a server without the
+# native commands, where it sends scripts only)
+SENT = {OURS: {"evalsha"},
+        FLOOR: {"set", "del"}, REDIS_PY: {"set", "evalsha"},
+        OURS_NATIVE: {"set", "get", "time", "delifeq", "delex", "pexpire"},
+        OURS_SCRIPTS: {"evalsha"}, CELERY_SINGLETON: {"set", "del"},
+        CELERY_ONCE: {"set", "del", "pttl"}}
 
 
 def _pair(kind: str, url: str, tag: str) -> Callable[[int], None]:
     """One acquire + release of a key only call ``i`` of this client uses."""
-    if kind == OURS:
+    if kind in (CELERY_SINGLETON, CELERY_ONCE):
+        return _peer(kind, url, tag)
+    if kind in (OURS, OURS_NATIVE, OURS_SCRIPTS):
         from celery_singleton_lock import SingletonConfig
         from celery_singleton_lock.engine.registry import connect
         from celery_singleton_lock.keys import LockKeys
 
-        engine = connect(SingletonConfig.defaults(url))
+        native = "off" if kind == OURS_SCRIPTS else "auto"
+        engine = connect(SingletonConfig.defaults(url, native=native))
 
         def ours(i: int) -> None:
             keys = LockKeys("cap:", f"{tag}{i:x}")
             exec_id = f"e{i}"
             got = engine.acquire(keys, task_id=f"t{i}", exec_id=exec_id, lease_ms=LEASE_MS,
-                                 hostname="capacity", retries=0, task_name="capacity")
+                                 hostname="capacity", retries=0, task_name="capacity",
+                                 done=False)  # as the worker asks: no done window
             if got.status != 1:
                 raise RuntimeError(f"not granted: {keys.base}")
             engine.release(keys, exec_id, f"t{i}")
@@ -67,6 +88,32 @@ def _pair(kind: str, url: str, tag: str) -> Callable[[int], None]:
             raise RuntimeError(f"not granted: {lock.name!r}")
         lock.release()
     return redis_py
+
+
+def _peer(kind: str, url: str, tag: str) -> Callable[[int], None]:
+    """A peer's lock as its backend takes it and frees it (celery-singleton:
+    ``SET NX EX``, ``DEL``; celery-once: redis-py's ``Lock``'s ``SET NX PX``,
+    ``DEL``)."""
+    if kind == CELERY_SINGLETON:
+        from celery_singleton.backends.redis import RedisBackend
+
+        backend = RedisBackend(url)
+
+        def singleton(i: int) -> None:
+            key = f"SINGLETONLOCK_cap.task{tag}{i:x}"
+            if not backend.lock(key, f"t{i}", expiry=LEASE_MS // 1000):
+                raise RuntimeError(f"not granted: {key}")
+            backend.unlock(key)
+        return singleton
+    from celery_once.backends.redis import Redis as OnceRedis
+
+    once = OnceRedis({"url": url, "default_timeout": LEASE_MS // 1000})
+
+    def celery_once(i: int) -> None:
+        key = f"qo_cap.task_{tag}{i:x}"
+        once.raise_or_lock(key, timeout=LEASE_MS // 1000)  # raises when taken
+        once.clear_lock(key)
+    return celery_once
 
 
 def client_process(conn: Connection, url: str, start: Any) -> None:
@@ -135,17 +182,18 @@ class Clients:
             if proc.is_alive():
                 proc.terminate()
 
-    def measure(self, redis_pid: int, seconds: float, rounds: int) -> dict[str, Any]:
+    def measure(self, redis_pid: int, seconds: float, rounds: int,
+                kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
         """Drive the server (process ``redis_pid``), ``seconds`` per kind per round."""
         info = redis.Redis.from_url(self.url)
-        samples: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
+        samples: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
         for r in range(rounds):
             # each round in another order, so no kind always follows the same one
-            order = KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
             for kind in order:
                 samples[kind].append(self._one(info, redis_pid, kind, seconds))
                 info.flushall()
-        return summary(samples, len(self.procs), seconds, rounds)
+        return summary(samples, len(self.procs), seconds, rounds, kinds)
 
     def _one(self, info: redis.Redis, redis_pid: int, kind: str,
              seconds: float) -> dict[str, float]:
@@ -180,9 +228,9 @@ class Clients:
 
 
 def summary(samples: dict[str, list[dict[str, float]]], processes: int, seconds: float,
-            rounds: int) -> dict[str, Any]:
+            rounds: int, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
     rows = []
-    for kind in KINDS:
+    for kind in kinds:
         runs = samples[kind]
 
         def med(field: str, runs: list[dict[str, float]] = runs) -> float:
@@ -206,3 +254,9 @@ def summary(samples: dict[str, list[dict[str, float]]], processes: int, seconds:
         })
     return {"client_processes": processes, "seconds_per_run": seconds, "rounds": rounds,
             "rows": rows, "samples": samples}
+
+
+if __name__ == "__main__":
+    from .capacityrun import main
+
+    raise SystemExit(main())

@@ -123,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         scripts = per_script(server, 2000) if not args.callgrind else {}
     finally:
         server.stop()
-    print(f"redis {version} ({server.binary}), {args.tasks} tasks x {args.rounds} rounds, "
+    print(f"{version} ({server.binary}), {args.tasks} tasks x {args.rounds} rounds, "
           f"{os.cpu_count()} CPUs, {platform.platform()}, load average "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     floor = statistics.median(r["cpu_us"] for r in results.get("floor", [])) if (

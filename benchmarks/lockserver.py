@@ -44,7 +44,11 @@ class Server:
             return False
 
     def version(self) -> str:
-        return str(self.client.info("server")["redis_version"])
+        """``Redis 7.0.15`` or ``Valkey 9.1.2`` (which answers redis_version 7.2.4 too)."""
+        info = self.client.info("server")
+        if "valkey_version" in info:
+            return f"Valkey {info['valkey_version']}"
+        return f"Redis {info['redis_version']}"
 
     def cpu(self) -> float:
         info = self.client.info("cpu")

@@ -22,6 +22,8 @@ from celery_singleton_lock.keys import LockKeys
 from .lockserver import Server
 
 LEASE_MS = 30_000
+#: how long a key's fencing counter outlives its lock: singleton_fence_ttl's default
+KEEP_MS = int(SingletonConfig.defaults("redis://").fence_ttl * 1000)
 
 #: redis-py's connection, whose methods carry no annotations
 Connection: Any = redis.Connection
@@ -60,7 +62,7 @@ local last = redis.call('GET', KEYS[2])
 if last and (#last > #now or (#last == #now and last >= now)) then
   token = string.format('%.0f', tonumber(last) + 1)
 end
-redis.call('SET', KEYS[2], token, 'PX', '86400000')
+redis.call('SET', KEYS[2], token, 'PX', '330000')
 return token
 """
 
@@ -109,15 +111,17 @@ def bare_scripts_workload(server: Server, tasks: int, fenced: bool = False
     return run
 
 
-def _engine(server: Server) -> LockEngine:
-    config = SingletonConfig.defaults(f"redis://127.0.0.1:{server.port}/0")
+def _engine(server: Server, native: str = "auto") -> LockEngine:
+    config = SingletonConfig.defaults(f"redis://127.0.0.1:{server.port}/0", native=native)
     return LockEngine.from_config(config)
 
 
-def ours_workload(server: Server, tasks: int) -> Callable[[], None]:
+def ours_workload(server: Server, tasks: int, native: str = "auto") -> Callable[[], None]:
     """The engine's acquire and release, as the worker calls them for a task
-    with the default settings (no done window)."""
-    engine = _engine(server)
+    with the default settings (no done window): by default as the library
+    chooses (native commands on a server that has them, :mod:`celery_singleton_lock.
+    engine.native`), ``native="off"`` the scripts on any server."""
+    engine = _engine(server, native)
     calls = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex, f"w1:{i}")
              for i in range(tasks)]
     engine.acquire(calls[0][0], task_id="warm", exec_id="warm", lease_ms=LEASE_MS,
@@ -156,7 +160,7 @@ def fcall_workload(server: Server, tasks: int) -> Callable[[], None]:
         for keys, task_id, exec_id in calls:
             token = fcall("acquire", *acquire_call(
                 keys, task_id, exec_id, LEASE_MS, "celery@bench", 0, "bench.trivial", "run",
-                fin_ms, done=False))
+                fin_ms, done=False, keep_ms=KEEP_MS))
             if not (isinstance(token, bytes) and token.isdigit()):
                 raise RuntimeError(f"the FCALL acquire was refused a free key: {token!r}")
             fcall("release", *release_call(keys, exec_id, task_id, True, False, 0.0, fin_ms))
@@ -196,10 +200,10 @@ local t = redis.call('TIME')
 local us = t[2]
 local now = t[1] .. string.sub('00000', #us) .. us
 local token = now
-local last = redis.call('SET', KEYS[2], now, 'PX', '86400000', 'GET')
+local last = redis.call('SET', KEYS[2], now, 'PX', '330000', 'GET')
 if last and (#last > #now or (#last == #now and last >= now)) then
   token = string.format('%.0f', tonumber(last) + 1)
-  redis.call('SET', KEYS[2], token, 'PX', '86400000')
+  redis.call('SET', KEYS[2], token, 'PX', '330000')
 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[2] .. '\n\n\n' .. token .. '\n' .. now .. '\n' .. ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -269,7 +273,8 @@ def delifeq_workload(server: Server, tasks: int) -> Callable[[], None]:
     def run() -> None:
         for keys, task_id, exec_id in calls:
             names, argv = acquire_call(keys, task_id, exec_id, LEASE_MS, "celery@bench", 0,
-                                       "bench.trivial", "run", fin_ms, done=False)
+                                       "bench.trivial", "run", fin_ms, done=False,
+                                       keep_ms=KEEP_MS)
             conn.send_packed_command([pack(["EVALSHA", take, len(names), *names, *argv])],
                                      check_health=False)
             token = conn.read_response()
@@ -289,4 +294,5 @@ WORKLOADS: dict[str, Callable[[Server, int], Callable[[], None]]] = {
     "redispy": redispy_workload, "scripts": bare_scripts_workload,
     "fenced": lambda server, tasks: bare_scripts_workload(server, tasks, fenced=True),
     "fcall": fcall_workload, "hashfield": hashfield_workload, "delifeq": delifeq_workload,
+    "ours_scripts": lambda server, tasks: ours_workload(server, tasks, native="off"),
 }

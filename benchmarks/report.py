@@ -106,7 +106,8 @@ def markdown(results: dict[str, Any]) -> str:
             "| locks held | one renewal (median ms) | worst of 5 (ms) | script calls per renewal "
             "(one round trip) | calls per heartbeat interval | locks lost "
             "| PING p99 / max while renewing (ms) | same, one call for all locks "
-            "| Redis bytes per held lock | bytes left per released lock (24 h) |",
+            "| Redis bytes per held lock | bytes left per released lock (for the lease "
+            "and singleton_fence_ttl) |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in results["heartbeat"]:

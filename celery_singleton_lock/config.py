@@ -38,6 +38,7 @@ WAIT_POLICIES: tuple[WaitPolicy, ...] = ("release", "proceed")
 OVERLAP_MODES: tuple[OverlapMode, ...] = ("skip", "buffer_one", "buffer_all", "cancel_other",
                                           "terminate_other", "allow")
 BEAT_BACKEND_ERROR_POLICIES = ("skip", "send")
+NATIVE = ("auto", "off")
 
 #: ``singleton_on_duplicate="replace"``: a send takes the place of a call still queued
 REPLACE: OnDuplicate = "replace"
@@ -205,6 +206,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry_max_delay", 30.0, check_ttl),
     Setting("finished_ttl", 3600.0, check_ttl),
     Setting("queue_ttl", 300.0, check_ttl),
+    # how long a key's fencing counter outlives its lock (docs/fencing.md#retention)
+    Setting("fence_ttl", 300.0, check_ttl),
+    # "auto": plain commands, no script, for the tasks they can serve, on a
+    # server that compares before it writes (Valkey 9.0+, Redis 8.4+); "off":
+    # scripts only (docs/deployments.md#native-commands)
+    Setting("native", "auto", choice(NATIVE, "value")),
     # WAIT after each grant and renewal: replicas that must acknowledge (0: off),
     # how long to wait for them, what to do when fewer did (docs/deployments.md)
     Setting("wait_replicas", 0, check_count),
@@ -381,6 +388,8 @@ class SingletonConfig:
     retry_max_delay: float
     finished_ttl: float
     queue_ttl: float
+    fence_ttl: float
+    native: str
     wait_replicas: int
     wait_timeout: int
     wait_policy: WaitPolicy

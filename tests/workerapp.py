@@ -130,6 +130,10 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
     def hold_short(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return body(self, key, seconds, tag)
 
+    if app.conf.get("slt_native_only"):
+        # only tasks whose options need no script: a lock Redis that runs none
+        return app
+
     # -- scopes and the done window -------------------------------------------
     for scope in ("queue", "queue_and_run"):
         for policy in ("skip", "retry", "raise"):

@@ -37,11 +37,13 @@ from .server import clock_check, eviction_check, persistence_check, replication_
 
 logger = logging.getLogger("celery_singleton_lock")
 
-def run_checks(client: redis.Redis, config: SingletonConfig,
+def run_checks(client: redis.Redis, config: SingletonConfig, scripts: bool = True,
                rate: bool = False) -> list[Finding]:
     """Every check, in the order a reader fixes them: reach, authenticate,
-    run the scripts, then what can make a granted lock lie (``rate``: a task
-    has ``singleton_rate``, its scripts' commands are tried too)."""
+    run the scripts, then what can make a granted lock lie. ``scripts``
+    False: the server runs no script, and the lock takes none (the native
+    path, :mod:`..engine.native`): that is said instead of checking them.
+    ``rate``: a task has ``singleton_rate``, its scripts' commands are tried too."""
     url = mask_url(config.redis_url)
     findings: list[Finding] = []
     try:
@@ -49,7 +51,8 @@ def run_checks(client: redis.Redis, config: SingletonConfig,
         findings.append(Finding(OK, "reachable", f"lock Redis at {url} answers as user "
                                                  f"{user_of(client)!r}"))
         findings.extend(version_check(client))
-        findings.extend(scripts_check(client, config, rate))
+        findings.extend(scripts_check(client, config, rate) if scripts
+                        else [no_scripts(client)])
         findings.extend(publishing_check(client, config))
         findings.extend(eviction_check(client))
         findings.extend(clock_check(client, config))
@@ -76,6 +79,16 @@ def run_checks(client: redis.Redis, config: SingletonConfig,
             "back, singleton tasks follow singleton_on_backend_error",
         )]
     return findings
+
+
+def no_scripts(client: redis.Redis) -> Finding:
+    return Finding(
+        WARNING, "scripts",
+        f"the lock Redis runs no script for user {user_of(client)!r}: tasks lock in plain "
+        "commands (DELIFEQ or DELEX, SET IFEQ), and a task whose options need a script "
+        "(singleton_scope queue or queue_and_run, singleton_limit, singleton_throttle, "
+        "'replace', singleton_wait_replicas, singleton_also_lock) is refused at start",
+        "allow EVALSHA and SCRIPT LOAD for those options (docs/deployments.md#native-commands)")
 
 
 def not_redis(url: str, exc: BaseException) -> Finding:
@@ -106,7 +119,14 @@ def engine_checks(engine: Engine, rate: bool = False) -> list[Finding]:
     masters answer."""
     servers = engine.servers()
     if len(servers) == 1:
-        return run_checks(engine.client, engine.config, rate)
+        try:
+            how, scripts = engine.lock_path()
+        except redis.RedisError:  # the checks say why it does not answer
+            return run_checks(engine.client, engine.config, rate=rate)
+        found = run_checks(engine.client, engine.config, scripts, rate)
+        if found and found[0].code == "reachable":
+            found.insert(1, Finding(OK, "commands", f"lock calls: {how}"))
+        return found
     findings: list[Finding] = []
     answering: list[str] = []
     silent: list[str] = []

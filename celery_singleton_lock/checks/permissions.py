@@ -109,36 +109,38 @@ def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str,
     rate_probes: list[tuple[str, list[str], list[Any]]] = [] if rated is None else [
         ("acquire", *acquire_call(rated, task_id, exec_id, 5000, socket.gethostname(), 0,
                                   "celery_singleton_lock.checks", "run", 1000, done=False,
-                                  rate=(1, 5000))),
+                                  rate=(1, 5000), keep_ms=1000)),
         ("release", *release_call(rated, exec_id, task_id, False, False, 0.0, 1000)),
         ("acquire", *acquire_call(rated, exec_id, exec_id, 5000, socket.gethostname(), 0,
                                   "celery_singleton_lock.checks", "run", 1000, done=False,
-                                  rate=(1, 5000))),
+                                  rate=(1, 5000), keep_ms=1000)),
     ]
     return [
         ("enqueue", *enqueue_call(keys, task_id, "queue_and_run", 5000)),
         ("acquire", *acquire_call(keys, task_id, exec_id, 5000, socket.gethostname(), 0,
-                                  "celery_singleton_lock.checks", "queue_and_run", 1000)),
-        ("renew", *renew_call([(keys.lock, exec_id, 5000)])),
+                                  "celery_singleton_lock.checks", "queue_and_run", 1000,
+                                  keep_ms=1000)),
+        ("renew", *renew_call([(keys.lock, exec_id, 5000)], 1000)),
         # the heartbeat's write-back and Redlock's counter raise, on the lock
         # this probe holds: both only renew it and leave its token as it is
         ("reclaim", *reclaim_call(keys, task_id, exec_id, 1, 5000, socket.gethostname(), 0,
-                                  "celery_singleton_lock.checks", 1000)),
-        ("fence", *fence_call(keys, exec_id, 1)),
+                                  "celery_singleton_lock.checks", 1000, keep_ms=1000)),
+        ("fence", *fence_call(keys, exec_id, 1, 1000)),
         ("handoff", *handoff_call(keys, exec_id, 1, 5000)),
         ("release", *release_call(keys, exec_id, task_id, True, True, 1.0, 1000)),
         # singleton_limit's grant (another task id: the one above finished),
         # freed at once without a finish marker
         ("acquire_slots", *acquire_slots_call(keys, exec_id, exec_id, 5000,
                                               socket.gethostname(), 0,
-                                              "celery_singleton_lock.checks", 1000, 2)),
+                                              "celery_singleton_lock.checks", 1000, 2,
+                                              keep_ms=1000)),
         ("release", *release_call(keys, exec_id, exec_id, False, False, 0.0, 1000)),
         ("unqueue", *unqueue_call(keys, task_id)),
         ("enqueue", *enqueue_call(other, task_id, "queue", 5000, replace=(1000, 2000))),
         ("enqueue", *enqueue_call(other, exec_id, "queue", 5000, replace=(1000, 2000))),
         ("acquire", *acquire_call(other, task_id, exec_id, 5000, socket.gethostname(), 0,
                                   "celery_singleton_lock.checks", "queue", 1000,
-                                  replace=True)),
+                                  replace=True, keep_ms=1000)),
         *rate_probes,
     ]
 
@@ -253,9 +255,10 @@ def scripts_check(client: redis.Redis, config: SingletonConfig,
                 continue
             findings.append(Finding(ERROR, "script", f"script {name} failed: {server_text(exc)}",
                                     "check that the server supports Lua scripting (EVALSHA)"))
-    # nothing of the probe stays: the grant's fencing counter would live a day
-    # (acquire.lua), the finish and done markers a second; the replace probe's
-    # send-time key and superseded ids five seconds (one slot per DEL: a Cluster)
+    # nothing of the probe stays: the grant's fencing counter would live the
+    # lease and singleton_fence_ttl (acquire.lua), the finish and done markers
+    # a second; the replace probe's send-time key and superseded ids five
+    # seconds (one slot per DEL: a Cluster)
     with contextlib.suppress(redis.RedisError):
         command(client, "DEL", keys.fence, keys.fin, keys.done)
     with contextlib.suppress(redis.RedisError):

@@ -15,6 +15,7 @@ from redis.exceptions import (
 
 from ..config import SingletonConfig
 from ..engine import shapes
+from ..engine.calls import CLOCK_FRACTION
 from .findings import ERROR, OK, WARNING, Finding, command, server_text, setting
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -25,9 +26,6 @@ MIN_VERSION = (5, 0)
 
 #: the host's wall clock (a name of its own, so a test can set it off)
 wall_clock = time.time
-
-#: a clock offset above this share of the lease is reported
-CLOCK_FRACTION = 0.1
 
 #: eviction policies that never evict a key; every other one may evict ours
 #: (every key we write carries a TTL, so volatile-* picks them too)

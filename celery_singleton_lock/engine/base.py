@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 from ..config import SingletonConfig
 from ..keys import LockKeys
 from ..process import HOST_KEY, Holder, forget_seen, pid_alive
+from .paths import needs_a_script
 from .replies import Acquired, Enqueued, Reclaimed, Released, Renew
 from .watch import Watch
 
@@ -61,6 +62,18 @@ class Engine(ABC):
     @abstractmethod
     def down(self) -> bool:
         """An outage is known: lock calls fail at once until it answers again."""
+
+    def lock_path(self) -> tuple[str, bool]:
+        """How this engine's lock calls go, for the doctor (``"scripts"``, or
+        the native commands and for which tasks), and whether the server runs
+        our scripts; may ask the server (a Redis error when it does not answer)."""
+        return "scripts", True
+
+    def unserved(self, config: SingletonConfig) -> list[str]:
+        """The settings of a task's ``config`` this engine cannot serve, named
+        at start: where the server runs no script (:meth:`lock_path`), those
+        only a script carries out."""
+        return [] if self.lock_path()[1] else needs_a_script(config)
 
     def lease_margin(self, lease: float) -> float:
         """Seconds the holder counts its lease short by: none on one server (its

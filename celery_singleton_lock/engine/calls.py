@@ -13,8 +13,10 @@ from ..keys import LockKeys
 from ..process import HOST_KEY, PROCESS
 from .scripts import Script
 
-#: how long a key's fencing counter outlives its last grant (written in acquire.lua)
-FENCE_TTL_MS = 24 * 3600 * 1000
+#: the share of the lease a host's clock may be off the Redis clock before the
+#: start-up checks warn (checks/server.py): a key's fencing counter outlives
+#: its lock by at least that much, whatever singleton_fence_ttl says
+CLOCK_FRACTION = 0.1
 
 #: every script, read once at import (the main worker process makes engines
 #: in its reaper thread while the pool forks)
@@ -23,6 +25,13 @@ SCRIPTS: dict[str, Script] = {
     for name in ("acquire", "acquire_slots", "release", "renew", "handoff", "enqueue", "unqueue",
                  "fence", "reclaim")
 }
+
+
+def fence_ttl_ms(lease_ms: int, keep_ms: int) -> int:
+    """How long a key's fencing counter lives from a grant or a renewal: the
+    lease, and ``keep_ms`` (``singleton_fence_ttl``) but at least a tenth of the
+    lease (docs/fencing.md#retention; renew.lua counts the same)."""
+    return lease_ms + max(keep_ms, int(lease_ms * CLOCK_FRACTION))
 
 
 def _field(value: str) -> str:
@@ -39,9 +48,11 @@ def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_n
 
 def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
                  retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0,
-                 replace: bool = False, done: bool = True, rate: tuple[int, int] = (0, 0)
-                 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``acquire.lua``.
+                 replace: bool = False, done: bool = True, rate: tuple[int, int] = (0, 0),
+                 *, keep_ms: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``acquire.lua``; ``keep_ms``: how long the key's
+    fencing counter outlives the lock (``singleton_fence_ttl``), passed last
+    as the counter's TTL from the grant, the lease and that.
 
     Redis pays for every string passed (about as much as for a command run
     inside the script), so the owner record's fields that the script does not
@@ -55,30 +66,33 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
     then, the lock's own key for "not replacing".
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    fence_ms = fence_ttl_ms(lease_ms, keep_ms)
     # where KEYS go by position, the lock's own key stands for "no done marker"
     done_key = keys.done if done else keys.lock
     if rate[0] > 0:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
                  keys.replaced if replace else keys.lock, keys.rate],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
-                 rate[0], rate[1]])
+                 rate[0], rate[1], fence_ms])
     if replace:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
                  keys.replaced],
-                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
+                 fence_ms])
     if throttle_ms > 0:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle],
-                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name)])
+                [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
+                 fence_ms])
     if scope == "run":
         return ([keys.lock, keys.fence, keys.fin, keys.done] if done else
-                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest]
+                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest, fence_ms]
     return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued],
-            [task_id, exec_id, lease_ms, rest, scope])
+            [task_id, exec_id, lease_ms, rest, scope, fence_ms])
 
 
 def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
                        hostname: str, retries: int, task_name: str, fin_ms: int, slots: int,
-                       done: bool = True, rate: tuple[int, int] = (0, 0)
+                       done: bool = True, rate: tuple[int, int] = (0, 0), *, keep_ms: int
                        ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1);
     without a done window (``done`` False) the fence's key stands for the marker's;
@@ -86,9 +100,10 @@ def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     keys_ = [keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
              *(k.lock for k in keys.slots(slots))]
+    args: list[Any] = [task_id, exec_id, lease_ms, rest, fence_ttl_ms(lease_ms, keep_ms)]
     if rate[0] > 0:
-        return [*keys_, keys.rate], [task_id, exec_id, lease_ms, rest, rate[0], rate[1]]
-    return keys_, [task_id, exec_id, lease_ms, rest]
+        return [*keys_, keys.rate], [*args, rate[0], rate[1]]
+    return keys_, args
 
 
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
@@ -98,7 +113,7 @@ def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
     done window) passes two keys and the execution id; the finish marker's
     task id and TTL come from the owner record."""
     done_ms = int(done_ttl * 1000)
-    mode = 0 if not finished else 2 if always_record else 1
+    mode = release_mode(finished, always_record)
     if done_ms > 0:
         return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms,
                                                  _field(task_name)]
@@ -107,6 +122,11 @@ def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
     if mode == 1:
         return [keys.lock, keys.fin], [exec_id]
     return [keys.lock, keys.fin], [exec_id, mode]
+
+
+def release_mode(finished: bool, always_record: bool) -> int:
+    """release.lua's mode: 1 finished, 2 finished and recorded always, 0 not finished."""
+    return 0 if not finished else 2 if always_record else 1
 
 
 def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = "",
@@ -135,13 +155,24 @@ def unqueue_call(keys: LockKeys, task_id: str) -> tuple[list[str], list[Any]]:
     return [keys.queued], [task_id]
 
 
-def renew_call(entries: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``renew.lua`` for ``(lock key, exec id, lease ms)`` entries."""
-    args: list[Any] = []
-    for _, exec_id, lease_ms in entries:
+def renew_call(entries: Sequence[tuple[str, str, int]], keep_ms: int
+               ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``renew.lua`` for ``(lock key, exec id, lease ms)``
+    entries: each lock with its key's fencing counter, which outlives it by
+    ``keep_ms``."""
+    names: list[str] = []
+    args: list[Any] = [keep_ms]
+    for lock, exec_id, lease_ms in entries:
+        names.append(lock)
+        names.append(fence_of(lock))
         args.append(exec_id)
         args.append(lease_ms)
-    return [e[0] for e in entries], args
+    return names, args
+
+
+def fence_of(lock: str) -> str:
+    """The fencing counter's key of a lock key (of any slot: they share it)."""
+    return lock[:lock.rindex(":lock")] + ":fence"
 
 
 def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
@@ -151,8 +182,8 @@ def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
 
 
 def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_ms: int,
-                 hostname: str, retries: int, task_name: str, fin_ms: int
-                 ) -> tuple[list[str], list[Any]]:
+                 hostname: str, retries: int, task_name: str, fin_ms: int,
+                 *, keep_ms: int) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``reclaim.lua``: write back a held lock the server forgot.
 
     The key's ``back`` hash, which tells the other slots of a ``singleton_limit``
@@ -161,7 +192,8 @@ def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_m
     """
     rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
     return [keys.lock, keys.fence, keys.back], [exec_id, lease_ms, token, rest,
-                                                back_ms(lease_ms)]
+                                                back_ms(lease_ms),
+                                                fence_ttl_ms(lease_ms, keep_ms)]
 
 
 def back_ms(lease_ms: int) -> int:
@@ -170,6 +202,7 @@ def back_ms(lease_ms: int) -> int:
     return lease_ms // 3 + 1000
 
 
-def fence_call(keys: LockKeys, exec_id: str, token: int) -> tuple[list[str], list[Any]]:
+def fence_call(keys: LockKeys, exec_id: str, token: int, keep_ms: int
+               ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``fence.lua``: raise the key's counter to ``token``."""
-    return [keys.lock, keys.fence], [exec_id, token, FENCE_TTL_MS]
+    return [keys.lock, keys.fence], [exec_id, token, keep_ms]

@@ -337,15 +337,18 @@ def slot_of(key: str) -> int:
 
 
 def renew_per_slot(wire: ClusterWire, script: Script, entries: Sequence[tuple[str, str, int]],
-                   *, wait: tuple[Any, ...], wait_replicas: int, chunk: int) -> list[Renew]:
+                   *, wait: tuple[Any, ...], wait_replicas: int, chunk: int, keep_ms: int
+                   ) -> list[Renew]:
     """Renew on a Cluster: one call per slot (a script may touch one slot
     only), all sent before any reply is read, so a round costs about one
-    round trip per node. With ``WAIT`` on, see :func:`_renew_per_node`."""
+    round trip per node. With ``WAIT`` on, see :func:`_renew_per_node`.
+    ``keep_ms``: how long each key's fencing counter outlives its lock."""
     groups: dict[int, list[int]] = {}
     for i, entry in enumerate(entries):
         groups.setdefault(slot_of(entry[0]), []).append(i)
     if wait:
-        return _renew_per_node(wire, script, entries, groups, wait, wait_replicas, chunk)
+        return _renew_per_node(wire, script, entries, groups, wait, wait_replicas, chunk,
+                               keep_ms)
     out: list[Optional[Renew]] = [None] * len(entries)
     errors: list[Exception] = []
 
@@ -360,7 +363,7 @@ def renew_per_slot(wire: ClusterWire, script: Script, entries: Sequence[tuple[st
 
     for indexes in groups.values():
         try:
-            wire.call_later(script, *renew_call([entries[i] for i in indexes]),
+            wire.call_later(script, *renew_call([entries[i] for i in indexes], keep_ms),
                             answer(indexes))
         except redis.RedisError as exc:
             errors.append(exc)
@@ -370,7 +373,8 @@ def renew_per_slot(wire: ClusterWire, script: Script, entries: Sequence[tuple[st
 
 def _renew_per_node(cluster: ClusterWire, script: Script,
                     entries: Sequence[tuple[str, str, int]], groups: dict[int, list[int]],
-                    wait: tuple[Any, ...], wait_replicas: int, chunk: int) -> list[Renew]:
+                    wait: tuple[Any, ...], wait_replicas: int, chunk: int, keep_ms: int
+                    ) -> list[Renew]:
     """Renew on a Cluster with ``WAIT``: the calls of every slot a node
     serves in one write with ``WAIT`` after them, on the same connection,
     so WAIT counts that node's replicas for exactly these writes. Nodes are
@@ -388,7 +392,7 @@ def _renew_per_node(cluster: ClusterWire, script: Script,
             by_node.setdefault(id(node), (node, []))[1].append(indexes[start:start + chunk])
     short: list[str] = []
     for node, parts in by_node.values():
-        calls = [renew_call([entries[i] for i in part]) for part in parts]
+        calls = [renew_call([entries[i] for i in part], keep_ms) for part in parts]
         try:
             answers, acked = node.call_many(script, calls, after=wait)
         except redis.exceptions.AskError:  # MOVED too: the slot map changed

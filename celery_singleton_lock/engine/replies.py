@@ -177,7 +177,8 @@ def record(raw: Any) -> dict[str, str]:
     return out
 
 
-def _holder(raw: Any) -> Holder:
+def holder_of(raw: Any) -> Holder:
+    """The holder an owner record (as stored) names."""
     values = raw.split("\n", _LAST)
     return Holder(task_id=values[12], exec_id=values[0], host_key=values[9],
                   pid=int(values[8] or 0), hostname=values[10])
@@ -195,13 +196,13 @@ def acquired(reply: Any) -> Acquired:
             return Acquired(status, token=int(reply[1]),
                             slot=int(reply[2]) if len(reply) > 2 else 1)
         if status is Acquire.SAME_TASK and len(reply) > 2:
-            return Acquired(status, holder=_holder(reply[1]), slot=int(reply[2]))
+            return Acquired(status, holder=holder_of(reply[1]), slot=int(reply[2]))
         if status in (Acquire.FINISHED, Acquire.DONE, Acquire.REPLACED):
             return Acquired(status, holder=Holder(reply[1]))
         if status in (Acquire.THROTTLED, Acquire.RATE_LIMITED):
             return Acquired(status, holder=Holder(reply[1]),
                             reopens_ms=max(int(reply[2]), 0))
-        return Acquired(status, holder=_holder(reply[1]),
+        return Acquired(status, holder=holder_of(reply[1]),
                         queued_by_it=len(reply) > 2 and reply[2] == 1,
                         slot=int(reply[3]) if len(reply) > 3 else 1)
     except (IndexError, TypeError, ValueError, AttributeError):
@@ -217,7 +218,7 @@ def reclaimed(reply: Any) -> Reclaimed:
         if isinstance(reply, list) and reply[0] == 1:
             return Reclaimed(Reclaim.OURS, token=int(reply[1]))
         if isinstance(reply, list) and reply[0] == 0:
-            return Reclaimed(Reclaim.HELD, holder=_holder(reply[1]))
+            return Reclaimed(Reclaim.HELD, holder=holder_of(reply[1]))
     except (IndexError, TypeError, ValueError, AttributeError):
         pass
     raise UnexpectedReplyError("reclaim", reply)

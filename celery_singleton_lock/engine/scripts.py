@@ -60,21 +60,21 @@ def _bulks(parts: Sequence[Any]) -> bytes:
 
 def evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
     """``EVALSHA <sha> <numkeys> <keys> <args>`` in RESP."""
-    # A task's two calls, in one string each: its acquire (four keys; the
-    # task id, the execution id, the lease ms, the record) and its release
-    # (two keys; the execution id, the mode). Written whole, they cost half
-    # the CPU of the loop below; text that is not ASCII (a bulk's length
-    # counts bytes) goes through the loop.
-    if len(keys) == 4 and len(args) == 4:
-        a1, a2, a3, a4 = args
+    # A task's two calls, in one string each: its acquire (three keys, or
+    # four with a done window; the task id, the execution id, the lease ms,
+    # the record, the counter's TTL ms) and its release (two keys; the
+    # execution id, the mode). Written whole, they cost half the CPU of the
+    # loop below; text that is not ASCII (a bulk's length counts bytes) goes
+    # through the loop.
+    if len(args) == 5 and 3 <= len(keys) <= 4:
+        a1, a2, a3, a4, a5 = args
         if a1.__class__ is str and a2.__class__ is str and a3.__class__ is int \
-                and a4.__class__ is str:
-            k1, k2, k3, k4 = keys
-            s3 = str(a3)
-            text = (f"*11\r\n{script.head_text}$1\r\n4\r\n"
-                    f"${len(k1)}\r\n{k1}\r\n${len(k2)}\r\n{k2}\r\n${len(k3)}\r\n{k3}\r\n"
-                    f"${len(k4)}\r\n{k4}\r\n${len(a1)}\r\n{a1}\r\n${len(a2)}\r\n{a2}\r\n"
-                    f"${len(s3)}\r\n{s3}\r\n${len(a4)}\r\n{a4}\r\n")
+                and a4.__class__ is str and a5.__class__ is int:
+            s3, s5 = str(a3), str(a5)
+            names = "".join([f"${len(k)}\r\n{k}\r\n" for k in keys])
+            text = (f"*{len(keys) + 8}\r\n{script.head_text}$1\r\n{len(keys)}\r\n{names}"
+                    f"${len(a1)}\r\n{a1}\r\n${len(a2)}\r\n{a2}\r\n${len(s3)}\r\n{s3}\r\n"
+                    f"${len(a4)}\r\n{a4}\r\n${len(s5)}\r\n{s5}\r\n")
             if text.isascii():
                 return text.encode()
     elif len(keys) == 2 and len(args) == 2:

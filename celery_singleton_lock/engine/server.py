@@ -2,10 +2,18 @@
 
 Every lock operation of the library is one call of a script in ``lua/``; each
 does compare-then-act on the execution id, so nobody frees or extends a lock
-that is no longer theirs. :mod:`.wire` carries the calls (:mod:`.cluster` on
-a Cluster, one wire per node), :mod:`.calls` builds each script's arguments,
-:mod:`.replies` names their answers. :mod:`.registry` makes one engine per
-app and process, anew after fork.
+that is no longer theirs. On a server that compares before it writes (Valkey
+9.0+, Redis 8.4+), a task whose options allow takes, renews and frees its lock
+in plain commands instead (:mod:`.native`; :mod:`.paths` chooses, once).
+:mod:`.wire` carries the calls (:mod:`.cluster` on a Cluster, one wire per
+node), :mod:`.calls` builds each script's arguments, :mod:`.replies` names
+their answers. :mod:`.registry` makes one engine per app and process, anew
+after fork.
+
+Over 500 lines: one class, the :class:`~.base.Engine` of one lock Redis; its
+methods are the lock's operations (grant, release, renewal, hand-off, the
+keys beside the lock) and what WAIT means after a grant, each short, all
+sharing the wire and the settings read once in ``__init__``.
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ from .calls import (
     marker_task,
     reclaim_call,
     release_call,
+    release_mode,
     renew_call,
     unqueue_call,
 )
 from .cluster import ClusterWire, LazyCluster, renew_per_slot
+from .native import Native
 from .outage import RedisUnanswered
+from .paths import SCRIPTS_ONLY, Path, choose
 from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
 from .scripts import Script
 from .servers import CLIENT_DEFAULTS, make_client, mode_of
@@ -78,11 +89,17 @@ class LockEngine(Engine):
         self._fence = SCRIPTS["fence"]
         self._reclaim = SCRIPTS["reclaim"]
         self._fin_ms = int(config.finished_ttl * 1000)
+        #: how long a key's fencing counter outlives its lock (singleton_fence_ttl)
+        self._keep_ms = int(config.fence_ttl * 1000)
         self.renew_chunk = RENEW_CHUNK
         #: sent right after each grant and renewal, in the same write
         self._wait: tuple[Any, ...] = (
             ("WAIT", config.wait_replicas, config.wait_timeout) if config.wait_replicas else ())
         self._no_replica_said = float("-inf")
+        #: what the server offers, asked at the first call (:mod:`.paths`)
+        self._path: Optional[Path] = None
+        #: the native path, on a server that has the commands
+        self.native: Optional[Native] = None
 
     @classmethod
     def from_config(cls, config: SingletonConfig) -> LockEngine:
@@ -99,6 +116,29 @@ class LockEngine(Engine):
 
     def servers(self) -> list[tuple[str, Any]]:
         return [(self.wire.name, self.client)]
+
+    @property
+    def path(self) -> Path:
+        """What the server offers the lock, asked once (a Redis error while
+        it cannot be asked). A Cluster and Redlock's masters stay on scripts."""
+        if self._path is None:
+            path = SCRIPTS_ONLY
+            if isinstance(self.wire, Wire) and mode_of(self.config.redis_url) != "redlock":
+                path = choose(self.config, self.wire.call, self._unqueue)
+                if path.native is not None:
+                    self.native = Native(self.wire, path.native, self._keep_ms, self._fin_ms,
+                                         everything=not path.scripts)
+            self._path = path
+        return self._path
+
+    def lock_path(self) -> tuple[str, bool]:
+        return self.path.describe(), self.path.scripts
+
+    def _native_for(self, lock: str, exec_id: str) -> Optional[Native]:
+        """The native path for a call on a lock it granted (on every lock
+        where the server runs no script)."""
+        native = self.native if self.path.native is not None else None
+        return native if native is not None and native.serves(lock, exec_id) else None
 
     @property
     def down(self) -> bool:
@@ -204,16 +244,22 @@ class LockEngine(Engine):
                       hostname: str, retries: int, task_name: str, scope: str,
                       throttle_ms: int, slots: int, replace: bool, done: bool,
                       rate: tuple[int, int] = (0, 0)) -> Acquired:
+        if (slots == 1 and scope == "run" and not throttle_ms and not replace and not self._wait
+                and not rate[0] and self.path.native is not None):
+            assert self.native is not None
+            return self.native.acquire(keys, task_id=task_id, exec_id=exec_id,
+                                       lease_ms=lease_ms, hostname=hostname, retries=retries,
+                                       task_name=task_name, done=done)
         if slots > 1:
             script = self._acquire_slots
             keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
                                              retries, task_name, self._fin_ms, slots, done,
-                                             rate)
+                                             rate, keep_ms=self._keep_ms)
         else:
             script = self._acquire
             keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
                                        task_name, scope, self._fin_ms, throttle_ms, replace, done,
-                                       rate)
+                                       rate, keep_ms=self._keep_ms)
         try:
             if not self._wait:
                 reply, _ = self.wire.call(script, keys_, args)
@@ -288,6 +334,12 @@ class LockEngine(Engine):
         first attempt did it. ``done_ttl`` > 0: the task (``task_name``)
         succeeded and its key stays done that long.
         """
+        native = self._native_for(keys.lock, exec_id)
+        if native is not None:
+            status, repeated = native.release(keys, exec_id, task_id,
+                                              release_mode(finished, always_record),
+                                              int(done_ttl * 1000), task_name)
+            return status is Release.RELEASED or (status is Release.FREE and repeated)
         reply, repeated = self.wire.call(self._release, *self._release_call(
             keys, exec_id, task_id, finished, always_record, done_ttl, task_name))
         answer = replies.released(reply, repeated)
@@ -319,6 +371,12 @@ class LockEngine(Engine):
         reply has been read, with a :class:`~.replies.Released` (``error`` once
         repeating the command failed).
         """
+        native = self._native_for(keys.lock, exec_id)
+        if native is not None:
+            native.release_later(keys, exec_id, task_id, release_mode(finished, always_record),
+                                 int(done_ttl * 1000), task_name, answered)
+            return
+
         def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
             if error is not None:
                 answered(None, error)
@@ -363,6 +421,8 @@ class LockEngine(Engine):
 
     def unclaim(self, key: str, value: str) -> bool:
         """Delete a :meth:`claim` if ``value`` still has it."""
+        if self.path.native is not None and self.native is not None:
+            return self.native.unclaim(key, value)
         reply, _ = self.wire.call(self._unqueue, [key], [value])
         return replies.flag(reply, "unclaim")
 
@@ -375,14 +435,19 @@ class LockEngine(Engine):
         """
         if not entries:
             return []
+        if self.path.native is not None and self.native is not None:
+            return self.native.renew_with(entries, self._renew_scripts)
+        return self._renew_scripts(entries)
+
+    def _renew_scripts(self, entries: Sequence[Entry]) -> list[Renew]:
         if isinstance(self.wire, ClusterWire):
             return renew_per_slot(self.wire, self._renew, entries, wait=self._wait,
                                   wait_replicas=self.config.wait_replicas,
-                                  chunk=self.renew_chunk)
+                                  chunk=self.renew_chunk, keep_ms=self._keep_ms)
         chunk = self.renew_chunk
         calls: list[tuple[list[str], list[Any]]] = []
         for start in range(0, len(entries), chunk):
-            calls.append(renew_call(entries[start:start + chunk]))
+            calls.append(renew_call(entries[start:start + chunk], self._keep_ms))
         if len(calls) == 1 and not self._wait:
             reply, _ = self.wire.call(self._renew, *calls[0])
             return replies.renewed(reply, len(entries))
@@ -393,7 +458,7 @@ class LockEngine(Engine):
                            "acknowledged", len(entries), acked, self.config.wait_replicas)
         out: list[Renew] = []
         for (keys, _), reply in zip(calls, answers):
-            out.extend(replies.renewed(reply, len(keys)))
+            out.extend(replies.renewed(reply, len(keys) // 2))
         return out
 
     def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
@@ -401,19 +466,27 @@ class LockEngine(Engine):
         """A renewal found the key of a lock this execution holds gone: write it
         back if the server forgot it (the key's fencing counter is gone too),
         not if someone released it or another execution holds it now."""
+        native = self._native_for(keys.lock, exec_id)
+        if native is not None:
+            return native.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
+                                  lease_ms=lease_ms, hostname=hostname, retries=retries,
+                                  task_name=task_name)
         reply, _ = self.wire.call(self._reclaim, *reclaim_call(
             keys, task_id, exec_id, token, lease_ms, hostname, retries, task_name,
-            self._fin_ms))
+            self._fin_ms, keep_ms=self._keep_ms))
         return replies.reclaimed(reply)
 
     def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
         """Raise the key's fencing counter (and the owner record's token) to at
         least ``token``, if ``exec_id`` holds the lock here. Redlock uses it to
         put the token it hands out on a majority of its masters."""
-        reply, _ = self.wire.call(self._fence, *fence_call(keys, exec_id, token))
+        reply, _ = self.wire.call(self._fence, *fence_call(keys, exec_id, token, self._keep_ms))
         return replies.flag(reply, "fence")
 
     def hand_off(self, keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int) -> bool:
+        native = self._native_for(keys.lock, exec_id)
+        if native is not None:
+            return native.hand_off(keys, exec_id, next_retries, lease_ms)
         reply, _ = self.wire.call(self._handoff,
                                   *handoff_call(keys, exec_id, next_retries, lease_ms))
         return replies.flag(reply, "handoff")

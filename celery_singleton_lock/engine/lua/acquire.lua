@@ -26,6 +26,9 @@
 --                 allowed in a window, ARGV[9] the window in ms (KEYS[5] to
 --                 KEYS[7] and ARGV[5] to ARGV[7] are then passed too, KEYS[7]
 --                 the lock's own key when not replacing)
+-- ARGV[#ARGV] (last, after whichever of the above are passed) how long the
+--                 fencing counter lives from this grant, ms: the lease and
+--                 singleton_fence_ttl (docs/fencing.md#retention)
 --
 -- The owner record is one string, fields joined by newlines (docs/redis-keys.md):
 --   exec, handoff, copies, token, at, lease, fin, retries, pid, hostkey, host, name, task
@@ -54,6 +57,7 @@ local replaced = KEYS[7]
 if replaced == lock then replaced = nil end
 local rate = KEYS[8]
 local task_id, exec_id = ARGV[1], ARGV[2]
+local fence_ms = ARGV[#ARGV]
 
 -- The marker this task left when it was sent: the key passes from it to the
 -- execution in this same script, so no duplicate slips in between.
@@ -162,18 +166,20 @@ local t = redis.call('TIME')
 local us = t[2]
 -- the server clock in microseconds, as digits: seconds and six places
 local now = t[1] .. string.sub('00000', #us) .. us
--- Tokens never go down, even when the counter is lost (expired, evicted,
+-- Tokens never go down, even when the counter is gone (expired, evicted,
 -- a failover): the server clock is their floor. One grant takes longer than
 -- a microsecond, so the counter cannot run ahead of the clock and a lost
--- counter restarts above every token already given. Equal lengths of
--- digits compare as numbers.
+-- counter restarts above every token already given. The counter only
+-- guards against the clock stepping back; it expires (by the server clock)
+-- fence_ms after the last grant or renewal, so it guards a step back of up
+-- to that long. Equal lengths of digits compare as numbers.
 -- The clock is written first and read back in one call: a counter at or
 -- above it (a grant in this microsecond, a clock set back) is rare.
 local token = now
-local last = redis.call('SET', fence, now, 'PX', '86400000', 'GET')
+local last = redis.call('SET', fence, now, 'PX', fence_ms, 'GET')
 if last and (#last > #now or (#last == #now and last >= now)) then
   token = string.format('%.0f', tonumber(last) + 1)
-  redis.call('SET', fence, token, 'PX', '86400000')
+  redis.call('SET', fence, token, 'PX', fence_ms)
 end
 redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
 if throttle then

@@ -11,10 +11,11 @@
 --                 is not granted (its holder may be about to write it back)
 -- KEYS[5..]       the slots' owner records, slot 1 first (slot 1 is the key's
 --                 lock of singleton_limit = 1)
--- KEYS[#KEYS]     with ARGV[5]: singleton_rate's sorted set of starts (acquire.lua),
---                 ARGV[5] the starts allowed in a window, ARGV[6] the window in ms
+-- KEYS[#KEYS]     with ARGV[6]: singleton_rate's sorted set of starts (acquire.lua),
+--                 ARGV[6] the starts allowed in a window, ARGV[7] the window in ms
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
+-- ARGV[5] how long the fencing counter lives from this grant, ms (acquire.lua)
 -- (the owner record's layout is acquire.lua's: docs/redis-keys.md)
 --
 -- Returns
@@ -28,7 +29,7 @@
 local fence, fin, done, back = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if done == fence then done = nil end  -- no done window: no marker to look for
 local task_id, exec_id = ARGV[1], ARGV[2]
-local rate = ARGV[5] and KEYS[#KEYS]
+local rate = ARGV[6] and KEYS[#KEYS]
 local nslots = #KEYS - 4 - (rate and 1 or 0)
 
 local function grant(slot)
@@ -37,15 +38,15 @@ local function grant(slot)
   local now = t[1] .. string.sub('00000', #us) .. us
   -- the server clock is the tokens' floor (acquire.lua says why)
   local token = now
-  local last = redis.call('SET', fence, now, 'PX', '86400000', 'GET')
+  local last = redis.call('SET', fence, now, 'PX', ARGV[5], 'GET')
   if last and (#last > #now or (#last == #now and last >= now)) then
     token = string.format('%.0f', tonumber(last) + 1)
-    redis.call('SET', fence, token, 'PX', '86400000')
+    redis.call('SET', fence, token, 'PX', ARGV[5])
   end
   redis.call('SET', KEYS[4 + slot], new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
   if rate then
     redis.call('ZADD', rate, 'NX', math.floor(tonumber(now) / 1000), task_id)
-    redis.call('PEXPIRE', rate, ARGV[6])
+    redis.call('PEXPIRE', rate, ARGV[7])
   end
   return {1, token, slot}
 end
@@ -84,12 +85,12 @@ end
 if free and rate then
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local window = tonumber(ARGV[6])
+  local window = tonumber(ARGV[7])
   redis.call('ZREMRANGEBYSCORE', rate, '-inf', now_ms - window)
   local count = redis.call('ZCARD', rate)
-  if count >= tonumber(ARGV[5]) and not redis.call('ZSCORE', rate, task_id) then
-    local oldest = redis.call('ZRANGE', rate, count - tonumber(ARGV[5]),
-      count - tonumber(ARGV[5]), 'WITHSCORES')
+  if count >= tonumber(ARGV[6]) and not redis.call('ZSCORE', rate, task_id) then
+    local oldest = redis.call('ZRANGE', rate, count - tonumber(ARGV[6]),
+      count - tonumber(ARGV[6]), 'WITHSCORES')
     return {7, oldest[1], tonumber(oldest[2]) + window - now_ms}
   end
 end

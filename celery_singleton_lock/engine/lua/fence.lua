@@ -2,7 +2,8 @@
 -- (Redlock: the quorum's token is the largest any of its masters gave).
 --
 -- KEYS[1] lock   KEYS[2] fence
--- ARGV[1] execution id   ARGV[2] token (digits)   ARGV[3] fence counter TTL ms
+-- ARGV[1] execution id   ARGV[2] token (digits)
+-- ARGV[3] how long the counter outlives the lock, ms (singleton_fence_ttl)
 --
 -- Returns 1 when the lock here is this execution's and its counter and owner
 -- record now carry at least the token; 0 when it is not (the lease ran out)
@@ -22,7 +23,8 @@ local function below(a, b)
 end
 local last = redis.call('GET', KEYS[2])
 if not last or below(last, want) then
-  redis.call('SET', KEYS[2], want, 'PX', ARGV[3])
+  -- it lives as long as the lock, and singleton_fence_ttl after
+  redis.call('SET', KEYS[2], want, 'PX', redis.call('PTTL', KEYS[1]) + ARGV[3])
 end
 if below(token, want) then
   local head = #exec + #handoff + #copies + 3

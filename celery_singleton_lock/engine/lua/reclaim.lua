@@ -6,11 +6,13 @@
 -- ARGV[1] execution id   ARGV[2] lease ms   ARGV[3] the holder's token (digits)
 -- ARGV[4] the record's fields from 'lease' on, as acquire.lua's ARGV[4]
 -- ARGV[5] how long 'back' is kept after a write-back, ms
+-- ARGV[6] how long the fencing counter lives from the write-back, ms (acquire.lua)
 --
--- The key's fencing counter tells the two apart: every grant sets it for a
--- day and nothing deletes it, so a lock gone while its counter stays was
--- released (`celery singleton release`) or ran out; a lock gone with its
--- counter was forgotten with everything else.
+-- The key's fencing counter tells the two apart: every grant and renewal
+-- keeps it singleton_fence_ttl past the lease and nothing deletes it, so a
+-- lock gone while its counter stays was released (`celery singleton
+-- release`) or ran out; a lock gone with its counter was forgotten with
+-- everything else.
 --
 -- The slots of one key (singleton_limit) share that counter, so the first
 -- slot written back after the server forgot them recreates it while the
@@ -57,7 +59,7 @@ end
 if last and not below(last, token) then
   token = string.format('%.0f', tonumber(last) + 1)
 end
-redis.call('SET', fence, token, 'PX', '86400000')
+redis.call('SET', fence, token, 'PX', ARGV[6])
 redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[2])
 if back then
   redis.call('HSET', back, '', '1', lock, token)

