@@ -1,9 +1,10 @@
 """singleton_rate: at most N starts of a key in any window, across two prefork workers.
 
 A steady stream for 12 s (``SLT_RATE_SECONDS=30``: 30 s), two tasks on it:
-one that skips a call over the limit (and may run two at once, ``singleton_limit=2``), one that sends it
-again for when the window reopens. The windows are checked on the scores the
-grants wrote (the lock Redis's clock), not on when each body happened to run.
+one that skips a call over the limit (and may run two at once,
+``singleton_limit=2``), one that sends it again for when the window reopens.
+The windows are checked on the scores the grants wrote (the lock Redis's
+clock), not on when each body happened to run.
 """
 
 from __future__ import annotations
