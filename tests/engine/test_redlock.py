@@ -507,12 +507,13 @@ def test_the_cli_reads_and_frees_every_master(worker_masters, worker, app, event
 
 @pytest.mark.worker
 def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_without_a_majority(
-        worker_masters, app, events, key):
+        worker_masters, worker, app, events, key):
     """A task with a 1 s lease runs; the first master is killed: renewals go on
     on the other four. Two more are killed: no renewal reaches a majority, and
-    the task sees its lock lost."""
+    the task sees its lock lost (its run, long enough for all of it, is ended
+    once the worker has logged the loss)."""
     lock = app.tasks["t.hold_short"].singleton_keys(key).lock
-    res = app.tasks["t.hold_short"].delay(key, 3.0, "minority")
+    res = app.tasks["t.hold_short"].delay(key, 60.0, "minority")
     wait_for(lambda: events.starts("minority"), 15, what="start")
     down = worker_masters[:3]
     try:
@@ -523,7 +524,10 @@ def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_with
         assert owner_field(witness, lock, "task") == res.id
         down[1].stop()
         down[2].stop()
-        assert res.get(timeout=15)["lost"] is True
+        wait_for(lambda: f"of t.hold_short[{res.id}]" in worker.logs(), 30,
+                 what="the worker to log the lock lost")
+        events.client.set(f"finish:{key}", 1)
+        assert res.get(timeout=30)["lost"] is True
     finally:
         for s in down:
             if not s.running:
