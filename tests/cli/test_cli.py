@@ -244,7 +244,7 @@ def test_release_refuses_a_live_holder_without_force_then_force_frees_it(scene):
     changed); --force releases it (exit 0) and the running task sees its lock lost."""
     key = uuid.uuid4().hex
     hold = scene.app.tasks["t.hold"]
-    result = hold.delay(key, 4.0, f"force-{key}")
+    result = hold.delay(key, 120.0, f"force-{key}")  # ended below, once seen lost
     keys = hold.singleton_keys(key)
     wait_for(lambda: scene.locks.exists(keys.lock), 20, what="lock taken")
     refused = cli(scene, "release", keys.base, "--json")
@@ -257,6 +257,9 @@ def test_release_refuses_a_live_holder_without_force_then_force_frees_it(scene):
     assert forced.returncode == 0, forced.stderr
     assert f"released {keys.base}" in forced.stdout and result.id in forced.stdout
     assert not scene.locks.exists(keys.lock)
+    wait_for(lambda: f"of t.hold[{result.id}]" in scene.worker.logs(), 20,
+             what="the worker to log the lock lost")
+    scene.server.client(3).set(f"finish:{key}", 1)
     assert result.get(timeout=20)["lost"] is True
 
 

@@ -468,7 +468,7 @@ def test_the_cli_reads_and_frees_every_master(worker_masters, worker, app, event
     every master (the task then sees its lock lost); `purge --yes` frees a
     done window on every master."""
     keys = app.tasks["t.hold"].singleton_keys(key)
-    res = app.tasks["t.hold"].delay(key, 8.0, "cli")
+    res = app.tasks["t.hold"].delay(key, 120.0, "cli")  # ended below, once freed
     wait_for(lambda: events.starts("cli"), 15, what="start")
     listed = run_cli(worker, "list", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -484,7 +484,7 @@ def test_the_cli_reads_and_frees_every_master(worker_masters, worker, app, event
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["action"] == "released"
     assert not any(s.client(2).exists(keys.lock) for s in worker_masters)
-    events.client.set(f"finish:{key}", 1)  # its 8 s were for the commands above
+    events.client.set(f"finish:{key}", 1)  # its 120 s were for the commands above
     res.get(timeout=15)
 
     # a record on one master only (a grant not given back): shown, not held

@@ -314,7 +314,7 @@ def test_worker_shows_its_held_locks_in_inspect_stats_flower_and_inspect_singlet
     lists it too; once released it is gone."""
     worker, flower, app, hostname = setup
     t = app.tasks["t.hold"]
-    holder = t.delay(key, 4.0, "holder")
+    holder = t.delay(key, 120.0, "holder")  # ended below, once seen held
     start = wait_for(lambda: events.starts("holder"), 10, what="holder start")[0]
 
     label = f"{start['lockkey']} slot 1"
@@ -342,6 +342,7 @@ def test_worker_shows_its_held_locks_in_inspect_stats_flower_and_inspect_singlet
     assert out.returncode == 0, out.stderr
     assert holder.id in out.stdout and start["lockkey"] in out.stdout
 
+    events.client.set(f"finish:{key}", 1)
     holder.get(timeout=10)
 
     def released() -> bool:
@@ -471,7 +472,7 @@ def test_a_browser_sees_skipped_tasks_and_a_workers_held_locks_in_flower(
 
     _worker, flower, app, hostname = setup
     t = app.tasks["t.hold"]
-    holder = t.delay(key, 8.0, "holder")
+    holder = t.delay(key, 120.0, "holder")  # ended below, once every page was seen
     start = wait_for(lambda: events.starts("holder"), 10, what="holder start")[0]
     dup = t.delay(key, 0.0, "dup")
     assert is_skipped(dup.get(timeout=10))
@@ -527,6 +528,7 @@ def test_a_browser_sees_skipped_tasks_and_a_workers_held_locks_in_flower(
     browser.execute_script("arguments[0].scrollIntoView({block: 'center', behavior: 'instant'})",
                            field)
     browser.save_screenshot(str(IMG / "flower-task-lock.png"))
+    events.client.set(f"finish:{key}", 1)
     holder.get(timeout=15)
 
 
