@@ -5,6 +5,7 @@ and the settings read once per app (no servers)."""
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import pytest
@@ -45,29 +46,35 @@ def warnings_in(caplog: pytest.LogCaptureFixture) -> list[str]:
             if r.name == "celery_singleton_lock" and r.levelno == logging.WARNING]
 
 
+def fresh_namespace() -> str:
+    """A namespace no app of this process used: a name is warned about once per process."""
+    return f"NS{uuid.uuid4().hex[:12].upper()}"
+
+
 def test_each_celery_singleton_setting_is_named_once_with_what_replaces_it(caplog):
-    app = namespaced("OLDLIB", OLDLIB_SINGLETON_BACKEND_URL="redis://h/1",
-                     OLDLIB_SINGLETON_LOCK_EXPIRY=60)
+    ns = fresh_namespace()
+    app = namespaced(ns, **{f"{ns}_SINGLETON_BACKEND_URL": "redis://h/1",
+                            f"{ns}_SINGLETON_LOCK_EXPIRY": 60})
     with caplog.at_level(logging.WARNING, logger="celery_singleton_lock"):
         get_config(app)
         get_config(app, reload=True)  # read again: no second warning
     assert warnings_in(caplog) == [
-        "celery-singleton-lock: the setting OLDLIB_SINGLETON_BACKEND_URL belongs to "
+        f"celery-singleton-lock: the setting {ns}_SINGLETON_BACKEND_URL belongs to "
         "celery-singleton and is not read here; use singleton_redis_url",
-        "celery-singleton-lock: the setting OLDLIB_SINGLETON_LOCK_EXPIRY belongs to "
+        f"celery-singleton-lock: the setting {ns}_SINGLETON_LOCK_EXPIRY belongs to "
         "celery-singleton and is not read here; use singleton_ttl (a lease renewed while "
         "the task runs)",
     ]
 
 
-def test_a_misspelt_setting_beside_a_celery_singleton_one_is_still_refused(caplog):
-    expected = "MIXED_SINGLETON_TTX: unknown setting; did you mean MIXED_SINGLETON_TTL?"
+def test_a_misspelt_setting_beside_a_celery_singleton_one_is_still_refused():
+    ns = fresh_namespace()
+    settings = {f"{ns}_SINGLETON_BACKEND_URL": "redis://h/1", f"{ns}_SINGLETON_TTX": 5}
+    expected = f"{ns}_SINGLETON_TTX: unknown setting; did you mean {ns}_SINGLETON_TTL?"
     # warned about for the first time, then the next name is checked
-    both = namespaced("MIXED", MIXED_SINGLETON_BACKEND_URL="redis://h/1", MIXED_SINGLETON_TTX=5)
-    assert refusal(get_config, both) == expected
+    assert refusal(get_config, namespaced(ns, **settings)) == expected
     # warned about already (another app of the process): the next name is checked too
-    assert refusal(get_config, namespaced("MIXED", MIXED_SINGLETON_BACKEND_URL="redis://h/1",
-                                          MIXED_SINGLETON_TTX=5)) == expected
+    assert refusal(get_config, namespaced(ns, **settings)) == expected
 
 
 def test_a_misspelt_setting_after_a_known_one_is_refused():
