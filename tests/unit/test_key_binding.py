@@ -10,8 +10,14 @@ import pytest
 from celery import Celery
 from pydantic import BaseModel
 
-from celery_singleton_lock import ConfigurationError, KeyEncodingError, SingletonTask
+from celery_singleton_lock import (
+    ConfigurationError,
+    InvalidArgumentsError,
+    KeyEncodingError,
+    SingletonTask,
+)
 from celery_singleton_lock.keys import KeyBuilder
+from celery_singleton_lock.models import ModelArguments
 
 PREFIX = "singleton:"
 
@@ -60,11 +66,11 @@ def test_var_args_are_one_tuple_whatever_they_hold() -> None:
 
 def test_a_call_missing_an_argument_says_which() -> None:
     with pytest.raises(KeyEncodingError) as info:
-        key(pay, None, (), {"amount": 1, "currency": "USD"})
+        key(pay, None, (), {"amount": 1, "currency": "USD", "meta": None})
     assert str(info.value) == ("task 'shop.pay': no singleton key for this call: "
                                "the call does not fit: missing a required argument: 'order_id'")
     with pytest.raises(KeyEncodingError, match="missing a required argument: 'amount'"):
-        key(pay, ("order_id",), (7,), {})
+        KeyBuilder("shop.pay", pay, ("order_id",), PREFIX).keys((7,), {})  # a whole call
     with pytest.raises(KeyEncodingError, match="missing a required argument: 'amount'"):
         KeyBuilder("shop.pay", pay, None, PREFIX).arguments((7,), {})
 
@@ -140,3 +146,16 @@ def test_under_pydantic_a_key_function_gets_a_model_given_by_keyword() -> None:
 
     assert (charge.singleton_keys(order={"id": "5"}, amount=1).base
             == charge.singleton_keys(Order(id=5)).base)
+
+
+def test_a_calls_arguments_are_bound_by_name_with_models_as_the_body_gets_them() -> None:
+    assert KeyBuilder("shop.pay", pay, None, PREFIX).arguments((7,), {"amount": 1}) == {
+        "order_id": 7, "amount": 1, "currency": "EUR", "meta": None}
+
+    def charge(order: Order, amount: int = 0) -> None: ...
+
+    builder = KeyBuilder("shop.charge", charge, None, PREFIX,
+                         models=ModelArguments("shop.charge", charge))
+    assert builder.arguments(({"id": "5"},), {}) == {"order": Order(id=5), "amount": 0}
+    with pytest.raises(InvalidArgumentsError, match="id"):
+        builder.arguments(({"id": "five"},), {})
