@@ -116,6 +116,9 @@ def test_a_one_off_clocked_schedule_fires_once_then_never():
     assert next_fire_after(clocked, T) is None
     naive = SimpleNamespace(clocked_time=T.replace(tzinfo=None))
     assert next_fire_after(naive, T - dt.timedelta(seconds=1)) == T
+    in_kathmandu = T.astimezone(dt.timezone(dt.timedelta(hours=5, minutes=45)))
+    fire = next_fire_after(SimpleNamespace(clocked_time=in_kathmandu), T - dt.timedelta(seconds=1))
+    assert fire == T and fire.utcoffset() == dt.timedelta(0), "in UTC"
 
 
 class _Solar:
@@ -129,6 +132,27 @@ class _Solar:
 
     def remaining_estimate(self, ref: dt.datetime) -> dt.timedelta:
         return self._remaining
+
+
+class _AfterLastRun:
+    """A schedule that fires ``period`` after its last run, as Celery's
+    ``remaining_estimate(last_run_at)`` is asked."""
+
+    def __init__(self, now: dt.datetime, period: dt.timedelta) -> None:
+        self._now, self._period = now, period
+
+    def now(self) -> dt.datetime:
+        return self._now
+
+    def remaining_estimate(self, last_run_at: dt.datetime) -> dt.timedelta:
+        return last_run_at + self._period - self._now
+
+
+def test_other_schedules_are_asked_for_their_estimate_from_the_reference():
+    local = dt.timezone(dt.timedelta(hours=5, minutes=45))
+    every_ten = _AfterLastRun(T.astimezone(local), dt.timedelta(minutes=10))
+    fire = next_fire_after(every_ten, T - dt.timedelta(minutes=3))
+    assert fire == T + dt.timedelta(minutes=7) and fire.utcoffset() == dt.timedelta(0)
 
 
 def test_other_schedules_fire_at_their_own_now_plus_their_estimate():
