@@ -34,6 +34,7 @@ def owner_record(task: str = "task", pid: str = "42", host: str = "w1@h") -> str
     ("acquire", acquired, [1, "not-a-token"], "[1, 'not-a-token']"),
     ("acquire", acquired, [5, "t"], "[5, 't']"),
     ("reclaim", reclaimed, [7, "x"], "[7, 'x']"),
+    ("reclaim", reclaimed, [7, owner_record()], repr([7, owner_record()])),
     ("reclaim", reclaimed, "not-a-token", "'not-a-token'"),
     ("enqueue", enqueued, [], "[]"),
     ("enqueue", enqueued, [3, "x"], "3"),
