@@ -9,7 +9,15 @@ from typing import Any, Optional
 import pytest
 
 from celery_singleton_lock import DuplicateTaskError, LockBackendError
-from celery_singleton_lock.conflict.policies import Decision, Do, at_run, at_send, on_backend_error
+from celery_singleton_lock.conflict.policies import (
+    Decision,
+    Do,
+    at_run,
+    at_send,
+    held_elsewhere,
+    on_backend_error,
+    other_key_taken,
+)
 from celery_singleton_lock.engine.replies import Acquire, Acquired, Enqueue, Enqueued
 from celery_singleton_lock.process import Holder
 
@@ -68,6 +76,15 @@ RUN_TABLE = [
     ((Acquire.THROTTLED, "raise", False, 1), expect(Do.FAIL, reason="throttled",
                                                      state="started", reopens_in=0.001,
                                                      error=dup("started"))),
+    ((Acquire.RATE_LIMITED, "skip", False, 1250), expect(Do.SKIP, reason="rate limited",
+                                                          state="started", reopens_in=1.25)),
+    ((Acquire.RATE_LIMITED, "replace", False, 500), expect(Do.SKIP, reason="rate limited",
+                                                            state="started", reopens_in=0.5)),
+    ((Acquire.RATE_LIMITED, "retry", True, 2000), expect(Do.WAIT, reason="rate limited",
+                                                          state="started", reopens_in=2.0)),
+    ((Acquire.RATE_LIMITED, "raise", False, 1), expect(Do.FAIL, reason="rate limited",
+                                                        state="started", reopens_in=0.001,
+                                                        error=dup("started"))),
     ((Acquire.SAME_TASK, "skip", False, 0), expect(Do.WAIT_QUIETLY,
                                                     reason="its running original")),
     ((Acquire.SAME_TASK, "raise", True, 0), expect(Do.WAIT_QUIETLY,
@@ -164,3 +181,25 @@ def test_on_backend_error(given, decided):
     policy, phase = given
     assert shown(on_backend_error(policy, phase=phase, key="k",
                                   error=ConnectionError("down"))) == decided
+
+
+# singleton_also_lock: the old library's key of the call is taken
+
+@pytest.mark.parametrize("policy,decided", [
+    ("skip", expect(Do.REFUSE, reason="duplicate", state="queued")),
+    ("replace", expect(Do.REFUSE, reason="duplicate", state="queued")),
+    ("retry", expect(Do.REFUSE, reason="duplicate", state="queued")),
+    ("raise", expect(Do.FAIL, reason="duplicate", state="queued", error=dup("queued"))),
+])
+def test_a_send_whose_old_key_is_taken_is_refused_or_raises(policy, decided):
+    assert shown(other_key_taken(policy, H, task_name="t.x", key="k")) == decided
+
+
+@pytest.mark.parametrize("policy,decided", [
+    ("skip", expect(Do.SKIP, reason="duplicate", state="running")),
+    ("replace", expect(Do.SKIP, reason="duplicate", state="running")),
+    ("retry", expect(Do.WAIT, reason="duplicate", state="running")),
+    ("raise", expect(Do.FAIL, reason="duplicate", state="running", error=dup("running"))),
+])
+def test_a_run_whose_old_key_is_held_is_a_duplicate_of_a_running_one(policy, decided):
+    assert shown(held_elsewhere(policy, H, task_name="t.x", key="k")) == decided

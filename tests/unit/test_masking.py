@@ -4,6 +4,7 @@ options, in Celery's printed configuration and in error messages (no servers).""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -113,6 +114,7 @@ def test_install_wraps_celerys_filter_once_and_masks_what_it_prints(monkeypatch)
     wrapped = utils.filter_hidden_settings
     assert masking.installed() and wrapped is not original
     assert wrapped.__doc__ == original.__doc__
+    assert inspect.unwrap(wrapped) is original, "the wrapper says what it wraps"
     masking.install()
     assert utils.filter_hidden_settings is wrapped, "a second install wraps nothing more"
     shown = wrapped({"singleton_redis_url": f"redis://h/2?password={SECRET}",

@@ -95,6 +95,8 @@ def test_backoff_doubles_up_to_its_ceiling_with_jitter():
     assert 0.8 <= backoff(config, 0) <= 1.2
     assert 3.2 <= backoff(config, 2) <= 4.8
     assert all(6.4 <= backoff(config, n) <= 9.6 for n in (3, 10, 100))
+    # the jitter is within a fifth either way of the doubled delay, each time
+    assert all(0.8 <= backoff(config, 0) <= 1.2 for _ in range(300))
 
 
 def test_waiting_for_the_lock_redis_never_backs_off_past_twice_the_delay():

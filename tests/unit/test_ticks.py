@@ -18,8 +18,10 @@ from celery_singleton_lock.beat.ticks import (
     claim_key,
     interval_ticks,
     last_sent_key,
+    late_key,
     next_fire_after,
     queue_key,
+    tick_after,
     ticks_around,
 )
 from celery_singleton_lock.keys import LockKeys
@@ -28,7 +30,9 @@ from celery_singleton_lock.worker.ticks import (
     ENTRY_HEADER,
     TICK_HEADER,
     cancel_key,
+    cancel_requested,
     claim_tick_run,
+    decide_lost_tick_run,
     entry_base,
     from_ms,
     run_key,
@@ -76,6 +80,19 @@ def test_interval_ticks_floor_to_the_period_from_the_epoch():
     # below a millisecond the period is one millisecond
     latest, following = interval_ticks(dt.timedelta(microseconds=10), T)
     assert (latest, following) == (T, T + dt.timedelta(milliseconds=1))
+    # a period is counted in whole milliseconds
+    assert interval_ticks(dt.timedelta(seconds=10, microseconds=500), T) == (
+        T.replace(microsecond=0), T.replace(second=40, microsecond=0))
+
+
+def test_the_tick_after_a_tick_is_the_schedules_next_fire_whenever_it_is_asked():
+    minute = dt.timedelta(minutes=1)
+    on_the_tick = T.replace(second=0, microsecond=0)
+    assert tick_after(schedule(minute), on_the_tick) == on_the_tick + minute
+    assert tick_after(schedule(minute), T.replace(tzinfo=None)) == on_the_tick + minute
+    assert tick_after(crontab(minute="*/5"), on_the_tick) == on_the_tick.replace(minute=20)
+    assert tick_after(SimpleNamespace(clocked_time=T), T - minute) == T
+    assert tick_after(SimpleNamespace(clocked_time=T), T) is None
 
 
 def test_the_next_crontab_fire_is_strictly_after_the_reference_in_utc():
@@ -99,6 +116,9 @@ def test_a_one_off_clocked_schedule_fires_once_then_never():
     assert next_fire_after(clocked, T) is None
     naive = SimpleNamespace(clocked_time=T.replace(tzinfo=None))
     assert next_fire_after(naive, T - dt.timedelta(seconds=1)) == T
+    in_kathmandu = T.astimezone(dt.timezone(dt.timedelta(hours=5, minutes=45)))
+    fire = next_fire_after(SimpleNamespace(clocked_time=in_kathmandu), T - dt.timedelta(seconds=1))
+    assert fire == T and fire.utcoffset() == dt.timedelta(0), "in UTC"
 
 
 class _Solar:
@@ -112,6 +132,27 @@ class _Solar:
 
     def remaining_estimate(self, ref: dt.datetime) -> dt.timedelta:
         return self._remaining
+
+
+class _AfterLastRun:
+    """A schedule that fires ``period`` after its last run, as Celery's
+    ``remaining_estimate(last_run_at)`` is asked."""
+
+    def __init__(self, now: dt.datetime, period: dt.timedelta) -> None:
+        self._now, self._period = now, period
+
+    def now(self) -> dt.datetime:
+        return self._now
+
+    def remaining_estimate(self, last_run_at: dt.datetime) -> dt.timedelta:
+        return last_run_at + self._period - self._now
+
+
+def test_other_schedules_are_asked_for_their_estimate_from_the_reference():
+    local = dt.timezone(dt.timedelta(hours=5, minutes=45))
+    every_ten = _AfterLastRun(T.astimezone(local), dt.timedelta(minutes=10))
+    fire = next_fire_after(every_ten, T - dt.timedelta(minutes=3))
+    assert fire == T + dt.timedelta(minutes=7) and fire.utcoffset() == dt.timedelta(0)
 
 
 def test_other_schedules_fire_at_their_own_now_plus_their_estimate():
@@ -146,7 +187,7 @@ def test_ticks_around_a_crontab_walk_to_the_latest_fire_in_the_window():
 
 def test_every_key_of_an_entry_shares_one_hash_tag_and_names_its_tick():
     base = entry_base("app:", "nightly report")
-    assert re.fullmatch(r"app:beat:\{[0-9a-f]{32}\}", base)
+    assert base == "app:beat:{0ee50a0f37b6a1eec4bf1564f8b27802}"  # as every release names it
     assert base != entry_base("app:", "nightly report ") != entry_base("other:", "nightly report")
     ms = to_ms(T)
     assert claim_key("app:", "nightly report", T) == f"{base}:{ms}"
@@ -154,6 +195,7 @@ def test_every_key_of_an_entry_shares_one_hash_tag_and_names_its_tick():
     assert buffer_key("app:", "nightly report") == f"{base}:buffer"
     assert queue_key("app:", "nightly report") == f"{base}:queue"
     assert last_sent_key("app:", "nightly report") == f"{base}:last"
+    assert late_key("app:", "nightly report") == f"{base}:late"
     keys = LockKeys("app:", "ab" * 16)
     assert cancel_key(keys) == f"{keys.base}:cancel"
 
@@ -175,6 +217,55 @@ def test_a_tick_header_that_is_not_a_time_is_let_through_with_a_warning(caplog):
         assert claim_tick_run(None, "app:", request) is True  # type: ignore[arg-type]
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "Beat tick header 'soon' of entry 'nightly' is not a time: not checked")]
+
+
+def test_a_lost_copy_of_a_message_not_from_a_singleton_beat_marks_nothing(caplog):
+    with caplog.at_level("DEBUG", logger="celery_singleton_lock"):
+        decide_lost_tick_run(None, "app:", {"id": "t1"})  # type: ignore[arg-type]
+    assert caplog.records == []
+
+
+def test_a_lost_copy_whose_tick_is_no_time_is_named_in_a_warning(caplog):
+    request = SimpleNamespace(id="t1", headers={ENTRY_HEADER: "nightly", TICK_HEADER: "soon"})
+    with caplog.at_level("DEBUG", logger="celery_singleton_lock"):
+        decide_lost_tick_run(None, "app:", request)  # type: ignore[arg-type]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "Could not mark the lost copy t1 of a beat tick as decided "
+                    "(ValueError(\"Invalid isoformat string: 'soon'\"))")]
+
+
+def dead_engine() -> Any:
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engine.registry import connect
+    from tests.support import dead_port
+
+    config = SingletonConfig.defaults(f"redis://127.0.0.1:{dead_port()}/0")
+    return connect(dataclasses_replace(config, redis_options={
+        "socket_connect_timeout": 0.5, "retry_on_timeout": False}))
+
+
+def test_redis_down_leaves_a_lost_copys_tick_undecided_and_says_so(caplog):
+    request = SimpleNamespace(id="t1", headers={ENTRY_HEADER: "nightly",
+                                                TICK_HEADER: tick_name(T)})
+    with caplog.at_level("DEBUG", logger="celery_singleton_lock"):
+        decide_lost_tick_run(dead_engine(), "app:", request)
+    [said] = [r for r in caplog.records if "lost copy" in r.getMessage()]
+    assert said.levelname == "WARNING"
+    assert re.fullmatch(r"Could not mark the lost copy t1 of a beat tick as decided "
+                        r"\(.*ConnectionError.*\)", said.getMessage()), said.getMessage()
+
+
+def test_with_redis_down_no_cancel_is_requested():
+    from celery import Celery
+
+    from tests.support import dead_port
+
+    app = Celery("ticks", set_as_current=False, broker=f"redis://127.0.0.1:{dead_port()}/0")
+    app.conf.singleton_redis_options = {"socket_connect_timeout": 0.5,
+                                        "retry_on_timeout": False}
+    task = SimpleNamespace(app=app, singleton=SimpleNamespace(
+        keys=LockKeys("app:", "ab" * 16), task_id="t1"))
+    assert cancel_requested(task) is False
 
 
 @pytest.mark.parametrize("look_only,level", [(False, "WARNING"), (True, "DEBUG")])
@@ -200,7 +291,10 @@ def test_redis_down_lets_the_tick_run_and_says_so_once_it_claims(caplog, look_on
 
 
 def test_a_tick_runs_once_its_own_id_again_and_another_copy_never(redis_server, r, caplog):
-    """The run marker, on a real redis-server (the one test here with a server)."""
+    """The run marker, a lost copy's and the cancel request, on a real
+    redis-server (the one test here with a server)."""
+    from celery import Celery
+
     from celery_singleton_lock import SingletonConfig
     from celery_singleton_lock.engine.registry import connect
 
@@ -231,3 +325,29 @@ def test_a_tick_runs_once_its_own_id_again_and_another_copy_never(redis_server, 
     anonymous = {ENTRY_HEADER: "hourly", TICK_HEADER: tick_name(T)}
     assert claim_tick_run(engine, "app:", SimpleNamespace(headers=anonymous)) is True
     assert r.get(run_key("app:", "hourly", T)) == ""
+    # a lost copy (its process died before its lock): its tick is decided for it,
+    # unless a copy decided it already
+    lost = {ENTRY_HEADER: "nightly", TICK_HEADER: tick_name(T + dt.timedelta(hours=1))}
+    with caplog.at_level("INFO", logger="celery_singleton_lock"):
+        caplog.clear()
+        decide_lost_tick_run(engine, "app:", SimpleNamespace(id="t5", headers=lost))
+        decide_lost_tick_run(engine, "app:", SimpleNamespace(id="t6", headers=lost))
+        decide_lost_tick_run(engine, "app:", {"id": "t7", **headers})
+    lost_marker = run_key("app:", "nightly", T + dt.timedelta(hours=1))
+    assert r.get(lost_marker) == "t5" and r.pttl(lost_marker) > 3_500_000
+    assert r.get(marker) == "t1"
+    assert [r.getMessage() for r in caplog.records] == [
+        "Beat entry 'nightly' tick 2026-03-04T11:15:30.250+00:00: its copy t5 was lost before "
+        "it took its lock; the tick is decided"]
+    # overlap "cancel_other": the beat names the run to stop by its task id
+    app = Celery("ticks", set_as_current=False, broker=redis_server.url(2))
+    keys = LockKeys("app:", "cd" * 16)
+    task = SimpleNamespace(app=app, singleton=SimpleNamespace(keys=keys, task_id="t1"))
+    assert cancel_requested(task) is False
+    r.set(cancel_key(keys), "t0")
+    assert cancel_requested(task) is False, "another run was asked"
+    r.set(cancel_key(keys), "t1")
+    assert cancel_requested(task) is True
+    unnamed = SimpleNamespace(app=app, singleton=SimpleNamespace(keys=keys, task_id=""))
+    r.set(cancel_key(keys), "")
+    assert cancel_requested(unnamed) is False, "a run without a task id is never the one"
