@@ -327,6 +327,23 @@ class KeyBuilder:
         bound = self._bind(args, kwargs)
         return self.models.validate(bound) if self.models is not None else bound
 
+    def _as_validated(self, args: Sequence[Any], kwargs: Mapping[str, Any]
+                      ) -> tuple[list[Any], dict[str, Any]]:
+        """The call with each model argument replaced by its validated form,
+        in the same place: a positional one stays positional, a named one
+        named (a key function ``lambda order_id, **_:`` takes the rest by name)."""
+        assert self.models is not None and self.signature is not None
+        call = self.signature.bind(*args, **kwargs)
+        validated = self.models.validate(dict(call.arguments))
+        by_position = [p.name for p in self.signature.parameters.values()
+                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        new_args = [validated.get(by_position[i], a) if i < len(by_position) else a
+                    for i, a in enumerate(args)]
+        named = {p.name for p in self.signature.parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        new_kwargs = {k: validated[k] if k in named else v for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
     def keys(self, args: Sequence[Any], kwargs: Mapping[str, Any], *,
              partial: bool = False) -> LockKeys:
         """The lock keys of a call. ``partial``: the call may leave out arguments
@@ -334,10 +351,9 @@ class KeyBuilder:
         parts = [self.task_name]
         if self._callable is not None:
             if self.models is not None and self.signature is not None:
-                # the key function sees the arguments as the body will
-                call = self.signature.bind(*args, **kwargs)
-                call.arguments.update(self.models.validate(dict(call.arguments)))
-                args, kwargs = call.args, call.kwargs
+                # the key function sees the arguments as the body will, each
+                # passed as the caller passed it (by position or by name)
+                args, kwargs = self._as_validated(args, kwargs)
             try:
                 value = self._callable(*args, **kwargs)
             except Exception as exc:

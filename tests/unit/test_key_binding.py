@@ -148,6 +148,28 @@ def test_under_pydantic_a_key_function_gets_a_model_given_by_keyword() -> None:
             == charge.singleton_keys(Order(id=5)).base)
 
 
+def test_under_pydantic_a_key_function_takes_the_rest_by_name_as_the_docs_write_it() -> None:
+    """docs/concepts.md's ``lambda order_id, **_:`` form: with ``pydantic=True``
+    the validated arguments reach the key function as the caller passed them,
+    a positional one by position and a named one by name."""
+    app = Celery("kb", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.singleton_redis_url = "redis://127.0.0.1:1/0"
+    seen: list[tuple[Any, ...]] = []
+
+    def by_order(order: Order, **rest: Any) -> int:
+        seen.append((order, rest))
+        return order.id
+
+    @app.task(base=SingletonTask, pydantic=True, shared=False, singleton_key=by_order)
+    def charge(order: Order, amount: int = 0) -> None: ...
+
+    first = charge.singleton_keys(Order(id=5), amount=1).base
+    assert charge.singleton_keys({"id": "5"}, amount=2).base == first
+    assert charge.singleton_keys(order={"id": 5}).base == first
+    assert seen == [(Order(id=5), {"amount": 1}), (Order(id=5), {"amount": 2}),
+                    (Order(id=5), {})]
+
+
 def test_a_calls_arguments_are_bound_by_name_with_models_as_the_body_gets_them() -> None:
     assert KeyBuilder("shop.pay", pay, None, PREFIX).arguments((7,), {"amount": 1}) == {
         "order_id": 7, "amount": 1, "currency": "EUR", "meta": None}
