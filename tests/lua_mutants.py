@@ -8,9 +8,13 @@ fails on survives and is printed with its line::
 
     python -m tests.lua_mutants acquire_slots release      # the scripts to mutate
     python -m tests.lua_mutants --all                       # every script (long)
+    python -m tests.lua_mutants reclaim --lines 57,60       # those lines' mutants only
 
-Arguments after ``--`` go to pytest (default: ``tests/engine/test_engine.py -x``).
-CONTRIBUTING.md has the last run's figures.
+Each script is run against the tests that call it (:data:`TESTS`; the engine
+tests, ``tests/engine/test_engine.py``, for a script not named there); arguments
+after ``--`` go to pytest instead, for every script named. ``-x`` is always
+passed: a mutant is killed by its first failure. CONTRIBUTING.md has the last
+run's figures.
 """
 
 from __future__ import annotations
@@ -43,6 +47,32 @@ OPERATORS: list[tuple[str, str]] = [
 ]
 
 
+ENGINE = "tests/engine/test_engine.py"
+_OVERLAP = "tests/beat/test_beat_overlap.py::"
+_ROLLOUT = "tests/keys/test_keys_meaning.py::"
+
+#: the tests each script is run against (pytest arguments), fastest first: a
+#: mutant the engine tests kill costs only their run
+TESTS: dict[str, list[str]] = {
+    "acquire": [ENGINE, "tests/conflict/test_throttle.py", "tests/conflict/test_rate.py",
+                "tests/conflict/test_replace.py", "tests/conflict/test_scopes.py"],
+    "enqueue": [ENGINE, "tests/conflict/test_replace.py", "tests/conflict/test_scopes.py"],
+    "fence": [ENGINE, "tests/engine/test_redlock.py"],
+    "beat_arrive": [
+        _OVERLAP + "test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_"
+        "and_survives_kill_9",
+        _OVERLAP + "test_buffer_all_keeps_order_one_at_a_time_when_worker_children_die",
+        "tests/beat/test_beat_logs.py::test_a_buffer_all_backlog_is_capped_outlives_every_"
+        "beat_and_drains_oldest_first"],
+    "old_take": [
+        _ROLLOUT + "test_during_a_rollout_the_old_key_lives_as_long_as_the_run_and_frees_"
+        "after_a_kill",
+        _ROLLOUT + "test_a_rollout_beside_the_old_library_runs_no_call_twice_at_once"],
+}
+TESTS["beat_take"] = TESTS["beat_arrive"]
+TESTS["old_keep"] = TESTS["old_take"]
+
+
 @dataclass
 class Mutant:
     script: str
@@ -65,7 +95,9 @@ def mutants(script: str, text: str) -> list[Mutant]:
     return out
 
 
-def run(scripts: list[str], pytest_args: list[str]) -> int:
+def run(scripts: list[str], pytest_args: list[str], only: frozenset[int] = frozenset()) -> int:
+    """Every mutant of ``scripts`` (of the lines ``only`` names, when given), each
+    against its tests (``pytest_args`` when given, else :data:`TESTS`)."""
     with tempfile.TemporaryDirectory(prefix="lua-mutants-") as tmp:
         copy = Path(tmp) / "repo"
         shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
@@ -74,8 +106,12 @@ def run(scripts: list[str], pytest_args: list[str]) -> int:
         for script in scripts:
             path = copy / LUA / f"{script}.lua"
             original = path.read_text()
+            selection = pytest_args or TESTS.get(script, [ENGINE])
+            print(f"{script}.lua against {' '.join(selection)}", flush=True)
             lines = original.splitlines(keepends=True)
             for mutant in mutants(script, original):
+                if only and mutant.line not in only:
+                    continue
                 mutated = lines.copy()
                 mutated[mutant.line - 1] = mutant.after + (
                     "\n" if lines[mutant.line - 1].endswith("\n") else "")
@@ -83,7 +119,7 @@ def run(scripts: list[str], pytest_args: list[str]) -> int:
                 try:
                     done = subprocess.run(
                         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                         "-n", "0", *pytest_args], cwd=copy, capture_output=True, text=True,
+                         "-n", "0", "-x", *selection], cwd=copy, capture_output=True, text=True,
                         timeout=900)
                 finally:
                     path.write_text(original)
@@ -106,12 +142,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("scripts", nargs="*", help="script names, without .lua")
     parser.add_argument("--all", action="store_true", help="every script of lua/")
+    parser.add_argument("--lines", default="", help="only the mutants of these lines "
+                        "(comma-separated numbers): a survivor tried again")
     args = parser.parse_args(ours)
     scripts = (sorted(p.stem for p in (ROOT / LUA).glob("*.lua")) if args.all
                else args.scripts)
     if not scripts:
         parser.error("name the scripts to mutate, or --all")
-    return run(scripts, pytest_args or ["tests/engine/test_engine.py", "-x"])
+    only = frozenset(int(n) for n in args.lines.split(",") if n.strip())
+    return run(scripts, pytest_args, only)
 
 
 if __name__ == "__main__":
