@@ -889,6 +889,47 @@ def test_a_write_back_and_a_renewal_of_the_same_lock_agree(own_redis):
     assert second.status is Reclaim.OURS and second.token == first.token
 
 
+def reclaim_args(task_id: str, exec_id: str, token: int) -> dict[str, Any]:
+    return {"task_id": task_id, "exec_id": exec_id, "token": token, "lease_ms": 30_000,
+            "hostname": "w1@host", "retries": 0, "task_name": "t.x"}
+
+
+def test_a_lock_granted_ahead_of_the_clock_is_written_back_above_its_token(engine, r):
+    """A counter ahead of the server clock (written by a server whose clock was
+    ahead, before a failover) gives the holder a token ahead of the clock; when
+    the server then forgets the lock with its counter, the write-back comes
+    above the holder's token, not at it: the clock alone is below it."""
+    keys = new_keys()
+    ahead = int(r.time()[0]) * 1_000_000 + 3_600_000_000  # an hour ahead, in µs
+    r.set(keys.fence, str(ahead), px=60_000)
+    held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000).token
+    assert held == ahead + 1
+    r.delete(keys.lock, keys.fence)  # forgotten, as by a replica that never had them
+    back = engine.reclaim(keys, **reclaim_args("task-a", "exec-a", held))
+    assert back.status is Reclaim.WRITTEN_BACK and back.token == held + 1
+    assert int(r.get(keys.fence)) == held + 1
+    assert int(owner_field(r, keys.lock, "token")) == held + 1
+
+
+def test_slots_written_back_ahead_of_the_clock_each_come_above_the_counter(engine, r):
+    """``singleton_limit``: two slots granted ahead of the clock, forgotten with
+    their counter. The later-granted slot is written back first and recreates
+    the counter above its token; the other, whose own token is lower, comes
+    above that counter: no two slots share a token."""
+    keys = new_keys()
+    ahead = int(r.time()[0]) * 1_000_000 + 3_600_000_000
+    r.set(keys.fence, str(ahead), px=60_000)
+    first = take(engine, keys, "task-a", "exec-a", lease_ms=30_000, slots=2)
+    second = take(engine, keys, "task-b", "exec-b", lease_ms=30_000, slots=2)
+    assert (first.token, second.token) == (ahead + 1, ahead + 2)
+    r.delete(keys.slot(first.slot).lock, keys.slot(second.slot).lock, keys.fence, keys.back)
+    b = engine.reclaim(keys.slot(second.slot), **reclaim_args("task-b", "exec-b", second.token))
+    a = engine.reclaim(keys.slot(first.slot), **reclaim_args("task-a", "exec-a", first.token))
+    assert b.status is Reclaim.WRITTEN_BACK and b.token == ahead + 3
+    assert a.status is Reclaim.WRITTEN_BACK and a.token == ahead + 4
+    assert int(r.get(keys.fence)) == ahead + 4
+
+
 def test_a_lock_whose_lease_ran_out_during_the_outage_is_not_taken_back(own_redis):
     engine = connect(SingletonConfig.defaults(own_redis.url(0)))
     keys = new_keys()
