@@ -65,6 +65,7 @@ TESTS: dict[str, list[str]] = {
         "tests/beat/test_beat_logs.py::test_a_buffer_all_backlog_is_capped_outlives_every_"
         "beat_and_drains_oldest_first"],
     "old_take": [
+        "tests/keys/test_old_locks.py",
         _ROLLOUT + "test_during_a_rollout_the_old_key_lives_as_long_as_the_run_and_frees_"
         "after_a_kill",
         _ROLLOUT + "test_a_rollout_beside_the_old_library_runs_no_call_twice_at_once"],
