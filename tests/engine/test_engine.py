@@ -148,6 +148,26 @@ def test_tokens_increase_with_every_grant_even_when_the_counter_is_gone(engine, 
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
+def server_micros(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_token_is_the_server_clock_while_the_counter_is_behind_it(engine, r, slots):
+    """docs/fencing.md#retention: a token is the lock Redis's clock in
+    microseconds; the counter (the last grant's token, behind the clock by
+    now) raises it only when at or above the clock. The same under
+    ``singleton_limit`` (acquire_slots.lua)."""
+    keys = new_keys()
+    for i in range(3):
+        before = server_micros(r)
+        got = take(engine, keys, f"t{i}", f"e{i}", slots=slots)
+        assert before <= got.token <= server_micros(r)
+        assert int(r.get(keys.fence)) == got.token
+        engine.release(keys.slot(got.slot), f"e{i}", f"t{i}")
+
+
 @pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
 def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r, slots):
     """The grant writes the clock and reads the counter back in one call; a
@@ -883,9 +903,12 @@ def test_a_write_back_and_a_renewal_of_the_same_lock_agree(own_redis):
     own_redis.start()
     args = {"task_id": "task-a", "exec_id": "exec-a", "token": lock.token, "lease_ms": 30_000,
             "hostname": "w1@host", "retries": 0, "task_name": "t.x"}
+    before = server_micros(own_redis.client())
     first = engine.reclaim(keys, **args)
     second = engine.reclaim(keys, **args)
     assert first.status is Reclaim.WRITTEN_BACK and first.token > lock.token
+    # the clock, now past the holder's token (docs/fencing.md#retention)
+    assert before <= first.token <= server_micros(own_redis.client())
     assert second.status is Reclaim.OURS and second.token == first.token
 
 
