@@ -59,6 +59,7 @@ TESTS: dict[str, list[str]] = {
     "enqueue": [ENGINE, "tests/conflict/test_replace.py", "tests/conflict/test_scopes.py"],
     "fence": [ENGINE, "tests/engine/test_redlock.py"],
     "beat_arrive": [
+        "tests/beat/test_buffer_all_scripts.py",
         _OVERLAP + "test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_"
         "and_survives_kill_9",
         _OVERLAP + "test_buffer_all_keeps_order_one_at_a_time_when_worker_children_die",
