@@ -97,6 +97,15 @@ def mutants(script: str, text: str) -> list[Mutant]:
     return out
 
 
+def first_failure(output: str) -> str:
+    """The test that killed a mutant, from pytest's short summary (a kill
+    that is no assertion, a timeout or an error at start, is worth a look)."""
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" - ", 1)[0]
+    return output.strip().splitlines()[-1] if output.strip() else "no output"
+
+
 def run(scripts: list[str], pytest_args: list[str], only: frozenset[int] = frozenset()) -> int:
     """Every mutant of ``scripts`` (of the lines ``only`` names, when given), each
     against its tests (``pytest_args`` when given, else :data:`TESTS`)."""
@@ -130,7 +139,7 @@ def run(scripts: list[str], pytest_args: list[str], only: frozenset[int] = froze
                     print(f"SURVIVED {mutant}", flush=True)
                 else:
                     killed += 1
-                    print(f"killed   {mutant}", flush=True)
+                    print(f"killed   {mutant}  [{first_failure(done.stdout)}]", flush=True)
         total = killed + survived
         print(f"{killed} of {total} mutants killed"
               + (f" ({100 * killed / total:.1f}%)" if total else ""))
