@@ -523,7 +523,9 @@ def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     refused = engine.enqueue(keys, "q2", "queue_and_run", 5000)
     assert refused.status == Enqueue.HELD and refused.holder.task_id == "q1"
     # a message that skipped the send-time check meets the queued one's key
-    assert take(engine, keys, "q2", scope="queue_and_run").status is Acquire.HELD
+    stray = take(engine, keys, "q2", scope="queue_and_run")
+    assert stray.status is Acquire.HELD and stray.holder.task_id == "q1"
+    assert not stray.queued_by_it
     assert take(engine, keys, "q1", "e1", scope="queue_and_run").status is Acquire.GRANTED
     assert r.get(keys.queued) is None
     # running now: still refused at send
@@ -532,6 +534,20 @@ def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     assert engine.enqueue(keys, "q3", "queue", 5000).status == Enqueue.TAKEN
     assert engine.unqueue(keys, "q-other") is False
     assert engine.unqueue(keys, "q3") is True
+
+
+def test_a_refused_execution_that_took_the_key_at_send_keeps_its_marker(engine, r):
+    """Sent under "queue" while another task runs, its send took the key; its
+    execution, refused by the running one, is told so and keeps the marker:
+    an accepted send must run, it waits its turn."""
+    keys = new_keys()
+    assert take(engine, keys, "running", "e-running").status is Acquire.GRANTED
+    assert engine.enqueue(keys, "sent", "queue", 5000, "t.x").status == Enqueue.TAKEN
+    refused = take(engine, keys, "sent", "e-sent", scope="queue")
+    assert refused.status is Acquire.HELD and refused.holder.task_id == "running"
+    assert refused.queued_by_it and marker(r, keys.queued) == ("t.x", "sent")
+    other = take(engine, keys, "other", "e-other", scope="queue")
+    assert other.status is Acquire.HELD and not other.queued_by_it
 
 
 def test_done_marker_counts_success_only(engine, r):
