@@ -13,8 +13,8 @@ fails on survives and is printed with its line::
 Each script is run against the tests that call it (:data:`TESTS`; the engine
 tests, ``tests/engine/test_engine.py``, for a script not named there); arguments
 after ``--`` go to pytest instead, for every script named. ``-x`` is always
-passed: a mutant is killed by its first failure. CONTRIBUTING.md has the last
-run's figures.
+passed: a mutant is killed by its first failed test, if that test fails again
+alone (each kill names it). CONTRIBUTING.md has the last run's figures.
 """
 
 from __future__ import annotations
@@ -49,16 +49,21 @@ OPERATORS: list[tuple[str, str]] = [
 
 
 ENGINE = "tests/engine/test_engine.py"
+#: the engine tests but the one that times Redis (its 5 ms bound fails on a
+#: loaded machine, mutant or not; it guards renew.lua's chunking, which the
+#: others call too)
+ENGINE_TESTS = [ENGINE, "--deselect",
+                ENGINE + "::test_renewing_ten_thousand_locks_never_keeps_redis_busy_5_ms"]
 _OVERLAP = "tests/beat/test_beat_overlap.py::"
 _ROLLOUT = "tests/keys/test_keys_meaning.py::"
 
 #: the tests each script is run against (pytest arguments), fastest first: a
 #: mutant the engine tests kill costs only their run
 TESTS: dict[str, list[str]] = {
-    "acquire": [ENGINE, "tests/conflict/test_throttle.py", "tests/conflict/test_rate.py",
+    "acquire": [*ENGINE_TESTS, "tests/conflict/test_throttle.py", "tests/conflict/test_rate.py",
                 "tests/conflict/test_replace.py", "tests/conflict/test_scopes.py"],
-    "enqueue": [ENGINE, "tests/conflict/test_replace.py", "tests/conflict/test_scopes.py"],
-    "fence": [ENGINE, "tests/engine/test_redlock.py"],
+    "enqueue": [*ENGINE_TESTS, "tests/conflict/test_replace.py", "tests/conflict/test_scopes.py"],
+    "fence": [*ENGINE_TESTS, "tests/engine/test_redlock.py"],
     "beat_arrive": [
         "tests/beat/test_buffer_all_scripts.py",
         _OVERLAP + "test_buffer_all_runs_each_overlapping_tick_in_order_one_at_a_time_"
@@ -142,7 +147,7 @@ def run(scripts: list[str], pytest_args: list[str], only: frozenset[int] = froze
         for script in scripts:
             path = copy / LUA / f"{script}.lua"
             original = path.read_text()
-            selection = pytest_args or TESTS.get(script, [ENGINE])
+            selection = pytest_args or TESTS.get(script, ENGINE_TESTS)
             print(f"{script}.lua against {' '.join(selection)}", flush=True)
             lines = original.splitlines(keepends=True)
             for mutant in mutants(script, original):
