@@ -190,6 +190,30 @@ def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r, slots):
     assert 300_000 < r.pttl(keys.fence) <= 5_000 + 300_000
 
 
+def test_a_raised_fence_carries_a_higher_token_only_for_its_holder(engine, r):
+    """fence.lua (Redlock puts the token it hands out on each master with it):
+    the counter and the owner record's token go up to the token, never down,
+    and only for the execution holding the lock here."""
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=30_000)
+    higher = got.token + 1_000
+    assert engine.raise_fence(keys, "exec-a", higher) is True
+    assert int(r.get(keys.fence)) == higher
+    record = owner_record(r, keys.lock)
+    assert int(record["token"]) == higher
+    assert (record["exec"], record["task"], record["host"]) == ("exec-a", "task-a", "w1@host")
+    assert 300_000 < r.pttl(keys.fence) <= 30_000 + 300_000  # the lock's, and the retention
+    assert engine.raise_fence(keys, "exec-a", got.token) is True  # lower: nothing goes down
+    assert engine.raise_fence(keys, "exec-a", 999) is True  # fewer digits: lower too
+    assert int(r.get(keys.fence)) == higher
+    assert int(owner_field(r, keys.lock, "token")) == higher
+    assert engine.raise_fence(keys, "exec-b", higher + 1) is False  # not its holder
+    assert int(r.get(keys.fence)) == higher
+    r.delete(keys.lock)
+    assert engine.raise_fence(keys, "exec-a", higher + 1) is False  # the lease ran out
+    assert int(r.get(keys.fence)) == higher
+
+
 def test_a_throttle_window_lets_no_other_task_start_before_it_ends(engine, r):
     """``singleton_throttle``: a start opens a window of exactly the throttle,
     by the server clock; other task ids asking all along are refused, each told
