@@ -242,6 +242,25 @@ def test_a_throttle_window_lets_no_other_task_start_before_it_ends(engine, r):
     assert int(owner_field(r, keys.lock, "at")) >= int(ends), "started inside the window"
 
 
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_full_rate_window_refuses_new_task_ids_but_not_a_retry(engine, r, slots):
+    """``singleton_rate``: two starts a minute. A third task id is refused,
+    told when the oldest start leaves the window; a retry of a task id that
+    started within it is the start it already made. The same under
+    ``singleton_limit`` (acquire_slots.lua), slot after slot."""
+    keys = new_keys()
+    rate = (2, 60_000)
+    for name in ("a", "b"):
+        got = take(engine, keys, name, f"e-{name}", slots=slots, rate=rate)
+        assert got.status is Acquire.GRANTED
+        engine.release(keys.slot(got.slot), f"e-{name}", name, finished=False)
+    third = take(engine, keys, "c", "e-c", slots=slots, rate=rate)
+    assert third.status is Acquire.RATE_LIMITED and third.holder.task_id == "a"
+    assert 50_000 < third.reopens_ms <= 60_000
+    assert take(engine, keys, "a", "e-a2", slots=slots, rate=rate, retries=1).status \
+        is Acquire.GRANTED
+
+
 @pytest.mark.parametrize("path", [{}, {"scope": "queue"}, {"scope": "queue_and_run"},
                                   {"throttle_ms": 60_000}, {"scope": "queue", "replace": True},
                                   {"slots": 2}],
