@@ -77,6 +77,13 @@ TESTS: dict[str, list[str]] = {
         "after_a_kill",
         _ROLLOUT + "test_a_rollout_beside_the_old_library_runs_no_call_twice_at_once"],
 }
+#: slots written back after an empty restart (engine calls on a server of their own)
+_SLOTS_BACK = ["tests/conflict/test_limit_restart.py::test_every_slot_is_written_back_after_"
+               "an_empty_restart_and_none_is_given_away",
+               "tests/conflict/test_limit_restart.py::test_without_a_restart_a_released_slot_"
+               "is_still_lost"]
+TESTS["acquire_slots"] = [*ENGINE_TESTS, *_SLOTS_BACK]
+TESTS["reclaim"] = [*ENGINE_TESTS, *_SLOTS_BACK]
 TESTS["beat_take"] = TESTS["beat_arrive"]
 TESTS["old_keep"] = TESTS["old_take"]
 
