@@ -579,6 +579,25 @@ def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     assert engine.unqueue(keys, "q3") is True
 
 
+def test_replace_supersedes_a_queued_task_only_while_it_has_not_started(engine, r):
+    """``replace``: a send takes the key from a task still queued, never from
+    one that started. A send reusing the running task's id (an idempotency key
+    as task id) takes the key under "queue"; the next send finds that task
+    running (its owner record) and is told it is queued as it, not replacing it."""
+    keys = new_keys()
+    assert engine.enqueue(keys, "x", "queue", 5000, "t.x", replace=(0, 0)).status \
+        == Enqueue.TAKEN
+    assert engine.enqueue(keys, "y", "queue", 5000, "t.x", replace=(0, 0)).status \
+        == Enqueue.REPLACED  # x had not started
+    assert take(engine, keys, "y", "e-y", scope="queue", replace=True).status \
+        is Acquire.GRANTED
+    assert engine.enqueue(keys, "y", "queue", 5000, "t.x", replace=(0, 0)).status \
+        == Enqueue.TAKEN  # y again, while y runs
+    again = engine.enqueue(keys, "z", "queue", 5000, "t.x", replace=(0, 0))
+    assert again.status == Enqueue.HELD and again.holder.task_id == "y"
+    assert r.hget(keys.replaced, "y") is None
+
+
 def test_a_refused_execution_that_took_the_key_at_send_keeps_its_marker(engine, r):
     """Sent under "queue" while another task runs, its send took the key; its
     execution, refused by the running one, is told so and keeps the marker:
