@@ -585,8 +585,8 @@ def test_replace_supersedes_a_queued_task_only_while_it_has_not_started(engine, 
     as task id) takes the key under "queue"; the next send finds that task
     running (its owner record) and is told it is queued as it, not replacing it."""
     keys = new_keys()
-    assert engine.enqueue(keys, "x", "queue", 5000, "t.x", replace=(0, 0)).status \
-        == Enqueue.TAKEN
+    first = engine.enqueue(keys, "x", "queue", 5000, "t.x", replace=(0, 0))
+    assert first.status == Enqueue.TAKEN and first.countdown_ms is None  # no debounce
     assert engine.enqueue(keys, "y", "queue", 5000, "t.x", replace=(0, 0)).status \
         == Enqueue.REPLACED  # x had not started
     assert take(engine, keys, "y", "e-y", scope="queue", replace=True).status \
@@ -596,6 +596,27 @@ def test_replace_supersedes_a_queued_task_only_while_it_has_not_started(engine, 
     again = engine.enqueue(keys, "z", "queue", 5000, "t.x", replace=(0, 0))
     assert again.status == Enqueue.HELD and again.holder.task_id == "y"
     assert r.hget(keys.replaced, "y") is None
+
+
+def test_a_debounced_burst_waits_the_debounce_until_debounce_max_from_its_first_send(
+        engine, r):
+    """``singleton_debounce`` 1 s: each send of a burst is sent with a countdown
+    of the debounce; with ``singleton_debounce_max`` 2 s, no later than 2 s
+    after the burst's first send (kept in the hash, by the server clock)."""
+    keys = new_keys()
+    sends = [engine.enqueue(keys, name, "queue", 5000, "t.x", replace=(1000, 0))
+             for name in ("a", "b")]
+    assert [s.countdown_ms for s in sends] == [1000, 1000]  # no debounce_max
+    keys = new_keys()
+    assert engine.enqueue(keys, "a", "queue", 5000, "t.x", replace=(1000, 2000)).countdown_ms \
+        == 1000
+    started = int(r.hget(keys.replaced, ""))
+    r.hset(keys.replaced, "", started - 1500)  # the burst began 1.5 s ago
+    later = engine.enqueue(keys, "b", "queue", 5000, "t.x", replace=(1000, 2000))
+    assert later.status == Enqueue.REPLACED and 0 < later.countdown_ms <= 500
+    r.hset(keys.replaced, "", started - 3000)  # past debounce_max: at once
+    assert engine.enqueue(keys, "c", "queue", 5000, "t.x", replace=(1000, 2000)).countdown_ms \
+        == 0
 
 
 def test_a_refused_execution_that_took_the_key_at_send_keeps_its_marker(engine, r):
