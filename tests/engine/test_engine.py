@@ -148,6 +148,26 @@ def test_tokens_increase_with_every_grant_even_when_the_counter_is_gone(engine, 
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
+def server_micros(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_token_is_the_server_clock_while_the_counter_is_behind_it(engine, r, slots):
+    """docs/fencing.md#retention: a token is the lock Redis's clock in
+    microseconds; the counter (the last grant's token, behind the clock by
+    now) raises it only when at or above the clock. The same under
+    ``singleton_limit`` (acquire_slots.lua)."""
+    keys = new_keys()
+    for i in range(3):
+        before = server_micros(r)
+        got = take(engine, keys, f"t{i}", f"e{i}", slots=slots)
+        assert before <= got.token <= server_micros(r)
+        assert int(r.get(keys.fence)) == got.token
+        engine.release(keys.slot(got.slot), f"e{i}", f"t{i}")
+
+
 @pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
 def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r, slots):
     """The grant writes the clock and reads the counter back in one call; a
@@ -168,6 +188,30 @@ def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r, slots):
     assert take(engine, keys, "task-b", "exec-b", slots=slots).token == ahead + 2
     # the counter's own TTL again: the lease and singleton_fence_ttl
     assert 300_000 < r.pttl(keys.fence) <= 5_000 + 300_000
+
+
+def test_a_raised_fence_carries_a_higher_token_only_for_its_holder(engine, r):
+    """fence.lua (Redlock puts the token it hands out on each master with it):
+    the counter and the owner record's token go up to the token, never down,
+    and only for the execution holding the lock here."""
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=30_000)
+    higher = got.token + 1_000
+    assert engine.raise_fence(keys, "exec-a", higher) is True
+    assert int(r.get(keys.fence)) == higher
+    record = owner_record(r, keys.lock)
+    assert int(record["token"]) == higher
+    assert (record["exec"], record["task"], record["host"]) == ("exec-a", "task-a", "w1@host")
+    assert 300_000 < r.pttl(keys.fence) <= 30_000 + 300_000  # the lock's, and the retention
+    assert engine.raise_fence(keys, "exec-a", got.token) is True  # lower: nothing goes down
+    assert engine.raise_fence(keys, "exec-a", 999) is True  # fewer digits: lower too
+    assert int(r.get(keys.fence)) == higher
+    assert int(owner_field(r, keys.lock, "token")) == higher
+    assert engine.raise_fence(keys, "exec-b", higher + 1) is False  # not its holder
+    assert int(r.get(keys.fence)) == higher
+    r.delete(keys.lock)
+    assert engine.raise_fence(keys, "exec-a", higher + 1) is False  # the lease ran out
+    assert int(r.get(keys.fence)) == higher
 
 
 def test_a_throttle_window_lets_no_other_task_start_before_it_ends(engine, r):
@@ -196,6 +240,25 @@ def test_a_throttle_window_lets_no_other_task_start_before_it_ends(engine, r):
     wait_for(started, 15, interval=0.02, what="a start once the window ends")
     assert refusals, "asked only after the window had ended"
     assert int(owner_field(r, keys.lock, "at")) >= int(ends), "started inside the window"
+
+
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_full_rate_window_refuses_new_task_ids_but_not_a_retry(engine, r, slots):
+    """``singleton_rate``: two starts a minute. A third task id is refused,
+    told when the oldest start leaves the window; a retry of a task id that
+    started within it is the start it already made. The same under
+    ``singleton_limit`` (acquire_slots.lua), slot after slot."""
+    keys = new_keys()
+    rate = (2, 60_000)
+    for name in ("a", "b"):
+        got = take(engine, keys, name, f"e-{name}", slots=slots, rate=rate)
+        assert got.status is Acquire.GRANTED
+        engine.release(keys.slot(got.slot), f"e-{name}", name, finished=False)
+    third = take(engine, keys, "c", "e-c", slots=slots, rate=rate)
+    assert third.status is Acquire.RATE_LIMITED and third.holder.task_id == "a"
+    assert 50_000 < third.reopens_ms <= 60_000
+    assert take(engine, keys, "a", "e-a2", slots=slots, rate=rate, retries=1).status \
+        is Acquire.GRANTED
 
 
 @pytest.mark.parametrize("path", [{}, {"scope": "queue"}, {"scope": "queue_and_run"},
@@ -503,7 +566,9 @@ def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     refused = engine.enqueue(keys, "q2", "queue_and_run", 5000)
     assert refused.status == Enqueue.HELD and refused.holder.task_id == "q1"
     # a message that skipped the send-time check meets the queued one's key
-    assert take(engine, keys, "q2", scope="queue_and_run").status is Acquire.HELD
+    stray = take(engine, keys, "q2", scope="queue_and_run")
+    assert stray.status is Acquire.HELD and stray.holder.task_id == "q1"
+    assert not stray.queued_by_it
     assert take(engine, keys, "q1", "e1", scope="queue_and_run").status is Acquire.GRANTED
     assert r.get(keys.queued) is None
     # running now: still refused at send
@@ -512,6 +577,60 @@ def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     assert engine.enqueue(keys, "q3", "queue", 5000).status == Enqueue.TAKEN
     assert engine.unqueue(keys, "q-other") is False
     assert engine.unqueue(keys, "q3") is True
+
+
+def test_replace_supersedes_a_queued_task_only_while_it_has_not_started(engine, r):
+    """``replace``: a send takes the key from a task still queued, never from
+    one that started. A send reusing the running task's id (an idempotency key
+    as task id) takes the key under "queue"; the next send finds that task
+    running (its owner record) and is told it is queued as it, not replacing it."""
+    keys = new_keys()
+    first = engine.enqueue(keys, "x", "queue", 5000, "t.x", replace=(0, 0))
+    assert first.status == Enqueue.TAKEN and first.countdown_ms is None  # no debounce
+    assert engine.enqueue(keys, "y", "queue", 5000, "t.x", replace=(0, 0)).status \
+        == Enqueue.REPLACED  # x had not started
+    assert take(engine, keys, "y", "e-y", scope="queue", replace=True).status \
+        is Acquire.GRANTED
+    assert engine.enqueue(keys, "y", "queue", 5000, "t.x", replace=(0, 0)).status \
+        == Enqueue.TAKEN  # y again, while y runs
+    again = engine.enqueue(keys, "z", "queue", 5000, "t.x", replace=(0, 0))
+    assert again.status == Enqueue.HELD and again.holder.task_id == "y"
+    assert r.hget(keys.replaced, "y") is None
+
+
+def test_a_debounced_burst_waits_the_debounce_until_debounce_max_from_its_first_send(
+        engine, r):
+    """``singleton_debounce`` 1 s: each send of a burst is sent with a countdown
+    of the debounce; with ``singleton_debounce_max`` 2 s, no later than 2 s
+    after the burst's first send (kept in the hash, by the server clock)."""
+    keys = new_keys()
+    sends = [engine.enqueue(keys, name, "queue", 5000, "t.x", replace=(1000, 0))
+             for name in ("a", "b")]
+    assert [s.countdown_ms for s in sends] == [1000, 1000]  # no debounce_max
+    keys = new_keys()
+    assert engine.enqueue(keys, "a", "queue", 5000, "t.x", replace=(1000, 2000)).countdown_ms \
+        == 1000
+    started = int(r.hget(keys.replaced, ""))
+    r.hset(keys.replaced, "", started - 1500)  # the burst began 1.5 s ago
+    later = engine.enqueue(keys, "b", "queue", 5000, "t.x", replace=(1000, 2000))
+    assert later.status == Enqueue.REPLACED and 0 < later.countdown_ms <= 500
+    r.hset(keys.replaced, "", started - 3000)  # past debounce_max: at once
+    assert engine.enqueue(keys, "c", "queue", 5000, "t.x", replace=(1000, 2000)).countdown_ms \
+        == 0
+
+
+def test_a_refused_execution_that_took_the_key_at_send_keeps_its_marker(engine, r):
+    """Sent under "queue" while another task runs, its send took the key; its
+    execution, refused by the running one, is told so and keeps the marker:
+    an accepted send must run, it waits its turn."""
+    keys = new_keys()
+    assert take(engine, keys, "running", "e-running").status is Acquire.GRANTED
+    assert engine.enqueue(keys, "sent", "queue", 5000, "t.x").status == Enqueue.TAKEN
+    refused = take(engine, keys, "sent", "e-sent", scope="queue")
+    assert refused.status is Acquire.HELD and refused.holder.task_id == "running"
+    assert refused.queued_by_it and marker(r, keys.queued) == ("t.x", "sent")
+    other = take(engine, keys, "other", "e-other", scope="queue")
+    assert other.status is Acquire.HELD and not other.queued_by_it
 
 
 def test_done_marker_counts_success_only(engine, r):
@@ -883,10 +1002,54 @@ def test_a_write_back_and_a_renewal_of_the_same_lock_agree(own_redis):
     own_redis.start()
     args = {"task_id": "task-a", "exec_id": "exec-a", "token": lock.token, "lease_ms": 30_000,
             "hostname": "w1@host", "retries": 0, "task_name": "t.x"}
+    before = server_micros(own_redis.client())
     first = engine.reclaim(keys, **args)
     second = engine.reclaim(keys, **args)
     assert first.status is Reclaim.WRITTEN_BACK and first.token > lock.token
+    # the clock, now past the holder's token (docs/fencing.md#retention)
+    assert before <= first.token <= server_micros(own_redis.client())
     assert second.status is Reclaim.OURS and second.token == first.token
+
+
+def reclaim_args(task_id: str, exec_id: str, token: int) -> dict[str, Any]:
+    return {"task_id": task_id, "exec_id": exec_id, "token": token, "lease_ms": 30_000,
+            "hostname": "w1@host", "retries": 0, "task_name": "t.x"}
+
+
+def test_a_lock_granted_ahead_of_the_clock_is_written_back_above_its_token(engine, r):
+    """A counter ahead of the server clock (written by a server whose clock was
+    ahead, before a failover) gives the holder a token ahead of the clock; when
+    the server then forgets the lock with its counter, the write-back comes
+    above the holder's token, not at it: the clock alone is below it."""
+    keys = new_keys()
+    ahead = int(r.time()[0]) * 1_000_000 + 3_600_000_000  # an hour ahead, in µs
+    r.set(keys.fence, str(ahead), px=60_000)
+    held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000).token
+    assert held == ahead + 1
+    r.delete(keys.lock, keys.fence)  # forgotten, as by a replica that never had them
+    back = engine.reclaim(keys, **reclaim_args("task-a", "exec-a", held))
+    assert back.status is Reclaim.WRITTEN_BACK and back.token == held + 1
+    assert int(r.get(keys.fence)) == held + 1
+    assert int(owner_field(r, keys.lock, "token")) == held + 1
+
+
+def test_slots_written_back_ahead_of_the_clock_each_come_above_the_counter(engine, r):
+    """``singleton_limit``: two slots granted ahead of the clock, forgotten with
+    their counter. The later-granted slot is written back first and recreates
+    the counter above its token; the other, whose own token is lower, comes
+    above that counter: no two slots share a token."""
+    keys = new_keys()
+    ahead = int(r.time()[0]) * 1_000_000 + 3_600_000_000
+    r.set(keys.fence, str(ahead), px=60_000)
+    first = take(engine, keys, "task-a", "exec-a", lease_ms=30_000, slots=2)
+    second = take(engine, keys, "task-b", "exec-b", lease_ms=30_000, slots=2)
+    assert (first.token, second.token) == (ahead + 1, ahead + 2)
+    r.delete(keys.slot(first.slot).lock, keys.slot(second.slot).lock, keys.fence, keys.back)
+    b = engine.reclaim(keys.slot(second.slot), **reclaim_args("task-b", "exec-b", second.token))
+    a = engine.reclaim(keys.slot(first.slot), **reclaim_args("task-a", "exec-a", first.token))
+    assert b.status is Reclaim.WRITTEN_BACK and b.token == ahead + 3
+    assert a.status is Reclaim.WRITTEN_BACK and a.token == ahead + 4
+    assert int(r.get(keys.fence)) == ahead + 4
 
 
 def test_a_lock_whose_lease_ran_out_during_the_outage_is_not_taken_back(own_redis):
