@@ -49,11 +49,10 @@ OPERATORS: list[tuple[str, str]] = [
 
 
 ENGINE = "tests/engine/test_engine.py"
-#: the engine tests but the one that times Redis (its 5 ms bound fails on a
-#: loaded machine, mutant or not; it guards renew.lua's chunking, which the
-#: others call too)
+#: the engine tests but the one that takes and renews 10,000 locks (it guards
+#: the chunking in Python, not a script; the others call renew.lua too)
 ENGINE_TESTS = [ENGINE, "--deselect",
-                ENGINE + "::test_renewing_ten_thousand_locks_never_keeps_redis_busy_5_ms"]
+                ENGINE + "::test_renewing_ten_thousand_locks_goes_in_calls_of_a_bounded_size"]
 _OVERLAP = "tests/beat/test_beat_overlap.py::"
 _ROLLOUT = "tests/keys/test_keys_meaning.py::"
 
