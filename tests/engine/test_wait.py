@@ -134,7 +134,7 @@ def test_a_grant_waiting_on_wait_is_no_running_holder_for_a_duplicate(pair, key)
     grants; none is skipped as "duplicate of X (running)" while nothing can
     run (before: most were, against grants that were then given back). Once
     the replica answers, one runs; a call skipped then names a holder that
-    started."""
+    started, or one whose grant reached it too late to run (logged as such)."""
     primary, replica = pair
     conf = {"singleton_wait_replicas": 1, "singleton_wait_timeout": 300,
             "singleton_wait_policy": "release"}
@@ -164,9 +164,15 @@ def test_a_grant_waiting_on_wait_is_no_running_holder_for_a_duplicate(pair, key)
         results = [c.get(timeout=60) for c in calls]
         started = {e["id"] for e in events.starts()}
         assert started
+        logs = "".join(w.log.read_text() for w in workers)
         for r in results:
-            if is_skipped(r):
-                assert r["holder"] in started, r
+            if is_skipped(r) and r["holder"] not in started:
+                # the one other give-back: a grant that reached its task after
+                # its lease could have run out (a loaded machine) is no grant
+                # either, and a duplicate may have met it in between
+                lines = [x for x in logs.splitlines() if f"t.hold[{r['holder']}]" in x]
+                assert any("grant arrived after its lease ran out" in x for x in lines), (
+                    r, lines)
         assert max(e["concurrent"] for e in events.starts()) == 1
     finally:
         replica.resume()
