@@ -42,7 +42,9 @@ def main() -> int:
             ok = refused == 4 and files == {"reports/2026-10.pdf"}
 
             print("Cache rebuild of 'prices', asked 5 times while one is pending:")
-            asks = [tasks.rebuild_cache.delay("prices") for _ in range(5)]
+            # due in 2 s: the first stays pending while the other four are asked,
+            # however quickly a worker would have started it
+            asks = [tasks.rebuild_cache.apply_async(("prices",), countdown=2) for _ in range(5)]
             refused = sum(is_deduplicated(r) for r in asks)
             print(f"  sent 1, not sent {refused}")
             first = asks[0]
