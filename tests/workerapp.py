@@ -195,6 +195,11 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
                  fail: bool = False) -> Any:
         return body(self, key, seconds, tag, fail)
 
+    @task(base=SingletonTask, bind=True, name="t.throttle_long", singleton_key=("key",),
+          singleton_throttle=120)
+    def throttle_long(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
     @task(base=SingletonTask, bind=True, name="t.throttle_retry", singleton_key=("key",),
           singleton_throttle=2, singleton_on_duplicate="retry")
     def throttle_retry(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
