@@ -71,7 +71,12 @@ def test_a_task_sent_right_after_a_child_is_killed_runs_on_its_replacement(
             assert nxt.get(timeout=30)["tag"] == f"next-{round_}"
             # and the victim's key was freed by the main process, well within its 30 s lease
             freed = app.tasks["t.hold"].delay(key, 0.0, f"after-{round_}")
-            assert freed.get(timeout=30)["tag"] == f"after-{round_}"
+            try:
+                done = freed.get(timeout=30)
+            except Exception as exc:
+                raise AssertionError(f"{freed.id} did not end ({exc!r}); the worker's "
+                                     f"log:\n{worker.logs()[-8000:]}") from None
+            assert done["tag"] == f"after-{round_}", done
         finally:
             discard(worker)
 
