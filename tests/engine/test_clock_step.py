@@ -27,10 +27,10 @@ from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire
 from celery_singleton_lock.keys import LockKeys
 from tests.deployments import valkey_server_binary
+from tests.engine.conftest import PATHS
 from tests.support import RedisServer, missing, wait_for
 
 LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
-PATHS = {"native": "auto", "scripts": "off"}
 
 
 class SteppedServer(RedisServer):

