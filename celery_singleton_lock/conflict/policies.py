@@ -100,30 +100,19 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
     if status is Acquire.DONE:
         # within singleton_done_ttl of a success every duplicate is skipped
         return Decision(Do.SKIP, holder=holder, reason="done", state=state)
-    if status is Acquire.THROTTLED:
-        # another task started within singleton_throttle: skip, or come back
-        # when the window reopens (raise: the error says so)
+    if status in (Acquire.THROTTLED, Acquire.RATE_LIMITED):
+        # singleton_throttle: another task started within the window;
+        # singleton_rate: the key's window holds its N starts already. Skip, or
+        # come back when the window reopens (never sooner), or raise
+        reason = "throttled" if status is Acquire.THROTTLED else RATE_LIMITED
         reopens = answer.reopens_ms / 1000.0
         if on_duplicate in SKIPPING:
-            return Decision(Do.SKIP, holder=holder, reason="throttled", reopens_in=reopens,
+            return Decision(Do.SKIP, holder=holder, reason=reason, reopens_in=reopens,
                             state="started")
         if on_duplicate == "retry":
-            return Decision(Do.WAIT, holder=holder, reason="throttled", reopens_in=reopens,
+            return Decision(Do.WAIT, holder=holder, reason=reason, reopens_in=reopens,
                             state="started")
-        return Decision(Do.FAIL, holder=holder, reason="throttled", reopens_in=reopens,
-                        state="started",
-                        error=DuplicateTaskError(task_name, key, holder, "started"))
-    if status is Acquire.RATE_LIMITED:
-        # singleton_rate: the key's window holds its N starts already; skip, or
-        # come back when the oldest start leaves it (never sooner), or raise
-        reopens = answer.reopens_ms / 1000.0
-        if on_duplicate in SKIPPING:
-            return Decision(Do.SKIP, holder=holder, reason=RATE_LIMITED, reopens_in=reopens,
-                            state="started")
-        if on_duplicate == "retry":
-            return Decision(Do.WAIT, holder=holder, reason=RATE_LIMITED, reopens_in=reopens,
-                            state="started")
-        return Decision(Do.FAIL, holder=holder, reason=RATE_LIMITED, reopens_in=reopens,
+        return Decision(Do.FAIL, holder=holder, reason=reason, reopens_in=reopens,
                         state="started",
                         error=DuplicateTaskError(task_name, key, holder, "started"))
     if status is Acquire.SAME_TASK:
