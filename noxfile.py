@@ -26,7 +26,7 @@ nox.options.sessions = ["oldest", "newest"]
 
 #: the promise subset: real servers, real `celery worker` subprocesses
 PROMISES = [
-    "tests/contract/test_contract_one_server.py",
+    "tests/contract/test_contract.py",  # the one_server kind (SINGLETON_CONTRACT_KINDS)
     "tests/engine/test_engine.py",
     "tests/engine/test_link.py",
     "tests/lock/test_exit_paths.py",
@@ -80,7 +80,7 @@ def run_cell(session: nox.Session, cell: str) -> None:
                     f"redis=={redis_py}", *TEST_TOOLS)
     # a cell pins an older stack on purpose: its tests that need a newer
     # redis-py or server skip there, even where CI requires every service
-    env = {"SINGLETON_REQUIRE_SERVICES": "0"}
+    env = {"SINGLETON_REQUIRE_SERVICES": "0", "SINGLETON_CONTRACT_KINDS": "one_server"}
     if server in _SERVER_PATH:
         out = session.run("python", "-c", _SERVER_PATH[server], silent=True)
         env["SINGLETON_TEST_REDIS_SERVER"] = str(out).strip().splitlines()[-1]

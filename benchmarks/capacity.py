@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import redis
 
+from celery_singleton_lock.engine.request import Lease, Request
+
 OURS = "celery-singleton-lock"
 FLOOR = "floor: bare SET NX PX + DEL"
 REDIS_PY = "redis-py Lock"
@@ -46,7 +48,7 @@ LEASE_MS = 60_000
 # native commands, where it sends scripts only)
 SENT = {OURS: {"evalsha"},
         FLOOR: {"set", "del"}, REDIS_PY: {"set", "evalsha"},
-        OURS_NATIVE: {"set", "get", "time", "delifeq", "delex", "pexpire"},
+        OURS_NATIVE: {"set", "get", "time", "delifeq", "delex", "pexpire", "pttl"},
         OURS_SCRIPTS: {"evalsha"}, CELERY_SINGLETON: {"set", "del"},
         CELERY_ONCE: {"set", "del", "pttl"}}
 
@@ -66,9 +68,10 @@ def _pair(kind: str, url: str, tag: str) -> Callable[[int], None]:
         def ours(i: int) -> None:
             keys = LockKeys("cap:", f"{tag}{i:x}")
             exec_id = f"e{i}"
-            got = engine.acquire(keys, task_id=f"t{i}", exec_id=exec_id, lease_ms=LEASE_MS,
-                                 hostname="capacity", retries=0, task_name="capacity",
-                                 done=False)  # as the worker asks: no done window
+            got = engine.acquire(keys, Request(task_id=f"t{i}", exec_id=exec_id,
+                                               lease=Lease.of_ms(LEASE_MS), hostname="capacity",
+                                               retries=0, task_name="capacity",
+                                               done=False))  # as the worker asks: no done window
             if got.status != 1:
                 raise RuntimeError(f"not granted: {keys.base}")
             engine.release(keys, exec_id, f"t{i}")

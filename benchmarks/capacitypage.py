@@ -4,9 +4,17 @@ for N tasks a second and K distinct keys a day."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+from celery_singleton_lock import SingletonConfig
 
 from .capacity import CELERY_ONCE, CELERY_SINGLETON, FLOOR, OURS_NATIVE, OURS_SCRIPTS
+from .distancereport import capacity_section
+from .servers import ROOT
+
+#: the table of every key, kept in docs/redis-keys.md and copied here whole
+KEYS_PAGE = ROOT / "docs" / "redis-keys.md"
+KEYS_MARK = "<!-- every key:"
 
 #: the share of a core a lock Redis is planned to use at most (headroom for
 #: bursts, persistence, replication and the other clients)
@@ -14,6 +22,8 @@ PLAN_BUSY = 0.5
 #: what the worked example plans for
 RATES = (100, 1_000, 10_000)
 KEYS_A_DAY = (1_000_000, 10_000_000, 100_000_000)
+#: singleton_finished_ttl's default: how long an acks_late run's finish marker stays
+FINISHED_TTL = float(SingletonConfig.defaults("redis://").finished_ttl)
 
 
 def _mb(value: float) -> str:
@@ -24,7 +34,28 @@ def _row(rows: list[dict[str, Any]], lock: str) -> dict[str, Any]:
     return next(r for r in rows if r["lock"] == lock)
 
 
-def render(results: dict[str, Any]) -> str:
+def key_table() -> list[str]:
+    """docs/redis-keys.md's table of every key (its marker, header and rows),
+    as written there."""
+    lines = KEYS_PAGE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(KEYS_MARK))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("|"))
+    return lines[start:end]
+
+
+def _fin_bytes(results: dict[str, Any]) -> dict[str, float]:
+    """Per server: the bytes an acks_late task's finished key leaves beyond a
+    finished key's fencing counter (its finish marker)."""
+    mem, late = results["memory"], results["late"]
+    return {name: late[name]["bytes_per_key"]
+            - (mem[name]["right_after"] - mem[name]["start"]) / mem[name]["keys"]
+            for name in late}
+
+
+def render(results: dict[str, Any], far: Optional[dict[str, Any]] = None) -> str:
+    """The page; ``far``: the distance runs beside the capacity results
+    (``distance-before`` and ``distance``), for the section on a lock Redis
+    far away (none without them)."""
     machine = results["machine"]
     versions = machine["versions"]
     servers = results["servers"]
@@ -101,6 +132,8 @@ def render(results: dict[str, Any]) -> str:
     out += _renewal(results, lease)
     out += _connections(results)
     out += _plan(results, native, scripts, keep, lease)
+    if far and "distance-before" in far:
+        out += capacity_section(far["distance-before"], far.get("distance"))
     return "\n".join(out) + "\n"
 
 
@@ -131,13 +164,32 @@ def _memory(results: dict[str, Any], keep: float) -> list[str]:
             f"{row['keys_left']:,} | {_mb(row['after_retention'])} after "
             f"{row['waited_seconds']:.0f} s ({row['keys_after_retention']} keys) | "
             f"{'yes' if back else 'no'} ({row['after_retention'] / row['start'] - 1:+.1%}) |")
+    late = results["late"]
+    fin = _fin_bytes(results)
     out += [
         "",
-        "Each finished key leaves its fencing counter, and nothing else, for the lease "
-        "and `singleton_fence_ttl`; a key whose task saw a redelivered copy also leaves "
-        "its finish marker for `singleton_finished_ttl` (an hour). Before "
-        "`singleton_fence_ttl` the counter stayed 24 hours: the \"right after\" figure, "
-        "kept for a day.",
+        "A finished key of a task with the default settings leaves its fencing counter, "
+        "for the lease and `singleton_fence_ttl`. Before `singleton_fence_ttl` the "
+        "counter stayed 24 hours: the \"right after\" figure, kept for a day. Other "
+        "options leave more, each for its own time (the table of every key below): an "
+        "`acks_late` task leaves its finish marker (`:fin`, the task id, which drops a "
+        "redelivery of a run that finished) after every run, for "
+        "`singleton_finished_ttl` (an hour), and so does any run a redelivered copy "
+        "found running; `singleton_done_ttl`, `singleton_throttle` and `singleton_rate` "
+        "leave their windows.",
+        "",
+        "Distinct keys of an `acks_late` task granted and released the same way:",
+        "",
+        "| server, path | distinct keys | keys left | bytes a finished key leaves | of "
+        "which its finish marker | the marker's TTL right after |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in late.items():
+        label = servers["valkey"] if name.startswith("valkey") else servers["redis"]
+        out.append(f"| {label}, {name.split()[1]} | {row['keys']:,} | {row['keys_left']:,} | "
+                   f"{row['bytes_per_key']:.0f} | {fin[name]:.0f} | "
+                   f"{row['longest_fin_ttl_ms'] / 1000:,.0f} s |")
+    out += [
         "",
         "Locks held (granted, not released), each with its fencing counter:",
         "",
@@ -148,6 +200,18 @@ def _memory(results: dict[str, Any], keep: float) -> list[str]:
         label = servers["valkey"] if name.startswith("valkey") else servers["redis"]
         out.append(f"| {label}, {name.split()[1]} | {row['locks']:,} | {row['keys']:,} | "
                    f"{row['bytes_per_lock']:.0f} |")
+    out += [
+        "",
+        "### Every key and how long it lives",
+        "",
+        "What each key holds, and who writes and deletes it: [Keys in "
+        "Redis](redis-keys.md#every-key-and-how-long-it-lives), whose table this is "
+        "(`tests/keys/test_keys_in_redis.py` checks both against a real server after a "
+        "real worker and beat ran the workload the last column names). A TTL is counted "
+        "from the key's last write; in brackets, its value with the defaults.",
+        "",
+        *key_table(),
+    ]
     return out
 
 
@@ -226,6 +290,7 @@ def _plan(results: dict[str, Any], native: dict[str, Any], scripts: dict[str, An
     conn = results["connections"]
     per_key = max((r["right_after"] - r["start"]) / r["keys"] for r in mem.values())
     per_held = max(r["bytes_per_lock"] for r in held.values())
+    per_fin = max(_fin_bytes(results).values())
     cpu = {"native commands": 2 * native["redis_cpu_us_per_op"],
            "scripts": 2 * scripts["redis_cpu_us_per_op"]}
     renew_cpu = max(r["cpu_us_per_lock"] for r in ren.values()) / (lease / 3)
@@ -244,8 +309,11 @@ def _plan(results: dict[str, Any], native: dict[str, Any], scripts: dict[str, An
         f"locks x {renew_cpu:.2f} µs a second for their renewals; plan a core at most "
         f"{PLAN_BUSY:.0%} busy. A lock Redis runs commands on one core.",
         f"- **Memory**: distinct keys a day / 86,400 x {keep:g} s (the lease and the "
-        f"retention) x {per_key:.0f} bytes for finished keys, plus the locks held at once x "
-        f"{per_held:.0f} bytes, plus what Redis itself takes empty (a few MB).",
+        f"retention) x {per_key:.0f} bytes for finished keys, plus runs of `acks_late` "
+        f"tasks a day / 86,400 x {FINISHED_TTL:,.0f} s (`singleton_finished_ttl`) x "
+        f"{per_fin:.0f} bytes for their finish markers, plus the locks held at once x "
+        f"{per_held:.0f} bytes, plus what Redis itself takes empty (a few MB); done, "
+        "throttle and rate windows add their keys for their own times.",
         f"- **Connections**: per worker node, {main} for the main process and up to "
         f"{child} per pool process; {beat} per beat.",
         "",
@@ -260,6 +328,7 @@ def _plan(results: dict[str, Any], native: dict[str, Any], scripts: dict[str, An
         out.append(f"| {rate:,} | {cores['native commands']:.2f} | {cores['scripts']:.2f} | "
                    f"{keys:,} | {_mb(finished)} | {_mb(day)} |")
     top = RATES[-1]
+    late_mb = top * FINISHED_TTL * per_fin
     out += [
         "",
         f"At {top:,} tasks a second the lock Redis needs "
@@ -267,6 +336,8 @@ def _plan(results: dict[str, Any], native: dict[str, Any], scripts: dict[str, An
         f"{top * cpu['scripts'] / 1e6:.0%} by script on this machine's cores; a lock Redis "
         "of its own (not the broker's) keeps the two from competing for one. Tasks that "
         "hold their lock for long add their held bytes and renewals: 10,000 locks held at "
-        f"once take {_mb(10_000 * per_held)} and {10_000 * renew_cpu / 1e6:.2%} of a core.",
+        f"once take {_mb(10_000 * per_held)} and {10_000 * renew_cpu / 1e6:.2%} of a core. "
+        f"If every one of those {top:,} tasks a second is `acks_late`, their finish "
+        f"markers add {_mb(late_mb)} (an hour of them).",
     ]
     return out

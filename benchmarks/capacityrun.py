@@ -24,7 +24,10 @@ scripts only). The measurements, each on servers emptied before it:
    connections to the lock Redis counted (``/proc``).
 
 Results go to ``capacity.json`` beside the page; ``--render`` writes the page
-from it alone.
+from it alone. The page's section on a lock Redis far away comes from the
+distance runs in the same folder (``distance-before.json``, and
+``distance.json`` once measured: ``python -m benchmarks.distance``), when
+there are any.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from typing import Any, Optional
 
 import redis
 
+from celery_singleton_lock.engine.request import Lease, Request
+
 from . import capacity
 from .harness import child_pids, cpu_model, version
 from .servers import ROOT, Redis
@@ -62,15 +67,17 @@ class Sizes:
     held: int
     renew_locks: int
     renew_rounds: int
+    #: distinct keys of acks_late tasks: each leaves its finish marker too
+    late: int
     #: None: singleton_fence_ttl's default; the quick run waits one second
     fence_ttl: Optional[float]
     lease: float
 
 
 FULL = Sizes(processes=4, seconds=3.0, rounds=3, keys=1_000_000, held=100_000,
-             renew_locks=1_000, renew_rounds=100, fence_ttl=None, lease=LEASE_S)
+             renew_locks=1_000, renew_rounds=100, late=100_000, fence_ttl=None, lease=LEASE_S)
 QUICK = Sizes(processes=2, seconds=0.3, rounds=1, keys=2_000, held=1_000, renew_locks=100,
-              renew_rounds=5, fence_ttl=1.0, lease=1.0)
+              renew_rounds=5, late=1_000, fence_ttl=1.0, lease=1.0)
 
 
 def valkey_binary() -> str:
@@ -104,8 +111,9 @@ class Server(Redis):
 # -- 2 and 3: memory ------------------------------------------------------------------
 
 def _fill(url: str, native: str, tag: str, count: int, release: bool, lease_ms: int,
-          fence_ttl: Optional[float]) -> None:
-    """``count`` distinct keys granted (and released) through the engine."""
+          fence_ttl: Optional[float], acks_late: bool = False) -> None:
+    """``count`` distinct keys granted (and released) through the engine, as a
+    worker releases them for a task with ``acks_late`` or without."""
     from celery_singleton_lock import SingletonConfig
     from celery_singleton_lock.engine.registry import connect
     from celery_singleton_lock.keys import LockKeys
@@ -116,25 +124,26 @@ def _fill(url: str, native: str, tag: str, count: int, release: bool, lease_ms: 
     engine = connect(SingletonConfig.defaults(url, **overrides))
     for i in range(count):
         keys = LockKeys("singleton:", f"{tag}{i:024x}")
-        got = engine.acquire(keys, task_id=f"{tag}-{i}", exec_id=f"e{tag}{i}",
-                             lease_ms=lease_ms, hostname="capacity@host", retries=0,
-                             task_name="capacity.task", done=False)
+        got = engine.acquire(keys, Request(task_id=f"{tag}-{i}", exec_id=f"e{tag}{i}",
+                                           lease=Lease.of_ms(lease_ms), hostname="capacity@host",
+                                           retries=0, task_name="capacity.task",
+                                           done=False))
         if got.status != 1:
             raise RuntimeError(f"not granted: {keys.base}")
         if release:
-            engine.release(keys, f"e{tag}{i}", f"{tag}-{i}")
+            engine.release(keys, f"e{tag}{i}", f"{tag}-{i}", always_record=acks_late)
     engine.close()
 
 
 def fill(url: str, native: str, count: int, processes: int, release: bool,
-         lease_ms: int, fence_ttl: Optional[float]) -> float:
+         lease_ms: int, fence_ttl: Optional[float], acks_late: bool = False) -> float:
     """:func:`_fill` split over ``processes`` spawned processes: seconds taken."""
     ctx = multiprocessing.get_context("spawn")
     share = -(-count // processes)
     started = time.monotonic()
     procs = [ctx.Process(target=_fill, args=(url, native, uuid.uuid4().hex[:8],
                                              min(share, count - p * share), release,
-                                             lease_ms, fence_ttl))
+                                             lease_ms, fence_ttl, acks_late))
              for p in range(processes) if count - p * share > 0]
     for proc in procs:
         proc.start()
@@ -165,6 +174,24 @@ def memory(server: Server, native: str, sizes: Sizes) -> dict[str, Any]:
     return {"start": start, "right_after": right_after, "keys_left": left,
             "keys": sizes.keys, "fill_seconds": took, "longest_ttl_ms": max(ttls, default=0),
             "filled_at": time.monotonic()}
+
+
+def finished_late(server: Server, native: str, sizes: Sizes) -> dict[str, Any]:
+    """Distinct keys of an ``acks_late`` task granted and released: each leaves
+    its fencing counter and its finish marker; bytes per key, and the markers'
+    TTL right after."""
+    client = server.client()
+    client.flushall()
+    start = used(client)
+    fill(server.url(0), native, sizes.late, sizes.processes, True, int(sizes.lease * 1000),
+         sizes.fence_ttl, acks_late=True)
+    right_after, left = used(client), int(client.dbsize())
+    fins = [k for k in client.scan_iter(match="*:fin", count=1000)][:1000]
+    ttls = [client.pttl(k) for k in fins]
+    client.flushall()
+    return {"keys": sizes.late, "keys_left": left, "markers": len(fins),
+            "bytes_per_key": (right_after - start) / sizes.late,
+            "longest_fin_ttl_ms": max(ttls, default=0)}
 
 
 def after_retention(server: Server, mem: dict[str, Any], sizes: Sizes, keep: float) -> None:
@@ -205,9 +232,10 @@ def renewal(server: Server, native: str, sizes: Sizes) -> dict[str, Any]:
     entries = []
     for i in range(sizes.renew_locks):
         keys = LockKeys("singleton:", f"renew{i:027x}")
-        engine.acquire(keys, task_id=f"r{i}", exec_id=f"e{i}", lease_ms=60_000,
-                       hostname="capacity@host", retries=0, task_name="capacity.task",
-                       done=False)
+        engine.acquire(keys, Request(task_id=f"r{i}", exec_id=f"e{i}", lease=Lease.of_ms(60_000),
+                                     hostname="capacity@host", retries=0,
+                                     task_name="capacity.task",
+                                     done=False))
         entries.append((keys.lock, f"e{i}", 60_000))
     engine.renew(entries)  # warm
     stats0, cpu0 = capacity._usec(client), _server_cpu(client)
@@ -335,6 +363,8 @@ def run(sizes: Sizes) -> dict[str, Any]:
             "valkey native": connections(valkey, broker, "auto", sizes.lease),
             "valkey scripts": connections(valkey, broker, "off", sizes.lease)}
         valkey.client().flushall()
+        results["late"] = {"valkey native": finished_late(valkey, "auto", sizes),
+                           "redis scripts": finished_late(redis7, "off", sizes)}
         mem = {"valkey native": memory(valkey, "auto", sizes),
                "redis scripts": memory(redis7, "off", sizes)}
         after_retention(valkey, mem["valkey native"], sizes, keep)
@@ -371,7 +401,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         results_file.write_text(json.dumps(results, indent=2, default=str) + "\n")
     results = json.loads(results_file.read_text())
-    args.page.write_text(render(results))
+    # the distance runs beside it (python -m benchmarks.distance), for the
+    # section on a lock Redis far away
+    far = {name: json.loads((args.out / f"{name}.json").read_text())
+           for name in ("distance-before", "distance") if (args.out / f"{name}.json").exists()}
+    args.page.write_text(render(results, far))
     print(f"wrote {args.page} from {results_file}")
     return 0
 

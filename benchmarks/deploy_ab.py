@@ -48,12 +48,25 @@ else:  # versions that read settings from an app only
     app = Celery(set_as_current=False)
     app.conf.singleton_redis_url = url
     config = SingletonConfig.from_app(app)
+try:
+    from celery_singleton_lock.engine.registry import connect
+except ImportError:  # versions before the registry
+    connect = LockEngine.from_config
 engine = connect(config)
 keys = [LockKeys("singleton:", uuid.uuid4().hex) for _ in range(64)]
 
+try:  # one request value (0.2 and later), or the keywords it replaced
+    from celery_singleton_lock.engine.request import Lease, Request
+
+    def take(k, exec_id):
+        engine.acquire(k, Request("t", exec_id, Lease(5.0), "h", task_name="t"))
+except ImportError:
+    def take(k, exec_id):
+        engine.acquire(k, task_id="t", exec_id=exec_id, lease_ms=5000, hostname="h",
+                       retries=0, task_name="t")
+
 def pair(k, exec_id):
-    engine.acquire(k, task_id="t", exec_id=exec_id, lease_ms=5000, hostname="h", retries=0,
-                   task_name="t")
+    take(k, exec_id)
     engine.release(k, exec_id, "t")
 
 for k in keys:  # warm: connections made, scripts loaded

@@ -50,9 +50,10 @@ def ping_latency_while(port: int, work: Callable[[], Any], repeats: int) -> dict
 
 def measure(bench: Bench) -> None:
     from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engine.request import Lease, Request
     from celery_singleton_lock.engine.server import RENEW_CHUNK, LockEngine
     from celery_singleton_lock.keys import LockKeys
-    from celery_singleton_lock.lock import Lease, SingletonLock
+    from celery_singleton_lock.lock import SingletonLock
     from celery_singleton_lock.worker.heartbeat import Heartbeat
 
     engine = LockEngine.from_config(SingletonConfig.defaults(bench.locks.url(5)))
@@ -63,8 +64,8 @@ def measure(bench: Bench) -> None:
         locks = []
         for i in range(n):
             keys = LockKeys("bench:", f"{i:032x}")
-            got = engine.acquire(keys, task_id=f"t{i}", exec_id=f"e{i}", lease_ms=60_000,
-                                 hostname="bench", retries=0, task_name="bench")
+            got = engine.acquire(keys, Request(f"t{i}", f"e{i}", Lease(60.0), "bench",
+                                               task_name="bench"))
             locks.append(SingletonLock(keys, task_id=f"t{i}", exec_id=f"e{i}",
                                        token=got.token, lease=60.0,
                                        started=time.monotonic(), held=True))

@@ -28,6 +28,7 @@ import redis
 import redis.connection
 
 from celery_singleton_lock.config import SingletonConfig
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.testing import RedisServer
@@ -48,8 +49,9 @@ def pairs(eng: LockEngine, calls: int) -> float:
     keys = [LockKeys("bench:", uuid.uuid4().hex) for _ in range(calls)]
     start = time.process_time()
     for i, k in enumerate(keys):
-        eng.acquire(k, task_id=f"t{i}", exec_id=f"e{i}", lease_ms=30000, hostname="bench",
-                    retries=0, task_name="bench")
+        eng.acquire(k, Request(task_id=f"t{i}", exec_id=f"e{i}", lease=Lease.of_ms(30000),
+                               hostname="bench", retries=0,
+                               task_name="bench"))
         eng.release(k, f"e{i}", f"t{i}")
     return (time.process_time() - start) / calls
 

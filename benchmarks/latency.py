@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+from celery_singleton_lock.engine.request import Lease, Request
+
 from .harness import Bench, percentile
 
 
@@ -24,8 +26,10 @@ def measure(bench: Bench) -> None:
 
     def ours(i: int) -> tuple[float, float]:
         t0 = clock()
-        got = engine.acquire(ours_keys, task_id=f"t{i}", exec_id=f"e{i}", lease_ms=30_000,
-                             hostname="bench", retries=0, task_name="bench")
+        got = engine.acquire(ours_keys, Request(task_id=f"t{i}", exec_id=f"e{i}",
+                                                lease=Lease.of_ms(30_000), hostname="bench",
+                                                retries=0,
+                                                task_name="bench"))
         t1 = clock()
         engine.release(ours_keys, f"e{i}", f"t{i}")
         t2 = clock()

@@ -15,6 +15,7 @@ import redis
 
 from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine.calls import SCRIPTS, acquire_call, record_rest, release_call
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.scripts import pack
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
@@ -124,15 +125,18 @@ def ours_workload(server: Server, tasks: int, native: str = "auto") -> Callable[
     engine = _engine(server, native)
     calls = [(LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex, f"w1:{i}")
              for i in range(tasks)]
-    engine.acquire(calls[0][0], task_id="warm", exec_id="warm", lease_ms=LEASE_MS,
-                   hostname="celery@bench", retries=0, task_name="bench.trivial", done=False)
+    engine.acquire(calls[0][0], Request(task_id="warm", exec_id="warm",
+                                        lease=Lease.of_ms(LEASE_MS), hostname="celery@bench",
+                                        retries=0, task_name="bench.trivial",
+                                        done=False))
     engine.release(calls[0][0], "warm", "warm")
 
     def run() -> None:
         for keys, task_id, exec_id in calls:
-            engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=LEASE_MS,
-                           hostname="celery@bench", retries=0, task_name="bench.trivial",
-                           done=False)
+            engine.acquire(keys, Request(task_id=task_id, exec_id=exec_id,
+                                         lease=Lease.of_ms(LEASE_MS), hostname="celery@bench",
+                                         retries=0, task_name="bench.trivial",
+                                         done=False))
             engine.release(keys, exec_id, task_id)
     return run
 
@@ -158,12 +162,12 @@ def fcall_workload(server: Server, tasks: int) -> Callable[[], None]:
 
     def run() -> None:
         for keys, task_id, exec_id in calls:
-            token = fcall("acquire", *acquire_call(
-                keys, task_id, exec_id, LEASE_MS, "celery@bench", 0, "bench.trivial", "run",
-                fin_ms, done=False, keep_ms=KEEP_MS))
+            request = Request(task_id, exec_id, Lease.of_ms(LEASE_MS), "celery@bench",
+                              task_name="bench.trivial", done=False)
+            token = fcall("acquire", *acquire_call(keys, request, fin_ms, keep_ms=KEEP_MS))
             if not (isinstance(token, bytes) and token.isdigit()):
                 raise RuntimeError(f"the FCALL acquire was refused a free key: {token!r}")
-            fcall("release", *release_call(keys, exec_id, task_id, True, False, 0.0, fin_ms))
+            fcall("release", *release_call(keys, exec_id, task_id, True, False, 0, fin_ms))
     return run
 
 
@@ -175,12 +179,15 @@ def skip_workload(server: Server, tasks: int) -> Callable[[], None]:
     ids = [uuid.uuid4().hex for _ in range(tasks)]
 
     def run() -> None:
-        engine.acquire(keys, task_id="holder", exec_id="holder:1", lease_ms=LEASE_MS * 10,
-                       hostname="celery@bench", retries=0, task_name="bench.trivial")
+        engine.acquire(keys, Request(task_id="holder", exec_id="holder:1",
+                                     lease=Lease.of_ms(LEASE_MS * 10), hostname="celery@bench",
+                                     retries=0,
+                                     task_name="bench.trivial"))
         for task_id in ids:
-            engine.acquire(keys, task_id=task_id, exec_id=task_id, lease_ms=LEASE_MS,
-                           hostname="celery@bench", retries=0, task_name="bench.trivial",
-                           done=False)
+            engine.acquire(keys, Request(task_id=task_id, exec_id=task_id,
+                                         lease=Lease.of_ms(LEASE_MS), hostname="celery@bench",
+                                         retries=0, task_name="bench.trivial",
+                                         done=False))
     return run
 
 
@@ -219,8 +226,9 @@ def hashfield_workload(server: Server, tasks: int) -> Callable[[], None]:
     conn.connect()
     calls = [(f"singleton:{{{uuid.uuid4().hex}}}:", uuid.uuid4().hex, f"w1:{i}")
              for i in range(tasks)]
-    rest = [record_rest(task_id, LEASE_MS, "celery@bench", 0, "bench.trivial", 86_400_000)
-            for _, task_id, _ in calls]
+    rest = [record_rest(Request(task_id, exec_id, Lease.of_ms(LEASE_MS), "celery@bench",
+                                task_name="bench.trivial"), 86_400_000)
+            for _, task_id, exec_id in calls]
 
     def run() -> None:
         for (base, task_id, exec_id), fields in zip(calls, rest):
@@ -272,9 +280,11 @@ def delifeq_workload(server: Server, tasks: int) -> Callable[[], None]:
 
     def run() -> None:
         for keys, task_id, exec_id in calls:
-            names, argv = acquire_call(keys, task_id, exec_id, LEASE_MS, "celery@bench", 0,
-                                       "bench.trivial", "run", fin_ms, done=False,
-                                       keep_ms=KEEP_MS)
+            names, argv = acquire_call(keys, Request(task_id=task_id, exec_id=exec_id,
+                                                     lease=Lease.of_ms(LEASE_MS),
+                                                     hostname="celery@bench", retries=0,
+                                                     task_name="bench.trivial", scope="run",
+                                                     done=False), fin_ms, keep_ms=KEEP_MS)
             conn.send_packed_command([pack(["EVALSHA", take, len(names), *names, *argv])],
                                      check_health=False)
             token = conn.read_response()

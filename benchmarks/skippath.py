@@ -33,6 +33,7 @@ from celery.app.trace import build_tracer
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.engine.registry import engine_for
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.observe.monitor import NODE
 from celery_singleton_lock.testing import RedisServer
 
@@ -78,8 +79,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         key = "held"
         engine = engine_for(app)
         keys = dup.singleton_keys(key)
-        engine.acquire(keys, task_id="holder", exec_id="holder:1", lease_ms=3_600_000,
-                       hostname="skippath@bench", retries=0, task_name=dup.name)
+        engine.acquire(keys, Request(task_id="holder", exec_id="holder:1",
+                                     lease=Lease.of_ms(3_600_000), hostname="skippath@bench",
+                                     retries=0, task_name=dup.name))
         workloads = {"plain+GET": runner(app, plain, key), "skip": runner(app, dup, key)}
         NODE.worker = True  # as in a pool process: the worker step said whether -E is on
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 import uuid
 
+from celery_singleton_lock.engine.request import Lease, Request
+
 from .harness import Bench
 
 
@@ -22,9 +24,9 @@ def measure(bench: Bench) -> None:
     held = []
     for key in keys:
         lk = storm.singleton_keys(key, 0.0)
-        engine.acquire(lk, task_id=f"holder-{key}", exec_id=uuid.uuid4().hex,
-                       lease_ms=600_000, hostname="elsewhere", retries=0,
-                       task_name=storm.name)
+        engine.acquire(lk, Request(task_id=f"holder-{key}", exec_id=uuid.uuid4().hex,
+                                   lease=Lease.of_ms(600_000), hostname="elsewhere", retries=0,
+                                   task_name=storm.name))
         held.append(lk)
     one_trip = bench.app.tasks["bench.one_trip"]
     skip_times, plain_times, trip_times = [], [], []

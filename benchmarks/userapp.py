@@ -15,6 +15,8 @@ from typing import Any
 import redis
 from celery import Celery
 
+from celery_singleton_lock.engine.request import Lease, Request
+
 BROKER = os.environ.get("USER_BROKER_URL", "redis://127.0.0.1:6379/0")
 LOCK = os.environ.get("USER_LOCK_URL", BROKER)
 
@@ -90,7 +92,8 @@ def _bounds() -> None:
         task_id = self.request.id or owner
         token = hash_take(keys=[base + "lock", base + "fence"],
                           args=[task_id, owner, 60_000, record_rest(
-                              task_id, 60_000, "celery@user", 0, "user.hashfield", 86_400_000)])
+                              Request(task_id, owner, Lease(60.0), "celery@user",
+                                      task_name="user.hashfield"), 86_400_000)])
         if not (isinstance(token, bytes) and token.isdigit()):
             return
         try:

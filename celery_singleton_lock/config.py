@@ -15,12 +15,13 @@ import functools
 import logging
 import re
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Optional
 
 from .exceptions import ConfigurationError
 from .process import ForkSafeLock
-from .rollout import check_also_lock
+from .urls import parse
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -42,9 +43,6 @@ NATIVE = ("auto", "off")
 
 #: ``singleton_on_duplicate="replace"``: a send takes the place of a call still queued
 REPLACE: OnDuplicate = "replace"
-#: the policies under which a duplicate that is running, done or throttled is
-#: skipped: "replace" swaps only a call still queued, and skips the others
-SKIPPING: frozenset[OnDuplicate] = frozenset({"skip", "replace"})
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _DEPLOY_SCHEMES = ("sentinel://", "sentinels://", "cluster://", "clusters://", "redlock://",
@@ -154,14 +152,56 @@ def check_dict(setting: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+#: the libraries a fleet may move over from (``singleton_also_lock``, :mod:`.rollout`)
+LIBRARIES = ("celery_singleton", "celery_once")
+_ALSO_LOCK_FIELDS = ("library", "url", "key_prefix", "expiry", "keys")
+
+
+def check_also_lock(setting: str, value: Any) -> dict[str, Any]:
+    """``"celery_singleton"``, ``"celery_once"`` or a dict with ``library`` and
+    any of ``url``, ``key_prefix``, ``expiry`` (seconds, or None: never) and
+    ``keys`` (the argument names the old key is made of)."""
+    spec = {"library": value} if isinstance(value, str) else value
+    if not isinstance(spec, Mapping):
+        raise ConfigurationError(setting, f"expected 'celery_singleton', 'celery_once' or a "
+                                          f"dict with 'library', got {value!r}")
+    spec = dict(spec)
+    if spec.get("library") not in LIBRARIES:
+        raise ConfigurationError(setting, f"unknown library {spec.get('library')!r}; expected "
+                                          f"one of: {', '.join(LIBRARIES)}")
+    unknown = sorted(set(spec) - set(_ALSO_LOCK_FIELDS))
+    if unknown:
+        raise ConfigurationError(setting, f"unknown field {', '.join(map(repr, unknown))}; "
+                                          f"expected some of: {', '.join(_ALSO_LOCK_FIELDS)}")
+    url = spec.get("url")
+    if url is not None and not (isinstance(url, str) and url.startswith(_REDIS_SCHEMES)):
+        raise ConfigurationError(setting, f"url: expected a redis://, rediss:// or unix:// "
+                                          f"URL (where the old library keeps its locks), "
+                                          f"got {url!r}")
+    expiry = spec.get("expiry")
+    if expiry is not None and (isinstance(expiry, bool) or not isinstance(expiry, (int, float))
+                               or expiry <= 0):
+        raise ConfigurationError(setting, f"expiry: expected seconds > 0 or None (never), "
+                                          f"got {expiry!r}")
+    keys = spec.get("keys")
+    if keys is not None:
+        names = (keys,) if isinstance(keys, str) else keys
+        if not isinstance(names, Sequence) or not names or not all(
+                isinstance(n, str) for n in names):
+            raise ConfigurationError(setting, f"keys: expected argument names, got {keys!r}")
+        spec["keys"] = tuple(names)
+    prefix = spec.get("key_prefix")
+    if prefix is not None and not isinstance(prefix, str):
+        raise ConfigurationError(setting, f"key_prefix: expected a string, got {prefix!r}")
+    return spec
+
+
 def check_url(setting: str, value: Any) -> str:
     if not isinstance(value, str) or not value.startswith(_REDIS_SCHEMES + _DEPLOY_SCHEMES):
         raise ConfigurationError(
             setting, f"expected a redis://, rediss:// or unix:// URL (or sentinel://, "
                      f"cluster://, redlock://: docs/deployments.md), got {value!r}")
     if value.startswith(_DEPLOY_SCHEMES):
-        from .engine.servers import parse
-
         try:
             parse(value)
         except ValueError as exc:

@@ -214,6 +214,31 @@ class UnconfirmedHolderError(TooFewReplicasError):
                 "to run")
 
 
+class LateRequestError(SingletonError, redis.RedisError):
+    """A lock request that came too late for its caller: it reached the lock
+    Redis after its deadline, the moment its caller was to give up waiting
+    for the reply (``socket_timeout``), and the server did nothing with it;
+    or its reply took so long that the grant might expire before its holder
+    could confirm it, and it was given back. No grant outlives the call that
+    asked for it. A Redis error: ``singleton_on_backend_error`` decides (by
+    default: retry later)."""
+
+    def __init__(self, script: str, server_ms: int, deadline_ms: int) -> None:
+        super().__init__(script, server_ms, deadline_ms)
+        self.script = script
+        #: the server's clock when the request arrived (0: it was the reply that was slow)
+        self.server_ms = server_ms
+        self.deadline_ms = deadline_ms
+
+    def __str__(self) -> str:
+        if not self.server_ms:
+            return (f"the reply to the {self.script} request took over half of its caller's "
+                    f"wait (socket_timeout): the grant was given back")
+        late = f" ({self.server_ms - self.deadline_ms} ms late)" if self.deadline_ms else ""
+        return (f"the {self.script} request reached the lock Redis after its caller's "
+                f"deadline{late}: refused, nothing done")
+
+
 class QuorumError(SingletonError, redis.ConnectionError):
     """Too few masters of a ``redlock://`` URL answered for a majority to decide.
 

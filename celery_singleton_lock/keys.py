@@ -150,9 +150,13 @@ def digest(parts: Sequence[str]) -> str:
 
 
 class LockKeys:
-    """Every Redis key of one lock, sharing one Redis Cluster hash tag.
+    """Every Redis key of one lock, sharing one Redis Cluster hash tag
+    (``task.singleton_keys(*args, **kwargs)`` gives a call's).
 
-    ``base``  what users see as ``self.singleton.key``
+    ``key``   the lock key, ``<prefix>{<digest>}``: what users see as
+    ``self.singleton.key``, what a skip's result names and ``celery singleton
+    release`` takes; ``str(keys)`` too. Not itself written: the Redis keys
+    below are named after it (``base`` is the same string)
     ``lock``  string: the owner record (docs/redis-keys.md), with the lease as its TTL
     ``fence`` string: the last fencing token granted for this key
     ``fin``   string: task id whose execution finished while a copy waited
@@ -220,6 +224,14 @@ class LockKeys:
     def slots(self, count: int) -> list[LockKeys]:
         """The keys of slots 1 to ``count``."""
         return [self.slot(n) for n in range(1, count + 1)]
+
+    @property
+    def key(self) -> str:
+        """The lock key, ``<prefix>{<digest>}``, as ``self.singleton.key`` gives it."""
+        return self.base
+
+    def __str__(self) -> str:
+        return self.base
 
     def __repr__(self) -> str:
         return f"LockKeys({self.base!r})"
@@ -337,7 +349,7 @@ class KeyBuilder:
         validated = self.models.validate(dict(call.arguments))
         by_position = [p.name for p in self.signature.parameters.values()
                        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        new_args = [validated.get(by_position[i], a) if i < len(by_position) else a
+        new_args = [validated[by_position[i]] if i < len(by_position) else a
                     for i, a in enumerate(args)]
         named = {p.name for p in self.signature.parameters.values()
                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}

@@ -1,4 +1,4 @@
-"""``self.singleton``: what a running task sees of its lock, and its :class:`Lease`.
+"""``self.singleton``: what a running task sees of its lock.
 
 The lease counts on this process's monotonic clock from before the acquire
 left, so the task learns its lock may be gone (``lost``) as soon as the lease
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from .engine.replies import Release, Released
+from .engine.request import Lease, Request
 from .exceptions import LockLostError, describe
 from .keys import LockKeys
 from .observe import monitor
@@ -25,27 +25,6 @@ Clock = Callable[[], float]
 
 #: the attribute of a task's request that holds its execution's lock
 REQUEST_ATTR = "_singleton_lock"
-
-
-@dataclass(frozen=True)
-class Lease:
-    """How long a grant or a renewal keeps a lock: ``singleton_ttl``, in the
-    seconds a user sets and the milliseconds Redis counts, converted here once."""
-
-    seconds: float
-    ms: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ms", int(self.seconds * 1000))
-
-    @classmethod
-    def of(cls, value: Union[float, Lease]) -> Lease:
-        return value if isinstance(value, Lease) else cls(float(value))
-
-    def ms_after(self, delay: float) -> int:
-        """The lease counted from ``delay`` seconds from now: a retry's countdown,
-        through which the lock is kept for the retried execution."""
-        return self.ms + int(max(delay, 0.0) * 1000)
 
 
 class SingletonLock:
@@ -135,6 +114,12 @@ class SingletonLock:
         """Raise :class:`LockLostError` if this execution may no longer hold the lock."""
         if self.lost:
             raise LockLostError(self.key, self.token, self._lost_reason or "lost")
+
+    @property
+    def request(self) -> Request:
+        """What this execution asked for, to ask again (a write-back)."""
+        return Request(self.task_id, self.exec_id, self.lease, self.hostname, self.retries,
+                       self.task_name)
 
     @property
     def expired(self) -> bool:

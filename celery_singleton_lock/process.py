@@ -1,11 +1,17 @@
 """Who holds a key, and whether that process still lives.
 
-A lock's owner record names the process that took it: a host key (boot id and
-pid namespace), a pid and an execution id. This module makes those values,
-answers "is that process provably gone?", and keeps the process's own state
-right across ``fork``: a prefork pool forks children from a main process whose
-threads (the reaper, a revoke watcher) may be inside one of our critical
-sections at that very moment, so no mutex of ours is inherited held.
+A lock's owner record names the process that took it: a host key (boot id,
+pid namespace and the process's start time), a pid and an execution id. This
+module makes those values, answers "is that process provably gone?", and
+keeps the process's own state right across ``fork``: a prefork pool forks
+children from a main process whose threads (the reaper, a revoke watcher) may
+be inside one of our critical sections at that very moment, so no mutex of
+ours is inherited held.
+
+A pid alone is not a process: once a holder dies its pid may be given to a
+new process (the pid counter wraps, at 32768 on many hosts). The start time
+(``/proc/<pid>/stat``, clock ticks since boot) tells the two apart, so a
+reused pid reads as dead, not as the holder still running.
 """
 
 from __future__ import annotations
@@ -98,6 +104,35 @@ def _host_key() -> str:
 HOST_KEY = _host_key()
 
 
+def start_ticks(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot: field 22 of
+    ``/proc/<pid>/stat``), or '' when it cannot be read (no such process, no
+    /proc). Read with bare system calls: this runs for every duplicate."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return ""
+    try:
+        stat = os.read(fd, 1024)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    # "pid (comm) state ppid ...": the fields after the command's last ")"
+    fields = stat.rpartition(b")")[2].split()
+    return fields[19].decode() if len(fields) > 19 else ""
+
+
+def split_host_key(host_key: str) -> tuple[str, str]:
+    """(the host part, the process's start time or '') of an owner record's
+    ``hostkey``: ``<boot id>:<pid namespace>[:<start ticks>]`` (a record
+    written before the start time was kept has none)."""
+    head, sep, start = host_key.rpartition(":")
+    if sep and head.count(":") == 1 and start.isdigit():
+        return head, start
+    return host_key, ""
+
+
 class _Process:
     """What identifies this process, kept current across fork without a system
     call per task: the pid, a fork generation, and a random prefix that makes
@@ -112,6 +147,10 @@ class _Process:
         self.generation += 1
         self.prefix = uuid.uuid4().hex[:16]
         self.counter = itertools.count(1)
+        started = start_ticks(self.pid)
+        #: the ``hostkey`` of this process's owner records: the host's, and
+        #: when this process started (so a reused pid is not taken for it)
+        self.host_key = f"{HOST_KEY}:{started}" if started else HOST_KEY
 
     def new_exec_id(self) -> str:
         """An id no other execution attempt anywhere has."""
@@ -122,8 +161,10 @@ PROCESS = _Process()
 at_fork_in_child(PROCESS.reset)
 
 
-def pid_alive(pid: int) -> bool:
-    """True unless ``pid`` is surely gone (a zombie counts as gone)."""
+def pid_alive(pid: int, started: str = "") -> bool:
+    """True unless ``pid`` is surely gone (a zombie counts as gone; with
+    ``started``, a process of that pid that started at another time too: the
+    pid was given to a new process)."""
     if pid <= 0:
         return True
     try:
@@ -144,8 +185,14 @@ def pid_alive(pid: int) -> bool:
         return True
     finally:
         os.close(fd)
-    state = stat.rpartition(b")")[2][1:2]
-    return state not in (b"Z", b"X")
+    rest = stat.rpartition(b")")[2]
+    if rest[1:2] in (b"Z", b"X"):
+        return False
+    if started:
+        fields = rest.split()
+        if len(fields) > 19 and fields[19].decode() != started:
+            return False  # another process has its pid now
+    return True
 
 
 #: seconds a holder process seen alive is taken to be alive without asking the
@@ -153,13 +200,14 @@ def pid_alive(pid: int) -> bool:
 #: this interval instead of four system calls per duplicate, and a holder that
 #: died is noticed at most this late (its lease, seconds long, is the backstop)
 ALIVE_RECHECK = 0.25
-_seen_alive: dict[int, float] = {}
+_seen_alive: dict[tuple[int, str], float] = {}
 at_fork_in_child(_seen_alive.clear)
 
 
 def forget_seen(pid: int) -> None:
     """``pid`` was just seen gone: no remembered "alive" answer for it."""
-    _seen_alive.pop(pid, None)
+    for seen_as in [k for k in _seen_alive if k[0] == pid]:
+        _seen_alive.pop(seen_as, None)
 
 
 @dataclass(frozen=True)
@@ -179,18 +227,26 @@ class Holder:
                    host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
                    hostname=record.get("host", ""))
 
+    @property
+    def on_this_host(self) -> bool:
+        """Its process ran on this host, in our pid namespace."""
+        return split_host_key(self.host_key)[0] == HOST_KEY
+
     def provably_dead(self) -> bool:
-        """Its process ran in our pid namespace and no longer exists."""
-        if self.host_key != HOST_KEY or self.pid <= 0:
+        """Its process ran in our pid namespace and no longer exists (its pid
+        is free, or another process that started later has it)."""
+        host, started = split_host_key(self.host_key)
+        if host != HOST_KEY or self.pid <= 0:
             return False
         now = time.monotonic()
-        seen = _seen_alive.get(self.pid)
+        seen_as = (self.pid, started)
+        seen = _seen_alive.get(seen_as)
         if seen is not None and now - seen < ALIVE_RECHECK:
             return False
-        if pid_alive(self.pid):
+        if pid_alive(self.pid, started):
             if len(_seen_alive) >= 4096:
                 _seen_alive.clear()
-            _seen_alive[self.pid] = now
+            _seen_alive[seen_as] = now
             return False
-        _seen_alive.pop(self.pid, None)
+        _seen_alive.pop(seen_as, None)
         return True

@@ -45,50 +45,9 @@ from .exceptions import ConfigurationError, describe
 
 logger = logging.getLogger("celery_singleton_lock")
 
-LIBRARIES = ("celery_singleton", "celery_once")
 #: header a SingletonTask's send adds when it took the other library's key
 SENT_HEADER = "singleton_also_lock"
-_FIELDS = ("library", "url", "key_prefix", "expiry", "keys")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def check_also_lock(setting: str, value: Any) -> dict[str, Any]:
-    """``"celery_singleton"``, ``"celery_once"`` or a dict with ``library`` and
-    any of ``url``, ``key_prefix``, ``expiry`` (seconds, or None: never) and
-    ``keys`` (the argument names the old key is made of)."""
-    spec = {"library": value} if isinstance(value, str) else value
-    if not isinstance(spec, Mapping):
-        raise ConfigurationError(setting, f"expected 'celery_singleton', 'celery_once' or a "
-                                          f"dict with 'library', got {value!r}")
-    spec = dict(spec)
-    if spec.get("library") not in LIBRARIES:
-        raise ConfigurationError(setting, f"unknown library {spec.get('library')!r}; expected "
-                                          f"one of: {', '.join(LIBRARIES)}")
-    unknown = sorted(set(spec) - set(_FIELDS))
-    if unknown:
-        raise ConfigurationError(setting, f"unknown field {', '.join(map(repr, unknown))}; "
-                                          f"expected some of: {', '.join(_FIELDS)}")
-    url = spec.get("url")
-    if url is not None and not (isinstance(url, str) and url.startswith(_REDIS_SCHEMES)):
-        raise ConfigurationError(setting, f"url: expected a redis://, rediss:// or unix:// "
-                                          f"URL (where the old library keeps its locks), "
-                                          f"got {url!r}")
-    expiry = spec.get("expiry")
-    if expiry is not None and (isinstance(expiry, bool) or not isinstance(expiry, (int, float))
-                               or expiry <= 0):
-        raise ConfigurationError(setting, f"expiry: expected seconds > 0 or None (never), "
-                                          f"got {expiry!r}")
-    keys = spec.get("keys")
-    if keys is not None:
-        names = (keys,) if isinstance(keys, str) else keys
-        if not isinstance(names, Sequence) or not names or not all(
-                isinstance(n, str) for n in names):
-            raise ConfigurationError(setting, f"keys: expected argument names, got {keys!r}")
-        spec["keys"] = tuple(names)
-    prefix = spec.get("key_prefix")
-    if prefix is not None and not isinstance(prefix, str):
-        raise ConfigurationError(setting, f"key_prefix: expected a string, got {prefix!r}")
-    return spec
 
 
 def singleton_key(prefix: str, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]

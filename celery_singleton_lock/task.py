@@ -14,7 +14,7 @@ import contextlib
 import inspect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import redis
@@ -31,14 +31,17 @@ from .conflict.replacing import debounced, replace_args, supersede
 from .conflict.results import is_deduplicated
 from .engine.base import Engine
 from .engine.registry import engine_for
-from .engine.replies import Acquire, Acquired
+from .engine.replies import Acquire, Acquired, Enqueue
+from .engine.request import Lease, Request, to_ms
 from .exceptions import DuplicateTaskError, LockBackendError, describe
 from .keys import KeyBuilder, KeySpec, LockKeys
-from .lock import REQUEST_ATTR, Lease, SingletonLock
+from .lock import REQUEST_ATTR, SingletonLock
 from .models import ModelArguments
 from .observe import monitor, traces
 from .process import PROCESS, ForkSafeLock
 from .rollout import SENT_HEADER, OtherLibrary, OtherLock
+from .worker import coroutines
+from .worker.coroutines import held_while_awaited
 from .worker.heartbeat import heartbeat_for
 from .worker.step import SingletonStep
 from .worker.ticks import claim_tick_run
@@ -58,6 +61,13 @@ class TaskSettings:
     lease: Lease
     #: ``singleton_also_lock``: the library a fleet moves over from
     other: Optional[OtherLibrary] = None
+    #: ``singleton_throttle`` and ``singleton_done_ttl`` as the engine counts them
+    throttle_ms: int = field(init=False)
+    done_ms: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "throttle_ms", to_ms(self.config.throttle))
+        object.__setattr__(self, "done_ms", to_ms(self.config.done_ttl))
 
 
 class SingletonTask(Task):  # type: ignore[misc]
@@ -172,8 +182,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     @property
     def singleton(self) -> SingletonLock:
         """This execution's lock: ``.key``, ``.token``, ``.lost``, ``.check()``."""
+        lock = coroutines.CURRENT.get()  # an async def body's, in its own context
+        if lock is not None and lock.task_name == self.name:
+            return lock
         req = self.request
-        lock: Optional[SingletonLock] = getattr(req, REQUEST_ATTR, None)
+        lock = getattr(req, REQUEST_ATTR, None)
         if lock is None:
             keys = self.singleton_keys(*(req.args or ()), **(req.kwargs or {}))
             lock = SingletonLock(keys, task_id=req.id or "", task_name=self.name)
@@ -230,8 +243,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         headers = {**(options.get("headers") or {}), SENT_HEADER: other.library}
         released = other.lock(other_key, task_id, adopt=False)
         try:
+            # the old library's key was free: any call queued for this key is
+            # over (it held that key until its run ended, on an old worker too)
             sent = self._send(settings, args, kwargs, task_id, {**options, "headers": headers},
-                              fresh_id=fresh_id)
+                              fresh_id=fresh_id, queued_is_over=True)
         except BaseException:
             released.release()
             raise
@@ -240,8 +255,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         return sent
 
     def _send(self, settings: TaskSettings, args: Any, kwargs: Any, task_id: Optional[str],
-              options: dict[str, Any], *, fresh_id: Optional[bool] = None) -> Any:
-        """Send, taking the send-time key under the queue scopes."""
+              options: dict[str, Any], *, fresh_id: Optional[bool] = None,
+              queued_is_over: bool = False) -> Any:
+        """Send, taking the send-time key under the queue scopes.
+        ``queued_is_over``: a call another send queued for the key is known to
+        be over (its key left behind by a worker of the old library, which
+        runs it and never frees ours): freed, and this send takes the key."""
         config = settings.config
         if config.scope == "run":
             return super().apply_async(args, kwargs, task_id=task_id, **options)
@@ -256,6 +275,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name, replace,
                                     done=config.done_ttl > 0)
+            if queued_is_over and answer.holder is not None and answer.status is Enqueue.HELD \
+                    and not answer.running and answer.holder.task_id != task_id:
+                logger.info("Freed the send-time key of %s for %s[%s]: its call is over "
+                            "(run by a worker of %s)", keys.base, self.name,
+                            answer.holder.task_id, settings.other.library
+                            if settings.other is not None else "the old library")
+                engine.unqueue(keys, answer.holder.task_id)
+                answer = engine.enqueue(keys, task_id, config.scope, marker_ms, self.name,
+                                        replace, done=config.done_ttl > 0)
         except redis.RedisError as exc:
             monitor.count(engine, "backend_errors", self.name, "send")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="send",
@@ -294,12 +322,16 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request_stack.top
-        if req is None or req.called_directly or getattr(req, _ENTERED_ATTR, False):
+        if req is None and inspect.iscoroutinefunction(self.run):
+            # celery-aio-pool calls the task in a thread of its loop's executor,
+            # with the request in the task's own default one (docs/pools.md)
+            req = self.request
+        if req is None or req.called_directly or getattr(req, _ENTERED_ATTR, None) == req.id:
             # A plain function call (also from inside a running task): no lock,
             # but the task's options are checked, as on its first send
             self.singleton_settings()
             return super().__call__(*args, **kwargs)
-        setattr(req, _ENTERED_ATTR, True)
+        setattr(req, _ENTERED_ATTR, req.id)  # an id: a default request outlives its call
         if req.is_eager:
             setattr(req, REQUEST_ATTR, SingletonLock(
                 self.singleton_keys(*args, **kwargs), task_id=req.id or "", task_name=self.name
@@ -354,13 +386,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         exec_id = PROCESS.new_exec_id()
         started = time.monotonic()
         try:
-            answer = self._acquire(engine, settings, keys, req, exec_id)
+            answer = self._acquire(engine, settings, keys, req, exec_id,
+                                   holds_old_key=other is not None)
         except redis.RedisError as exc:
             monitor.count(engine, "backend_errors", self.name, "run")  # metrics
             decision = policies.on_backend_error(config.on_backend_error, phase="run",
                                                  key=keys.base, error=exc)
             return carry_out(self, decision, config, keys, args, kwargs, backend_error=exc)
         traces.waited(keys, time.monotonic() - started)
+        monitor.observe_acquire(engine, self.name, time.monotonic() - started)  # metrics
 
         if answer.status is not Acquire.GRANTED:
             decision = policies.at_run(answer, on_duplicate=config.on_duplicate,
@@ -395,14 +429,28 @@ class SingletonTask(Task):  # type: ignore[misc]
         heartbeat.add(lock)
         # counted in memory; a thread of this process publishes it and the held lock
         monitor.count(engine, "acquired", self.name)
-        succeeded = interrupted = False
+        def retried(exc: Retry) -> None:
+            if not lock.handed_off:
+                self._hand_off(engine, lock, delay_of(self, exc.when))
+
+        def end(succeeded: bool, interrupted: bool) -> None:
+            heartbeat.discard(lock)
+            if not lock.handed_off:
+                self._release(engine, lock, settings.done_ms if succeeded else 0,
+                              finished=not interrupted)
+            monitor.observe_hold(engine, self.name, time.monotonic() - started)
+
+        succeeded = interrupted = awaited = False
         try:
             result = self.run(*args, **kwargs)
+            if inspect.iscoroutine(result):
+                # an async def body: held until the pool's loop has awaited it
+                awaited = True
+                return held_while_awaited(result, lock, retried, end)
             succeeded = True
             return result
         except Retry as exc:
-            if not lock.handed_off:
-                self._hand_off(engine, lock, delay_of(self, exc.when))
+            retried(exc)
             raise
         except BaseException as exc:
             # SystemExit (a cold shutdown, a terminate), KeyboardInterrupt: the
@@ -411,27 +459,26 @@ class SingletonTask(Task):  # type: ignore[misc]
             interrupted = not isinstance(exc, Exception)
             raise
         finally:
-            heartbeat.discard(lock)
-            if not lock.handed_off:
-                self._release(engine, lock, config.done_ttl if succeeded else 0.0,
-                              finished=not interrupted)
-            monitor.observe_hold(engine, self.name, time.monotonic() - started)
+            if not awaited:
+                end(succeeded, interrupted)
 
     def _acquire(self, engine: Engine, settings: TaskSettings, keys: LockKeys, req: Any,
-                 exec_id: str) -> Acquired:
+                 exec_id: str, holds_old_key: bool = False) -> Acquired:
         config = settings.config
+        request = Request(req.id, exec_id, settings.lease, req.hostname or "", req.retries or 0,
+                          self.name, config.scope, settings.throttle_ms, config.limit,
+                          config.on_duplicate == REPLACE, settings.done_ms > 0,
+                          config.rate_window)
 
         def attempt() -> Acquired:
-            return engine.acquire(
-                keys, task_id=req.id, exec_id=exec_id, lease_ms=settings.lease.ms,
-                hostname=req.hostname or "", retries=req.retries or 0, task_name=self.name,
-                scope=config.scope, throttle_ms=int(config.throttle * 1000),
-                slots=config.limit, replace=config.on_duplicate == REPLACE,
-                done=config.done_ttl > 0, rate=config.rate_window,
-            )
+            return engine.acquire(keys, request)
 
         answer = attempt()
         holder = answer.holder
+        if (holds_old_key and self._stale_queued(answer) and holder is not None
+                and engine.unqueue(keys, holder.task_id)):
+            answer = attempt()
+            holder = answer.holder
         if holder is not None and answer.status not in (
                 Acquire.DONE, Acquire.THROTTLED, Acquire.REPLACED, Acquire.RATE_LIMITED) and (
                 engine.clear_dead_holder(keys.slot(answer.slot), holder) or (
@@ -440,7 +487,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             answer = attempt()
         return answer
 
-    def _release(self, engine: Engine, lock: SingletonLock, done_ttl: float = 0.0,
+    @staticmethod
+    def _stale_queued(answer: Acquired) -> bool:
+        """Refused by another call's send-time key, while this execution holds
+        the old library's key (``singleton_also_lock``, taken when this
+        message was sent or now): that call is over (it held that key until
+        its run ended, and a worker of the old library never frees ours)."""
+        return (answer.status is Acquire.HELD and answer.holder_state == "queued"
+                and not answer.queued_by_it)
+
+    def _release(self, engine: Engine, lock: SingletonLock, done_ms: int = 0,
                  finished: bool = True) -> None:
         """Free ``lock``; ``finished``: the body returned or raised (Celery records
         it), so a redelivered copy of this task id is dropped, not run again."""
@@ -448,7 +504,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         # The command leaves now and Redis frees the key before anything this
         # process sends next; its reply is read on the next call.
         engine.release_later(lock.keys, lock.exec_id, lock.task_id, lock.released,
-                             always_record=bool(self.acks_late), done_ttl=done_ttl,
+                             always_record=bool(self.acks_late), done_ms=done_ms,
                              task_name=lock.task_name, finished=finished)
 
     def _hand_off(self, engine: Engine, lock: SingletonLock, delay: float) -> None:

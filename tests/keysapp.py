@@ -3,7 +3,9 @@ celery-singleton or celery-once (`celery -A tests.keysapp:app worker`).
 
 ``KEYS_LIB`` picks the app a worker runs: ``new`` (SingletonTask, with
 ``singleton_also_lock`` from ``KEYS_ALSO``), ``celery_singleton`` or
-``celery_once`` (the old library's own task class). Every app has the task
+``celery_once`` (the old library's own task class); ``KEYS_SCOPE`` the new
+app's ``singleton_scope`` (the migration guide maps both libraries to
+``queue_and_run``). Every app has the task
 ``r.work(account_id, seconds, tag)``; each run records its start and end, and
 how many runs of its account ran at once, in db 3 of the test's Redis.
 """
@@ -47,7 +49,7 @@ def run_recorded(rec: redis.Redis, lib: str, task_id: str, key: str, seconds: fl
 
 
 def make_app(redis_url: str, queue: str, lib: str = "new",
-             also: Optional[Any] = None, migrated: bool = False) -> Celery:
+             also: Optional[Any] = None, migrated: bool = False, scope: str = "run") -> Celery:
     """``redis_url``'s db 0 is the broker, db 1 results, db 2 our locks, db 4
     the old library's locks."""
     base = redis_url.rsplit("/", 1)[0]
@@ -85,7 +87,8 @@ def make_app(redis_url: str, queue: str, lib: str = "new",
         return app
 
     app.conf.update(singleton_redis_url=f"{base}/2", singleton_ttl=2.0,
-                    singleton_retry_delay=0.2, singleton_retry_max_delay=1.0)
+                    singleton_retry_delay=0.2, singleton_retry_max_delay=1.0,
+                    singleton_scope=scope)
     if also is not None:
         app.conf.singleton_also_lock = also
 
@@ -119,7 +122,8 @@ def _from_env() -> Celery:
     return make_app(os.environ.get("KEYS_REDIS_URL", "redis://127.0.0.1:6379/0"),
                     os.environ.get("KEYS_QUEUE", "celery"), os.environ.get("KEYS_LIB", "new"),
                     json.loads(also) if also else None,
-                    migrated=os.environ.get("KEYS_MIGRATED") == "1")
+                    migrated=os.environ.get("KEYS_MIGRATED") == "1",
+                    scope=os.environ.get("KEYS_SCOPE", "run"))
 
 
 app = _from_env()

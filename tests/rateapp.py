@@ -49,6 +49,17 @@ def make_rate_app(redis_url: str, queue: str, conf: dict[str, Any] | None = None
         record(self, key)
         time.sleep(seconds)
 
+    @app.task(base=SingletonTask, bind=True, name="t.rate_brief", shared=False,
+              singleton_key=("key",), singleton_rate="1/0.8s", singleton_on_duplicate="retry")
+    def rate_brief(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        """One start per 0.8 s: a full window always reopens in under a second.
+        Records its start and end as ``tests.workerapp``'s tasks do."""
+        record(self, key)
+        rec.rpush("events", json.dumps({"ev": "start", "tag": tag, "id": self.request.id,
+                                        "key": key, "pid": os.getpid(), "t": time.time()}))
+        time.sleep(seconds)
+        return {"tag": tag}
+
     return app
 
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn, Optional
@@ -71,8 +72,8 @@ def serve_on_free_port(spawn: Callable[[int], subprocess.Popen[Any]], log: Calla
     for attempt in range(3):
         port = port if attempt == 0 and port else free_port()
         proc = spawn(port)
-        if wait_for(lambda p=proc, n=port: "exited" if p.poll() is not None else ready(n),
-                    timeout, what=what) != "exited":
+        if wait_for(lambda p=proc, n=port: "exited"  # type: ignore[misc]
+                    if p.poll() is not None else ready(n), timeout, what=what) != "exited":
             return proc, port
         text = log()
         if "Address already in use" not in text:
@@ -97,8 +98,17 @@ def marker(client: Any, key: str) -> Optional[tuple[str, str]]:
 
 
 def write_owner(client: Any, lock_key: str, **fields: Any) -> None:
-    """Write (or change fields of) an owner record, keeping the key's TTL."""
+    """Write (or change fields of) an owner record, keeping the key's TTL. A
+    ``pid`` given without a ``hostkey`` on a record of this host names that
+    process as it would write itself: with its start time (none for a pid no
+    process has)."""
+    from celery_singleton_lock.process import HOST_KEY, split_host_key, start_ticks
+
     current = owner_record(client, lock_key)
+    if "pid" in fields and "hostkey" not in fields and split_host_key(
+            current.get("hostkey", ""))[0] == HOST_KEY:
+        started = start_ticks(int(fields["pid"]))
+        fields["hostkey"] = f"{HOST_KEY}:{started}" if started else HOST_KEY
     if "at" in current:
         current["at"] += "000"
     current.update({k: str(v) for k, v in fields.items()})
@@ -327,3 +337,102 @@ class CuttableProxy(_Proxy):
                     sock.close()
             return
         self._pipe(client, upstream)
+
+
+class HoldLoad:
+    """Calls of ``t.hold`` over some keys, one every ``every`` seconds, run by
+    :meth:`step` from the test's own loop; each result kept with the moment
+    the worker decided it (its ``date_done``, the worker's wall clock, as the
+    events' times)."""
+
+    def __init__(self, hold: Any, keys: list[str], seed: int, every: float = 0.05,
+                 seconds: tuple[float, float] = (0.1, 0.5), tag: str = "load") -> None:
+        import random
+
+        self.hold, self.keys, self.rng = hold, keys, random.Random(seed)
+        self.every, self.seconds, self.tag = every, seconds, tag
+        self.pending: list[Any] = []
+        self.ready: list[tuple[Any, float]] = []
+        #: each call's key, by task id
+        self.key_of: dict[str, str] = {}
+        self._next = 0.0
+
+    def step(self, sending: bool = True) -> None:
+        now = time.monotonic()
+        if sending and now >= self._next:
+            self._next = now + self.every
+            key = self.rng.choice(self.keys)
+            res = self.hold.delay(key, self.rng.uniform(*self.seconds), self.tag)
+            self.key_of[res.id] = key
+            self.pending.append(res)
+        still = []
+        for res in self.pending:
+            if res.ready():
+                done = res.date_done
+                self.ready.append((res, done.timestamp() if done is not None else time.time()))
+            else:
+                still.append(res)
+        self.pending = still
+        time.sleep(0.01)
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            self.step(sending=False)
+        assert not self.pending, f"{len(self.pending)} calls not final"
+
+    def skips(self) -> list[tuple[dict[str, Any], float]]:
+        """Every skipped call's result, with when it was decided."""
+        from celery_singleton_lock import is_skipped
+
+        return [(res.result, at) for res, at in self.ready if is_skipped(res.result)]
+
+    def late_skips(self, ends: dict[str, float], after: float, slack: float = 1.0
+                   ) -> list[float]:
+        """Seconds past the holder's end of every skip decided more than
+        ``slack`` after both the holder ended and ``after`` (a promotion, a
+        healed path: releases owed meanwhile are on their way then)."""
+        late = []
+        for result, at in self.skips():
+            if result["holder"] in ends:
+                ended = ends[result["holder"]]
+                if at > ended + slack and at > after + slack:
+                    late.append(at - ended)
+        return late
+
+    def never_ran(self, started: set[str]) -> list[str]:
+        """The holders named by skips that never started at all."""
+        return [r["holder"] for r, _ in self.skips() if r["holder"] not in started]
+
+    def skips_while_not_running(self, events: list[dict[str, Any]], after: float,
+                                slack: float = 1.0) -> list[str]:
+        """Every skip decided while its holder was not running: no run of that
+        task id (``events``: the runs' start and end events) around it (the
+        start event follows the grant, the release the end event: ``slack``
+        either way). One whose holder had not started yet is always wrong (a
+        grant nobody held); one whose holder had ended is wrong if it came
+        more than ``slack`` after ``after`` too (a fault healed: a release
+        owed through it goes out as soon as its process hears the server
+        again). Each as text, for a failure's message."""
+        runs: dict[str, list[tuple[float, float]]] = {}
+        starts: dict[tuple[str, int], float] = {}
+        for e in sorted(events, key=lambda e: e["t"]):
+            key = (e["id"], e.get("pid", 0))
+            if e["ev"] == "start":
+                starts[key] = e["t"]
+            elif key in starts:
+                runs.setdefault(e["id"], []).append((starts.pop(key), e["t"]))
+        for (task_id, _), began in starts.items():  # never ended: still running
+            runs.setdefault(task_id, []).append((began, float("inf")))
+        out = []
+        for result, at in self.skips():
+            spans = runs.get(result["holder"], [])
+            if any(b - slack <= at <= e + slack for b, e in spans):
+                continue
+            ended = any(e < at for _, e in spans)
+            if ended and at <= after + slack:
+                continue
+            text = ", ".join(f"{b:.3f}-{e:.3f}" for b, e in spans) or "none"
+            out.append(f"skip at {at:.3f} against {result['holder']}, "
+                       f"{'ended' if ended else 'not started'} (its runs: {text})")
+        return out

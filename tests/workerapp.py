@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import time
 from typing import Any, Optional
 
@@ -50,7 +51,10 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
         start = {"ev": "start", "tag": tag, "id": task.request.id, "pid": os.getpid(),
                  "token": task.singleton.token, "lockkey": task.singleton.key,
                  "concurrent": n, "retries": task.request.retries, "key": key,
-                 "slot": task.singleton.slot, "t": time.time()}
+                 "slot": task.singleton.slot, "t": time.time(),
+                 # a wait's sender's offset from the lock Redis's clock (tests/conflict/
+                 # test_retry_clock.py)
+                 "clock": getattr(task.request, "singleton_clock", None)}
         rec.rpush("events", json.dumps(start))
         try:
             deadline, polls = time.monotonic() + seconds, 0
@@ -98,6 +102,17 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
               time_limit=0.5)
     def hold_hard(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
         return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.hold_hard_deaf", singleton_key=("key",),
+              time_limit=0.5)
+    def hold_hard_deaf(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        # a body that runs no Python code when the pool's SIGTERM comes (as one
+        # stuck in a C call): the pool kills its process with SIGKILL right after
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            return body(self, key, seconds, tag)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     @task(base=SingletonTask, bind=True, name="t.retrier", singleton_key=("key",),
               max_retries=5)
@@ -203,6 +218,12 @@ def make_app(redis_url: str, queue: str = "celery", lock_url: Optional[str] = No
     @task(base=SingletonTask, bind=True, name="t.throttle_retry", singleton_key=("key",),
           singleton_throttle=2, singleton_on_duplicate="retry")
     def throttle_retry(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        return body(self, key, seconds, tag)
+
+    @task(base=SingletonTask, bind=True, name="t.throttle_brief", singleton_key=("key",),
+          singleton_throttle=0.8, singleton_on_duplicate="retry")
+    def throttle_brief(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> Any:
+        """Its window always reopens in under a second: every wait is shorter."""
         return body(self, key, seconds, tag)
 
     @task(base=SingletonTask, bind=True, name="t.throttle_retrier", singleton_key=("key",),

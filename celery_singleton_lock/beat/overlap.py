@@ -29,14 +29,16 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from typing import Any, Mapping
+from collections import Counter
+from typing import Any, Iterable, Mapping, Optional, Protocol
 
 import redis
-from redis.exceptions import NoPermissionError, NoScriptError
+from redis.exceptions import NoPermissionError
 
 from ..config import OVERLAP_MODES, choice, get_config
 from ..engine.registry import engine_for
 from ..engine.scripts import Script
+from ..worker.signals import is_singleton
 from ..worker.ticks import RUN_MARKER_TTL_MS, cancel_key, from_ms, run_key, tick_name, to_ms
 from .ticks import buffer_key, last_sent_key, late_key, queue_key, tick_after
 
@@ -60,20 +62,11 @@ LATE_SEND = 0.1
 #: how long a late note outlives the moment it stops counting
 _LATE_NOTE_MARGIN_MS = 10_000
 
-# buffer_all's two scripts (lua/beat_*.lua), called by SHA: EVALSHA and SCRIPT
-# LOAD are in the lock user's rule already (docs/redis-acl.md)
+# buffer_all's two scripts (lua/beat_*.lua), called by SHA through the engine
+# (loaded when a server does not have them): EVALSHA and SCRIPT LOAD are in
+# the lock user's rule already (docs/redis-acl.md)
 _ARRIVE = Script.load("beat_arrive")
 _TAKE = Script.load("beat_take")
-
-
-def _script(client: Any, script: Script, keys: list[str], *args: Any) -> Any:
-    """EVALSHA of one of buffer_all's scripts, loaded first when the server
-    does not have it (a fresh or restarted Redis, a failover)."""
-    try:
-        return client.evalsha(script.sha, len(keys), *keys, *args)
-    except NoScriptError:
-        client.script_load(script.source)
-        return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
 def redis_failure(exc: Exception) -> str:
@@ -96,15 +89,42 @@ def _evaluate(values: Any) -> Any:
     return _evaluate_entry_args(values)
 
 
+class Beat(Protocol):
+    """What the overlap modes use of the scheduler that owns them
+    (:class:`.scheduler.SingletonSchedulerMixin`), and nothing else."""
+
+    #: the Celery app: its tasks (an entry's lock keys) and its control (a revoke)
+    app: Any
+    #: the producer the scheduler sends with
+    producer: Any
+    #: the beat's settings (:class:`.scheduler.BeatConfig`)
+    singleton_beat: Any
+    #: the beat's counters, as its shutdown line and Flower show them
+    singleton_stats: Counter[str]
+
+    def singleton_entries(self) -> Iterable[Any]:
+        """The schedule's entries."""
+
+    def singleton_now(self) -> dt.datetime:
+        """The beat's clock."""
+
+    def last_decided(self, name: str) -> Optional[dt.datetime]:
+        """The last tick of entry ``name`` this beat decided (sent, buffered, skipped)."""
+
+    def send_tick(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        """Send ``entry``'s ``tick`` now."""
+
+
 class Overlap:
     """The overlap modes of one scheduler's entries: what its beat does with a
-    tick whose entry's previous run still runs. The scheduler
-    (:class:`.scheduler.SingletonSchedulerMixin`) owns one, asks it at each tick
-    and lets it send ticks through :meth:`_send`."""
+    tick whose entry's previous run still runs (``skip``, ``buffer_one``,
+    ``buffer_all``, ``cancel_other``, ``terminate_other``; ``allow`` never
+    asks). The scheduler owns one, asks :meth:`previous_still_runs` at each
+    tick of a SingletonTask entry and :meth:`before_tick` before each of its
+    rounds; what it uses of the scheduler is :class:`Beat`. Its Redis keys
+    (buffers, queues, late notes, cancel requests) go through the engine."""
 
-    def __init__(self, scheduler: Any) -> None:
-        #: the scheduler: its app, schedule, producer, settings, counters and
-        #: the last tick decided per entry; its clock and its send
+    def __init__(self, scheduler: Beat) -> None:
         self.scheduler = scheduler
         self._buffered: dict[str, Any] = {}  # entries this beat polls a buffered tick of
         self._queued: dict[str, Any] = {}  # buffer_all entries this beat polls the queue of
@@ -116,10 +136,10 @@ class Overlap:
         self._adopt_failing = False  # the last look failed (said once, not every second)
 
     def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
-        self.scheduler._send(entry, tick, producer)
+        self.scheduler.send_tick(entry, tick, producer)
 
     def singleton_now(self) -> dt.datetime:
-        return self.scheduler.singleton_now()  # type: ignore[no-any-return]
+        return self.scheduler.singleton_now()
 
     # -- the mode -------------------------------------------------------------------
 
@@ -133,10 +153,8 @@ class Overlap:
 
     def _task_keys(self, entry: Any) -> Any:
         """The lock keys the entry's next run takes, or None when it is no SingletonTask."""
-        from ..task import SingletonTask
-
         task = self.scheduler.app.tasks.get(entry.task)
-        if not isinstance(task, SingletonTask):
+        if not is_singleton(task):
             return None
         return task.singleton_keys(*_evaluate(entry.args), **_evaluate(entry.kwargs))
 
@@ -145,7 +163,7 @@ class Overlap:
     def before_tick(self) -> bool:
         """Look for others' waiting ticks (once a second) and send the ones
         whose run ended. True when this beat has waiting-mode entries."""
-        waiting = [e for e in self.scheduler.schedule.values()
+        waiting = [e for e in self.scheduler.singleton_entries()
                    if self.mode_of(e) in WAITING_MODES
                    and self._task_keys(e) is not None]
         if waiting and time.monotonic() >= self._adopt_at:
@@ -174,7 +192,7 @@ class Overlap:
         """Take on the waiting ticks this beat does not hold: the beat that
         buffered one may be dead, and nobody would send it. Every beat that
         holds a buffer polls it; ``GETDEL`` / ``ZPOPMIN`` lets one of them send it."""
-        client = engine_for(self.scheduler.app).client
+        engine = engine_for(self.scheduler.app)
         prefix = get_config(self.scheduler.app).key_prefix
         for entry in entries:
             queued = self.mode_of(entry) == "buffer_all"
@@ -183,7 +201,7 @@ class Overlap:
                 continue
             key = (queue_key if queued else buffer_key)(prefix, entry.name)
             try:
-                waiting = client.exists(key)
+                waiting = engine.present(key)
             except redis.RedisError as exc:
                 if not self._adopt_failing:
                     logger.warning("Beat could not look for the waiting ticks of other beats "
@@ -239,8 +257,8 @@ class Overlap:
             return  # unknown, or already asked by this beat
         try:
             if not terminate:
-                engine_for(self.scheduler.app).client.set(cancel_key(keys), task_id,
-                                                px=RUN_MARKER_TTL_MS)
+                engine_for(self.scheduler.app).write(cancel_key(keys), task_id,
+                                                    RUN_MARKER_TTL_MS)
             self.scheduler.app.control.revoke(task_id, terminate=terminate)
         except Exception as exc:
             logger.warning("Beat entry %r tick %s: could not %s the running task %s (%r)",
@@ -278,10 +296,10 @@ class Overlap:
             return
         deadline = to_ms(following) + late_ms
         try:
-            engine_for(self.scheduler.app).client.set(
+            engine_for(self.scheduler.app).write(
                 late_key(get_config(self.scheduler.app).key_prefix, entry.name),
                 f"{to_ms(following)} {deadline} {to_ms(tick)}",
-                px=max(deadline - to_ms(now), 0) + _LATE_NOTE_MARGIN_MS)
+                max(deadline - to_ms(now), 0) + _LATE_NOTE_MARGIN_MS)
         except redis.RedisError as exc:
             logger.warning("Beat entry %r tick %s was sent %.2f s late and that could not be "
                            "noted (%s, %r): if its run still runs at the next tick, that one "
@@ -300,7 +318,7 @@ class Overlap:
         tick after it."""
         prefix = get_config(self.scheduler.app).key_prefix
         try:
-            raw = engine_for(self.scheduler.app).client.get(late_key(prefix, entry.name))
+            raw = engine_for(self.scheduler.app).read(late_key(prefix, entry.name))
         except redis.RedisError:
             return False
         try:
@@ -333,7 +351,7 @@ class Overlap:
             if running and to_ms(self.singleton_now()) < deadline:
                 continue
             del self._late_waits[name]
-            decided = self.scheduler._done.get(name)
+            decided = self.scheduler.last_decided(name)
             if running or (decided is not None and decided > tick):
                 self.scheduler.singleton_stats["overlap_skipped"] += 1
                 logger.info("Beat entry %r tick %s skipped: the previous run still runs "
@@ -348,10 +366,10 @@ class Overlap:
 
     def _buffer(self, entry: Any, tick: dt.datetime, why: str) -> None:
         """Keep the tick in Redis, replacing an older one: at most one run waits."""
-        client = engine_for(self.scheduler.app).client
         key = buffer_key(get_config(self.scheduler.app).key_prefix, entry.name)
         try:
-            replaced = client.set(key, str(to_ms(tick)), px=RUN_MARKER_TTL_MS, get=True)
+            replaced = engine_for(self.scheduler.app).write(key, str(to_ms(tick)),
+                                                            RUN_MARKER_TTL_MS, previous=True)
         except redis.RedisError as exc:
             self.scheduler.singleton_stats["backend_error"] += 1
             logger.error("Beat entry %r tick %s not buffered: %s (%r)",
@@ -367,21 +385,21 @@ class Overlap:
 
     def _send_buffered(self) -> None:
         """Send a buffered tick once the run before it ended; GETDEL: one beat sends it."""
-        client = engine_for(self.scheduler.app).client
+        engine = engine_for(self.scheduler.app)
         prefix = get_config(self.scheduler.app).key_prefix
         for name, entry in list(self._buffered.items()):
             keys = self._task_keys(entry)
             try:
-                if keys is not None and engine_for(self.scheduler.app).owner(keys):
+                if keys is not None and engine.owner(keys):
                     continue
-                waiting = client.getdel(buffer_key(prefix, name))
+                waiting = engine.take(buffer_key(prefix, name))
             except redis.RedisError:
                 continue
             del self._buffered[name]
             if waiting is None:
                 continue  # another beat sent it, or a newer buffer replaced it
             tick = from_ms(int(waiting))
-            decided = self.scheduler._done.get(name)
+            decided = self.scheduler.last_decided(name)
             if decided is not None and decided > tick:
                 # a newer tick was decided meanwhile (sent, buffered or skipped):
                 # it stands for this one, which would run late and out of order
@@ -404,23 +422,23 @@ class Overlap:
         sending it). The marker is read first: a lock seen free before its
         tick's grant would read as "ended" once the marker appears.
         """
-        client = engine_for(self.scheduler.app).client
+        engine = engine_for(self.scheduler.app)
         prefix = get_config(self.scheduler.app).key_prefix
-        raw = client.get(last_sent_key(prefix, name))
+        raw = engine.read(last_sent_key(prefix, name))
         last = _text(raw) if raw is not None else ""
-        if last and not client.exists(run_key(prefix, name, from_ms(int(last)))):
+        if last and not engine.present(run_key(prefix, name, from_ms(int(last)))):
             return last, False
-        return last, not engine_for(self.scheduler.app).owner(keys)
+        return last, not engine.owner(keys)
 
     def _arrive_queued(self, entry: Any, tick: dt.datetime, keys: Any) -> bool:
         """buffer_all: True to send the tick now; else it waits (or the queue is full)."""
-        client = engine_for(self.scheduler.app).client
         prefix = get_config(self.scheduler.app).key_prefix
         last, ended = self._queue_gate(entry.name, keys)
-        verdict = _text(_script(
-            client, _ARRIVE, [queue_key(prefix, entry.name), last_sent_key(prefix, entry.name)],
-            str(to_ms(tick)), last, "1" if ended else "0", self.scheduler.singleton_beat.buffer_max,
-            RUN_MARKER_TTL_MS, self.scheduler.singleton_beat.claim_ttl_ms))
+        verdict = _text(engine_for(self.scheduler.app).run_script(
+            _ARRIVE, [queue_key(prefix, entry.name), last_sent_key(prefix, entry.name)],
+            [str(to_ms(tick)), last, "1" if ended else "0",
+             self.scheduler.singleton_beat.buffer_max, RUN_MARKER_TTL_MS,
+             self.scheduler.singleton_beat.claim_ttl_ms]))
         if verdict == "send":
             return True
         if verdict == "full":
@@ -437,7 +455,7 @@ class Overlap:
 
     def _send_queued(self) -> None:
         """Send the oldest waiting tick of each queue whose previous run ended."""
-        client = engine_for(self.scheduler.app).client
+        engine = engine_for(self.scheduler.app)
         prefix = get_config(self.scheduler.app).key_prefix
         for name, entry in list(self._queued.items()):
             keys = self._task_keys(entry)
@@ -445,9 +463,9 @@ class Overlap:
                 last, ended = self._queue_gate(name, keys)
                 if not ended:
                     continue
-                taken = _script(client, _TAKE, [queue_key(prefix, name),
-                                                last_sent_key(prefix, name)],
-                                last, self.scheduler.singleton_beat.claim_ttl_ms)
+                taken = engine.run_script(
+                    _TAKE, [queue_key(prefix, name), last_sent_key(prefix, name)],
+                    [last, self.scheduler.singleton_beat.claim_ttl_ms])
             except redis.RedisError:
                 continue
             if taken == -1:

@@ -50,6 +50,7 @@ from ..checks.permissions import beat_denied, beat_refusal
 from ..config import BEAT_SETTINGS, get_config
 from ..engine.registry import engine_for
 from ..observe.masking import mask_url
+from ..worker.signals import is_singleton
 from ..worker.ticks import (
     BEAT_HEADER,
     BEAT_TASK_HEADER,
@@ -114,12 +115,9 @@ def overlap_modes(app: Any, entries: Iterable[tuple[str, Optional[Mapping[str, A
                   ) -> list[str]:
     """The overlap modes of the entries, as (task name, options), whose task is a
     SingletonTask of ``app``: they decide what a beat sends besides its claims."""
-    from ..task import SingletonTask
-
     default = beat_config(app).overlap
     return sorted({str((options or {}).get(OVERLAP_OPTION) or default)
-                   for name, options in entries
-                   if isinstance(app.tasks.get(name), SingletonTask)})
+                   for name, options in entries if is_singleton(app.tasks.get(name))})
 
 
 def schedule_modes(app: Any) -> Optional[list[str]]:
@@ -147,6 +145,7 @@ class SingletonSchedulerMixin:
 
     app: Any
     schedule: Any
+    producer: Any
     max_interval: float
     singleton_beat: BeatConfig
     _heap: Any
@@ -179,20 +178,33 @@ class SingletonSchedulerMixin:
         beat needs: every tick would fail the same way, late and quietly. Redis
         merely down is logged and the start goes on (the ticks then follow
         ``singleton_beat_on_backend_error``)."""
-        modes = overlap_modes(self.app, ((e.task, e.options) for e in self.schedule.values()))
-        client = engine_for(self.app).client
-        try:
-            denied = beat_denied(client, get_config(self.app).key_prefix, modes)
-        except redis.RedisError as exc:
-            logger.warning("celery-singleton-lock: could not check what the lock Redis user "
-                           "may run (%r); the beat starts", exc)
-            return
-        if denied:
-            message = "; ".join(beat_refusal(client, denied, modes))
-            logger.critical("celery-singleton-lock: %s", message)
-            raise SystemExit(f"celery-singleton-lock configuration error: {message}")
+        modes = overlap_modes(self.app, ((e.task, e.options) for e in self.singleton_entries()))
+        for _, client in engine_for(self.app).servers():  # every master of Redlock
+            try:
+                denied = beat_denied(client, get_config(self.app).key_prefix, modes)
+            except redis.RedisError as exc:
+                logger.warning("celery-singleton-lock: could not check what the lock Redis "
+                               "user may run (%r); the beat starts", exc)
+                return
+            if denied:
+                message = "; ".join(beat_refusal(client, denied, modes))
+                logger.critical("celery-singleton-lock: %s", message)
+                raise SystemExit(f"celery-singleton-lock configuration error: {message}")
+
+    def singleton_entries(self) -> Iterable[Any]:
+        """Every entry of the schedule, due or not: the overlap modes look
+        for waiting ticks of each. The scheduler's ``schedule`` here; a
+        scheduler whose ``schedule`` holds only the entries due now
+        (RedBeat's) lists them all its own way."""
+        return list(self.schedule.values())
 
     # -- the clock ----------------------------------------------------------------
+
+    def last_decided(self, name: str) -> Optional[dt.datetime]:
+        return self._done.get(name)
+
+    def send_tick(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        self._send(entry, tick, producer)
 
     def singleton_now(self) -> dt.datetime:
         """Now, aware, in UTC. Override to shift the clock (tests of clock skew)."""
@@ -334,7 +346,7 @@ class SingletonSchedulerMixin:
             result = super().apply_async(entry, producer, False, **kwargs)  # type: ignore[misc]
         finally:
             entry.options = original
-            self._count_run(entry)
+            self._count_run(entry, tick)
         if getattr(result, "deduplicated", False) is True:
             # a queue-scoped SingletonTask refused it at send time: its key is taken
             self.singleton_stats["refused_at_send"] += 1
@@ -369,9 +381,9 @@ class SingletonSchedulerMixin:
                     else "as stored now, its own rules say it is not due")
         return False
 
-    def _count_run(self, entry: Any) -> None:
+    def _count_run(self, entry: Any, tick: dt.datetime) -> None:
         """Advance the entry's last run and run count, as the wrapped scheduler
-        keeps them, for a tick this beat sent. A django-celery-beat row is
+        keeps them, for ``tick``, which this beat sent. A django-celery-beat row is
         counted in the database in one ``UPDATE ... SET total_run_count =
         total_run_count + 1``, so the counts of every beat add up (its own
         ``reserve`` and ``sync`` would write this process's count over the

@@ -37,7 +37,7 @@ from .server import clock_check, eviction_check, persistence_check, replication_
 
 logger = logging.getLogger("celery_singleton_lock")
 
-def run_checks(client: redis.Redis, config: SingletonConfig, scripts: bool = True,
+def run_checks(client: redis.Redis, config: SingletonConfig, *, scripts: bool = True,
                rate: bool = False) -> list[Finding]:
     """Every check, in the order a reader fixes them: reach, authenticate,
     run the scripts, then what can make a granted lock lie. ``scripts``
@@ -119,11 +119,12 @@ def engine_checks(engine: Engine, rate: bool = False) -> list[Finding]:
     masters answer."""
     servers = engine.servers()
     if len(servers) == 1:
+        client = servers[0][1]
         try:
             how, scripts = engine.lock_path()
         except redis.RedisError:  # the checks say why it does not answer
-            return run_checks(engine.client, engine.config, rate=rate)
-        found = run_checks(engine.client, engine.config, scripts, rate)
+            return run_checks(client, engine.config, rate=rate)
+        found = run_checks(client, engine.config, scripts=scripts, rate=rate)
         if found and found[0].code == "reachable":
             found.insert(1, Finding(OK, "commands", f"lock calls: {how}"))
         return found
@@ -132,7 +133,7 @@ def engine_checks(engine: Engine, rate: bool = False) -> list[Finding]:
     silent: list[str] = []
     for name, client in servers:
         config = dataclasses.replace(engine.config, redis_url=f"redis://{name}")
-        own = run_checks(client, config, rate)
+        own = run_checks(client, config, rate=rate)
         down = any(f.code in ("unreachable", "not-redis") for f in own)
         (silent if down else answering).append(name)
         findings.extend(dataclasses.replace(f, message=f"master {name}: {f.message}")
@@ -157,12 +158,13 @@ def beat_check(engine: Engine, modes: Sequence[str]) -> list[Finding]:
     """Whether the lock Redis user may run what a beat needs whose SingletonTask
     entries use these overlap modes (:func:`.beat.schedule_modes`); none when
     Redis does not answer: the checks before say so."""
-    try:
-        denied = beat_denied(engine.client, engine.config.key_prefix, modes)
-    except redis.RedisError:
-        return []
-    if denied:
-        return [Finding(ERROR, "beat", *beat_refusal(engine.client, denied, modes))]
+    for _, client in engine.servers():  # beat's keys are on every master of Redlock
+        try:
+            denied = beat_denied(client, engine.config.key_prefix, modes)
+        except redis.RedisError:
+            return []
+        if denied:
+            return [Finding(ERROR, "beat", *beat_refusal(client, denied, modes))]
     return [Finding(OK, "beat", "a beat may run what the entries of beat_schedule need "
                                 f"({', '.join(modes) or 'claims only'})")]
 

@@ -35,7 +35,8 @@ from ..engine.calls import (
     renew_call,
     unqueue_call,
 )
-from ..engine.scripts import Script
+from ..engine.request import Lease, Request
+from ..engine.scripts import PRELUDE, Script, read_source
 from ..keys import LockKeys
 from .findings import ERROR, OK, WARNING, Finding, command, db_of, server_text, user_of
 
@@ -54,9 +55,28 @@ _NAMED_COMMAND = re.compile(r"run the '([^']+)' command")
 
 
 
+_FUNCTION = re.compile(r"^local function (\w+)\(", re.MULTILINE)
+
+
 def script_commands(script: Script) -> tuple[str, ...]:
-    """The commands a script calls, read from its source (lower case)."""
-    return tuple(sorted({name.lower() for name in _CALL.findall(script.source)}))
+    """The commands a script calls, read from its source (lower case): those
+    of its own lines, and of the prelude's helpers it calls (each helper runs
+    from its ``local function`` line to the next one), not of every helper."""
+    prelude = read_source(PRELUDE)
+    body = script.source[len(prelude):] if script.source.startswith(prelude) else script.source
+    starts = list(_FUNCTION.finditer(prelude))
+    helpers = {m.group(1): prelude[m.start():(starts[i + 1].start() if i + 1 < len(starts)
+                                               else len(prelude))]
+               for i, m in enumerate(starts)}
+    texts, seen, todo = [body], set(), [body]
+    while todo:
+        text = todo.pop()
+        for name, helper in helpers.items():
+            if name not in seen and re.search(rf"\b{name}\(", text):
+                seen.add(name)
+                texts.append(helper)
+                todo.append(helper)
+    return tuple(sorted({name.lower() for text in texts for name in _CALL.findall(text)}))
 
 
 #: what the acquire scripts call only for a task with ``singleton_rate``: not
@@ -106,41 +126,36 @@ def _probe_calls(keys: LockKeys, other: LockKeys, task_id: str, exec_id: str,
     whatever they write expires within seconds. Then, on a second key, a send
     that replaces a queued one and that one's start (``"replace"``); on a
     third (``rated``), a start under ``singleton_rate`` and one refused by it."""
+    ask = Request(task_id, exec_id, Lease(5.0), socket.gethostname(),
+                  task_name="celery_singleton_lock.checks", scope="queue_and_run")
+    again = ask._replace(task_id=exec_id, scope="run")
     rate_probes: list[tuple[str, list[str], list[Any]]] = [] if rated is None else [
-        ("acquire", *acquire_call(rated, task_id, exec_id, 5000, socket.gethostname(), 0,
-                                  "celery_singleton_lock.checks", "run", 1000, done=False,
-                                  rate=(1, 5000), keep_ms=1000)),
-        ("release", *release_call(rated, exec_id, task_id, False, False, 0.0, 1000)),
-        ("acquire", *acquire_call(rated, exec_id, exec_id, 5000, socket.gethostname(), 0,
-                                  "celery_singleton_lock.checks", "run", 1000, done=False,
-                                  rate=(1, 5000), keep_ms=1000)),
+        ("acquire", *acquire_call(rated, ask._replace(scope="run", done=False, rate=(1, 5000)),
+                                  1000, keep_ms=1000)),
+        ("release", *release_call(rated, exec_id, task_id, False, False, 0, 1000)),
+        ("acquire", *acquire_call(rated, again._replace(done=False, rate=(1, 5000)), 1000,
+                                  keep_ms=1000)),
     ]
     return [
         ("enqueue", *enqueue_call(keys, task_id, "queue_and_run", 5000)),
-        ("acquire", *acquire_call(keys, task_id, exec_id, 5000, socket.gethostname(), 0,
-                                  "celery_singleton_lock.checks", "queue_and_run", 1000,
-                                  keep_ms=1000)),
+        ("acquire", *acquire_call(keys, ask, 1000, keep_ms=1000)),
         ("renew", *renew_call([(keys.lock, exec_id, 5000)], 1000)),
         # the heartbeat's write-back and Redlock's counter raise, on the lock
         # this probe holds: both only renew it and leave its token as it is
-        ("reclaim", *reclaim_call(keys, task_id, exec_id, 1, 5000, socket.gethostname(), 0,
-                                  "celery_singleton_lock.checks", 1000, keep_ms=1000)),
+        ("reclaim", *reclaim_call(keys, ask, 1, 1000, keep_ms=1000)),
         ("fence", *fence_call(keys, exec_id, 1, 1000)),
         ("handoff", *handoff_call(keys, exec_id, 1, 5000)),
-        ("release", *release_call(keys, exec_id, task_id, True, True, 1.0, 1000)),
+        ("release", *release_call(keys, exec_id, task_id, True, True, 1000, 1000)),
         # singleton_limit's grant (another task id: the one above finished),
         # freed at once without a finish marker
-        ("acquire_slots", *acquire_slots_call(keys, exec_id, exec_id, 5000,
-                                              socket.gethostname(), 0,
-                                              "celery_singleton_lock.checks", 1000, 2,
+        ("acquire_slots", *acquire_slots_call(keys, again._replace(slots=2), 1000,
                                               keep_ms=1000)),
-        ("release", *release_call(keys, exec_id, exec_id, False, False, 0.0, 1000)),
+        ("release", *release_call(keys, exec_id, exec_id, False, False, 0, 1000)),
         ("unqueue", *unqueue_call(keys, task_id)),
         ("enqueue", *enqueue_call(other, task_id, "queue", 5000, replace=(1000, 2000))),
         ("enqueue", *enqueue_call(other, exec_id, "queue", 5000, replace=(1000, 2000))),
-        ("acquire", *acquire_call(other, task_id, exec_id, 5000, socket.gethostname(), 0,
-                                  "celery_singleton_lock.checks", "queue", 1000,
-                                  replace=True, keep_ms=1000)),
+        ("acquire", *acquire_call(other, ask._replace(scope="queue", replace=True), 1000,
+                                  keep_ms=1000)),
         *rate_probes,
     ]
 

@@ -85,13 +85,16 @@ def clock_check(client: redis.Redis, config: SingletonConfig) -> list[Finding]:
     seconds, micros = command(client, "TIME")
     after = wall_clock()
     server = int(seconds) + int(micros) / 1e6
-    skew = server - (before + after) / 2
+    # how far this host's clock is ahead of the server's (behind: negative)
+    skew = (before + after) / 2 - server
     margin = (after - before) / 2
     limit = config.ttl * CLOCK_FRACTION
     if abs(skew) - margin > limit:
+        way = "ahead of" if skew > 0 else "behind"
         return [Finding(
             WARNING, "clock",
-            f"this host's clock is {skew:+.3f} s off the Redis TIME, more than "
+            f"this host's clock is {abs(skew):.3f} s {way} the Redis TIME ({skew:+.3f} s), "
+            "more than "
             f"{CLOCK_FRACTION:.0%} of the {config.ttl:g} s lease: a clock that far off is not "
             "kept by NTP, its rate may be off too, and lock ages read wrong",
             "run NTP (chrony, systemd-timesyncd) on the workers and on the Redis host")]

@@ -25,7 +25,7 @@ import click
 import redis
 from celery.bin.base import CeleryCommand, CeleryOption
 
-from ..observe import masking
+from ..observe import masking, monitor
 from .listing import (
     Row,
     echo_json,
@@ -114,7 +114,6 @@ class _Context:
         self.app.loader.import_default_modules()  # tasks listed in `include`
         self.config = get_config(self.app)
         self.engine = engine_for(self.app)
-        self.client = self.engine.client
         self.url = masking.mask_url(self.config.redis_url)
 
     def singleton_task(self, name: str) -> Any:
@@ -147,7 +146,12 @@ class _Context:
         """Every Redis the locks live on: the masters with Redlock, else the one
         (named by its URL, password masked)."""
         servers = self.engine.servers()
-        return servers if len(servers) > 1 else [(self.url, self.client)]
+        return servers if len(servers) > 1 else [(self.url, servers[0][1])]
+
+    @property
+    def client(self) -> redis.Redis:
+        """The one server's client (every server's, with Redlock: :attr:`servers`)."""
+        return self.servers[0][1]
 
     def rows(self, digests: Optional[Sequence[str]] = None) -> list[Row]:
         """What is held under ``digests`` (every key hash found with SCAN when
@@ -444,10 +448,10 @@ def metrics(ctx: click.Context, port: int, address: str) -> None:
     except ImportError:
         _fail("prometheus_client is not installed: pip install 'celery-singleton-lock[metrics]'")
     c = _Context(ctx)
-    # with Redlock the counts and held-lock lists live on the first master
-    c.client.ping()  # unreachable or refused: exit 2 now, not at the first scrape
+    # unreachable or refused: exit 2 now, not at the first scrape
+    monitor.read_counts(c.engine, c.config.key_prefix)
     registry = CollectorRegistry()
-    registry.register(SingletonCollector(c.client, c.config.key_prefix))
+    registry.register(SingletonCollector(c.engine, c.config.key_prefix))
     start_http_server(port, addr=address, registry=registry)
     click.echo(f"serving lock metrics of {c.url} on http://{address}:{port}/metrics")
     import threading

@@ -78,14 +78,14 @@ def seconds(value: Optional[float]) -> str:
 def liveness(record: dict[str, str]) -> str:
     """dead: its process is gone from this host; alive: it runs here; unknown:
     another host (treated as alive: nothing here can tell)."""
-    from ..process import HOST_KEY, Holder
+    from ..process import Holder
 
     holder = Holder(task_id=record.get("task", ""), exec_id=record.get("exec", ""),
                     host_key=record.get("hostkey", ""), pid=int(record.get("pid") or 0),
                     hostname=record.get("host", ""))
     if holder.provably_dead():
         return "dead"
-    return "alive" if holder.host_key == HOST_KEY else "unknown"
+    return "alive" if holder.on_this_host else "unknown"
 
 
 def key_pattern(prefix: str) -> re.Pattern[str]:

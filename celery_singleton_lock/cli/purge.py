@@ -65,12 +65,14 @@ def purge_rows(rows: Sequence[Row], yes: bool, force: bool,
 
 def report(task_name: str, outcome: list[dict[str, Any]], yes: bool, force: bool,
            as_json: bool) -> bool:
-    """Print the outcome; True when a key was kept (exit code 1, as a refused
-    ``release``)."""
+    """Print the outcome; True when a key was kept, or a dry run would keep one
+    (exit code 1, as a refused ``release``): a dry run exits as ``--yes``
+    would, and both name the keys that go and say when none does."""
     alive = [e for e in outcome if e["action"] in (KEPT_ALIVE, WOULD_KEEP)]
     told = [e for e in outcome if e["action"] in (KEPT_TOLD, WOULD_KEEP_TOLD)]
     waiting = [e for e in outcome if e["action"] in (KEPT_QUEUED, WOULD_KEEP_QUEUED)]
-    kept = any(e["action"] in (KEPT_ALIVE, KEPT_QUEUED, CHANGED) for e in outcome)
+    kept = any(e["action"] in (KEPT_ALIVE, KEPT_QUEUED, CHANGED, WOULD_KEEP, WOULD_KEEP_QUEUED)
+               for e in outcome)
     if as_json:
         echo_json({"task": task_name, "dry_run": not yes, "force": force, "keys": outcome})
         return kept
@@ -96,8 +98,11 @@ def report(task_name: str, outcome: list[dict[str, Any]], yes: bool, force: bool
                    "until they expire: their callers were told, and a superseded message "
                    "reaching a worker is still skipped; --force deletes them (such a "
                    "message then runs with its old arguments)")
-    if not yes:
-        deletable = len(outcome) - len(alive) - len(told) - len(waiting)
-        click.echo(f"dry run: nothing deleted; pass --yes to delete these "
-                   f"{deletable} key(s)")
+    goes = sum(e["action"] == (DELETED if yes else WOULD_DELETE) for e in outcome)
+    if not goes:
+        click.echo(f"{'' if yes else 'dry run: '}nothing to delete")
+    elif yes:
+        click.echo(f"deleted {goes} key(s)")
+    else:
+        click.echo(f"dry run: nothing deleted; pass --yes to delete these {goes} key(s)")
     return kept

@@ -32,6 +32,9 @@ logger = logging.getLogger("celery_singleton_lock")
 
 #: header counting how often a request was sent again to wait for its key
 WAITS_HEADER = "singleton_waits"
+#: header of a request sent again: how far the lock Redis's clock was ahead of
+#: its sender's (seconds), so the worker that reads its ETA times it on that clock
+CLOCK_HEADER = "singleton_clock"
 
 
 class Ended:
@@ -167,6 +170,15 @@ def send_again(task: Any, config: SingletonConfig, args: Sequence[Any],
         at is None) else at + policies.THROTTLE_SLACK)
     headers = without_broker_headers(req.headers)
     headers[WAITS_HEADER] = waits + 1
+    # Celery writes the countdown as an ETA on this host's clock, and the
+    # worker that reads it times it on its own: with this host's offset from
+    # the lock Redis's clock, that worker times it on the lock Redis's
+    # (worker.step.SingletonRequest), whatever either host's clock says
+    offset = engine_for(task.app).clock_offset()
+    if offset is not None:
+        headers[CLOCK_HEADER] = round(offset, 6)
+    else:
+        headers.pop(CLOCK_HEADER, None)
     sig = task.signature_from_request(
         req, list(args), dict(kwargs), countdown=countdown, retries=req.retries,
         headers=headers)

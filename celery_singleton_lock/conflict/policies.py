@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from ..config import SKIPPING, SingletonConfig
+from ..config import OnBackendError, OnDuplicate, SingletonConfig
 from ..engine.replies import Acquire, Acquired, Enqueue, Enqueued
 from ..exceptions import DuplicateTaskError, LockBackendError, describe
 
@@ -58,7 +58,7 @@ class Decision:
     reopens_in: Optional[float] = None
 
 
-def at_send(answer: Enqueued, *, on_duplicate: str, task_name: str, key: str,
+def at_send(answer: Enqueued, *, on_duplicate: OnDuplicate, task_name: str, key: str,
             in_canvas: bool) -> Decision:
     """A send under ``queue`` / ``queue_and_run`` asked for its key."""
     if answer.status is Enqueue.TAKEN:
@@ -75,17 +75,37 @@ def at_send(answer: Enqueued, *, on_duplicate: str, task_name: str, key: str,
         return Decision(Do.SEND, holder=holder, reason="canvas member")
     if answer.status is Enqueue.DONE:
         return Decision(Do.REFUSE, holder=holder, reason="done", state=state)
-    if on_duplicate == "raise":
-        return Decision(Do.FAIL, holder=holder, reason="duplicate", state=state,
-                        error=DuplicateTaskError(task_name, key, holder, state))
-    if on_duplicate in SKIPPING:
-        # "replace" and a holder that started (queue_and_run): refused, as "skip"
-        return Decision(Do.REFUSE, holder=holder, reason="duplicate", state=state)
-    # "retry": sent all the same; it waits for the key when it starts
-    return Decision(Do.SEND, holder=holder, reason="waits when it starts")
+    do = AT_SEND[on_duplicate]
+    if do is Do.SEND:
+        # "retry": sent all the same; it waits for the key when it starts
+        return Decision(Do.SEND, holder=holder, reason="waits when it starts")
+    return _duplicate(do, holder, reason="duplicate", state=state, task_name=task_name, key=key)
 
 
-def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> Decision:
+#: what a duplicate gets, by ``singleton_on_duplicate``, at a send (under the
+#: queue scopes) and when it starts. "replace" swaps only a call still queued
+#: (:data:`.Enqueue.REPLACED`, :data:`.Acquire.REPLACED`): against a holder
+#: that runs, is done or throttled, it is "skip".
+AT_SEND: dict[OnDuplicate, Do] = {"skip": Do.REFUSE, "replace": Do.REFUSE,
+                                  "retry": Do.SEND, "raise": Do.FAIL}
+AT_RUN: dict[OnDuplicate, Do] = {"skip": Do.SKIP, "replace": Do.SKIP,
+                                 "retry": Do.WAIT, "raise": Do.FAIL}
+
+
+def _duplicate(do: Do, holder: Optional[str], *, reason: str, state: str, task_name: str,
+               key: str, reopens_in: Optional[float] = None) -> Decision:
+    """A duplicate's decision; a failing one carries the error that names the holder."""
+    error = DuplicateTaskError(task_name, key, holder, state) if do is Do.FAIL else None
+    return Decision(do, holder=holder, reason=reason, state=state, error=error,
+                    reopens_in=reopens_in)
+
+
+#: why an execution waits for a holder whose lock was not renewed on time
+DOUBTFUL = "its holder's lock is not renewed on time"
+
+
+def at_run(answer: Acquired, *, on_duplicate: OnDuplicate, task_name: str, key: str
+           ) -> Decision:
     """An execution that starts asked for its lock."""
     status = answer.status
     if status is Acquire.GRANTED:
@@ -105,16 +125,8 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
         # singleton_rate: the key's window holds its N starts already. Skip, or
         # come back when the window reopens (never sooner), or raise
         reason = "throttled" if status is Acquire.THROTTLED else RATE_LIMITED
-        reopens = answer.reopens_ms / 1000.0
-        if on_duplicate in SKIPPING:
-            return Decision(Do.SKIP, holder=holder, reason=reason, reopens_in=reopens,
-                            state="started")
-        if on_duplicate == "retry":
-            return Decision(Do.WAIT, holder=holder, reason=reason, reopens_in=reopens,
-                            state="started")
-        return Decision(Do.FAIL, holder=holder, reason=reason, reopens_in=reopens,
-                        state="started",
-                        error=DuplicateTaskError(task_name, key, holder, "started"))
+        return _duplicate(AT_RUN[on_duplicate], holder, reason=reason, state="started",
+                          task_name=task_name, key=key, reopens_in=answer.reopens_ms / 1000.0)
     if status is Acquire.SAME_TASK:
         # a redelivered copy of a running task: it comes back later and is
         # dropped if the original finished, run if the original died
@@ -122,49 +134,56 @@ def at_run(answer: Acquired, *, on_duplicate: str, task_name: str, key: str) -> 
     if answer.queued_by_it:
         # a send that was accepted must run: it waits for the one running
         return Decision(Do.WAIT, holder=holder, reason="accepted when sent; waits its turn")
-    if on_duplicate in SKIPPING:
-        return Decision(Do.SKIP, holder=holder, reason="duplicate", state=state)
-    if on_duplicate == "retry":
-        return Decision(Do.WAIT, holder=holder, reason="duplicate", state=state)
-    return Decision(Do.FAIL, holder=holder, reason="duplicate", state=state,
-                    error=DuplicateTaskError(task_name, key, holder, state))
+    if answer.doubtful:
+        # the holder's lock was not renewed on time: it may not be running (a
+        # grant never confirmed, a holder cut off, a release on its way), so
+        # not a duplicate of it yet; decided once the lock is renewed or gone
+        return Decision(Do.WAIT, holder=holder, reason=DOUBTFUL, state=state,
+                        reopens_in=answer.ttl_ms / 1000.0)
+    return _duplicate(AT_RUN[on_duplicate], holder, reason="duplicate", state=state,
+                      task_name=task_name, key=key)
 
 
-def other_key_taken(on_duplicate: str, holder: str, *, task_name: str, key: str) -> Decision:
+def other_key_taken(on_duplicate: OnDuplicate, holder: str, *, task_name: str, key: str
+                    ) -> Decision:
     """A send found the old library's key of its call taken
     (``singleton_also_lock``): refused, as that library refused it, or raised
     under ``raise``, whatever the scope."""
-    if on_duplicate == "raise":
-        return Decision(Do.FAIL, holder=holder, reason="duplicate", state="queued",
-                        error=DuplicateTaskError(task_name, key, holder, "queued"))
-    return Decision(Do.REFUSE, holder=holder, reason="duplicate", state="queued")
+    do = Do.FAIL if on_duplicate == "raise" else Do.REFUSE
+    return _duplicate(do, holder, reason="duplicate", state="queued", task_name=task_name,
+                      key=key)
 
 
-def held_elsewhere(on_duplicate: str, holder: str, *, task_name: str, key: str) -> Decision:
+def held_elsewhere(on_duplicate: OnDuplicate, holder: str, *, task_name: str, key: str
+                   ) -> Decision:
     """An execution that starts found the old library's key of its call held by
     another call (``singleton_also_lock``): a duplicate of a running one."""
-    if on_duplicate in SKIPPING:
-        return Decision(Do.SKIP, holder=holder, reason="duplicate", state="running")
-    if on_duplicate == "retry":
-        return Decision(Do.WAIT, holder=holder, reason="duplicate", state="running")
-    return Decision(Do.FAIL, holder=holder, reason="duplicate", state="running",
-                    error=DuplicateTaskError(task_name, key, holder, "running"))
+    return _duplicate(AT_RUN[on_duplicate], holder, reason="duplicate", state="running",
+                      task_name=task_name, key=key)
 
 
-def on_backend_error(policy: str, *, phase: str, key: str, error: Exception) -> Decision:
+#: what a call gets when the lock Redis does not answer, by
+#: ``singleton_on_backend_error``, at a send and when it starts
+BACKEND_AT_SEND: dict[OnBackendError, Do] = {"retry": Do.SEND, "run": Do.SEND,
+                                             "raise": Do.FAIL}
+BACKEND_AT_RUN: dict[OnBackendError, Do] = {"retry": Do.WAIT, "run": Do.RUN_UNLOCKED,
+                                            "raise": Do.FAIL}
+
+
+def on_backend_error(policy: OnBackendError, *, phase: str, key: str, error: Exception
+                     ) -> Decision:
     """The lock Redis could not be reached; ``phase`` is "send" or "run".
 
     At run: ``retry`` waits and never runs unlocked, ``run`` runs unlocked,
     ``raise`` fails the task. At send: ``raise`` raises to the caller; the
     others send without the send-time key (the run lock still applies).
     """
-    if policy == "raise":
+    do = (BACKEND_AT_SEND if phase == "send" else BACKEND_AT_RUN)[policy]
+    if do is Do.FAIL:
         return Decision(Do.FAIL, reason="backend", error=LockBackendError(key, describe(error)))
-    if phase == "send":
-        return Decision(Do.SEND, reason="lock backend unavailable")
-    if policy == "run":
-        return Decision(Do.RUN_UNLOCKED, reason="lock backend unavailable")
-    return Decision(Do.WAIT, reason=f"lock backend unavailable: {describe(error)}")
+    if do is Do.WAIT:
+        return Decision(Do.WAIT, reason=f"lock backend unavailable: {describe(error)}")
+    return Decision(do, reason="lock backend unavailable")
 
 
 #: a throttled call sent again comes this long after its window reopens

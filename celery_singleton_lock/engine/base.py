@@ -17,19 +17,68 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
-from ..config import SingletonConfig
+from ..config import REPLACE, SingletonConfig
 from ..keys import LockKeys
-from ..process import HOST_KEY, Holder, forget_seen, pid_alive
-from .paths import needs_a_script
+from ..process import Holder, forget_seen, pid_alive, split_host_key
+from .outage import Outage
 from .replies import Acquired, Enqueued, Reclaimed, Released, Renew
-from .watch import Watch
+from .request import Request
 
 logger = logging.getLogger("celery_singleton_lock")
 
 #: ``(lock key, execution id, lease ms)``: one lock of a renewal round
 Entry = tuple[str, str, int]
+
+
+class Back(NamedTuple):
+    """A watched server answers again after going away."""
+
+    #: it is a new server (its run_id changed; False also when INFO is not
+    #: allowed): said in the log only, the renewal tells forgotten keys itself
+    restarted: bool
+    #: the outage of the wire that talks to it, if calls fail at once meanwhile
+    outage: Optional[Outage] = None
+
+
+class Watch(Protocol):
+    """What the renewer watches (:meth:`Engine.watch`; :mod:`.watch` has them):
+    connections that never carry a command, readable the moment their server
+    goes away, that report each server that answers again."""
+
+    @property
+    def retry_in(self) -> Optional[float]:
+        """Seconds until a server that went away is tried again (None: none is away)."""
+
+    def poll(self) -> tuple[list[int], list[Back]]:
+        """The sockets to wait on, and the servers that answer again since."""
+
+    def gone(self, fd: Optional[int] = None) -> bool:
+        """The server behind ``fd`` (readable) went away."""
+
+    def close(self) -> None:
+        """Close every connection of the watch."""
+
+
+#: the settings a native call cannot serve, each with what makes it need a script
+NEEDS_A_SCRIPT = (
+    ("singleton_scope", lambda c: c.scope != "run"),
+    ("singleton_limit", lambda c: c.limit > 1),
+    ("singleton_throttle", lambda c: c.throttle > 0),
+    ("singleton_on_duplicate", lambda c: c.on_duplicate == REPLACE),
+    ("singleton_wait_replicas", lambda c: c.wait_replicas > 0),
+    ("singleton_also_lock", lambda c: c.also_lock is not None),
+)
+
+
+def needs_a_script(config: SingletonConfig) -> list[str]:
+    """The settings of ``config`` (a task's) that only a script serves."""
+    return [name for name, needs in NEEDS_A_SCRIPT if needs(config)]
+
+
+def native_serves(config: SingletonConfig) -> bool:
+    return not needs_a_script(config)
 
 
 class Engine(ABC):
@@ -75,6 +124,14 @@ class Engine(ABC):
         only a script carries out."""
         return [] if self.lock_path()[1] else needs_a_script(config)
 
+    def clock_offset(self, ask: bool = False) -> Optional[float]:
+        """How far the lock Redis's clock is ahead of this host's (seconds;
+        negative: behind), from this process's estimate (:mod:`.clock`), or
+        None before anything was heard; ``ask``: connect to hear it first.
+        Celery times a message's ETA by the clock of whoever reads it: a
+        wait measured on the lock Redis's clock is the same everywhere."""
+        return None
+
     def lease_margin(self, lease: float) -> float:
         """Seconds the holder counts its lease short by: none on one server (its
         deadline already counts from before the request left)."""
@@ -88,8 +145,7 @@ class Engine(ABC):
         never has such a gap."""
         return self.renew(entries), [[] for _ in entries]
 
-    def refill(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int,
-               lease_ms: int, hostname: str, retries: int, task_name: str,
+    def refill(self, keys: LockKeys, request: Request, token: int, *,
                only: Sequence[int], still_held: Callable[[], bool]) -> None:
         """Write a lock held by enough servers back on those at ``only``, which
         lost it. Nothing to do where there is one server."""
@@ -98,23 +154,19 @@ class Engine(ABC):
     # -- the lock's operations ----------------------------------------------------------
 
     @abstractmethod
-    def acquire(self, keys: LockKeys, *, task_id: str, exec_id: str, lease_ms: int,
-                hostname: str, retries: int, task_name: str, scope: str = "run",
-                throttle_ms: int = 0, slots: int = 1, replace: bool = False,
-                done: bool = True, rate: tuple[int, int] = (0, 0)) -> Acquired:
-        """Take the lock for an execution that starts now (``rate``: the starts
-        and window ms of ``singleton_rate``)."""
+    def acquire(self, keys: LockKeys, request: Request) -> Acquired:
+        """Take the lock for an execution that starts now, on the request's terms."""
 
     @abstractmethod
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
-                always_record: bool = False, done_ttl: float = 0.0, task_name: str = ""
+                always_record: bool = False, done_ms: int = 0, task_name: str = ""
                 ) -> bool:
         """Free the lock if ``exec_id`` still owns it; True when this call freed it."""
 
     @abstractmethod
     def release_later(self, keys: LockKeys, exec_id: str, task_id: str,
                       answered: Callable[[Optional[Released], Optional[Exception]], None], *,
-                      always_record: bool = False, done_ttl: float = 0.0, task_name: str = "",
+                      always_record: bool = False, done_ms: int = 0, task_name: str = "",
                       finished: bool = True) -> None:
         """:meth:`release` without waiting for the reply (``answered`` gets it)."""
 
@@ -123,8 +175,7 @@ class Engine(ABC):
         """Renew every lock of ``entries`` in one round."""
 
     @abstractmethod
-    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
-                hostname: str, retries: int, task_name: str) -> Reclaimed:
+    def reclaim(self, keys: LockKeys, request: Request, token: int) -> Reclaimed:
         """Write back a lock the server forgot (not one released or taken since)."""
 
     @abstractmethod
@@ -162,6 +213,42 @@ class Engine(ABC):
     @abstractmethod
     def unclaim(self, key: str, value: str) -> bool:
         """Delete a :meth:`claim` if ``value`` still has it."""
+
+    # -- the keys beside the locks: beat's ticks, tick-run markers, the stats ---------
+    # Plain values and hashes, each call one command on one server; on
+    # Redlock a majority's (written on every master, read as most of them say).
+
+    @abstractmethod
+    def read(self, key: str) -> Optional[str]:
+        """The value of ``key``, or None."""
+
+    @abstractmethod
+    def write(self, key: str, value: str, ttl_ms: int, *, previous: bool = False
+              ) -> Optional[str]:
+        """Set ``key`` to ``value`` for ``ttl_ms``; ``previous``: return what it held."""
+
+    @abstractmethod
+    def take(self, key: str) -> Optional[str]:
+        """The value of ``key``, deleted."""
+
+    @abstractmethod
+    def present(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+
+    @abstractmethod
+    def run_script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """One of the library's scripts (beat's, :mod:`..beat.overlap`) on ``keys``."""
+
+    @abstractmethod
+    def read_hash(self, key: str) -> dict[str, str]:
+        """Every field of the hash ``key``."""
+
+    @abstractmethod
+    def update_hash(self, key: str, *, add: Optional[dict[str, float]] = None,
+                    put: Optional[dict[str, str]] = None, drop: Sequence[str] = (),
+                    ttl_s: int = 0) -> None:
+        """Add to, set and delete fields of the hash ``key`` in one round trip,
+        and keep it ``ttl_s`` (0: as it is)."""
 
     # -- replies owed -----------------------------------------------------------------
 
@@ -218,10 +305,10 @@ class Engine(ABC):
         else:
             return False
         holder = Holder.of(record)
-        if holder.host_key != HOST_KEY:
+        if not holder.on_this_host:
             return False
         deadline = time.monotonic() + wait
-        while pid_alive(holder.pid):
+        while pid_alive(holder.pid, split_host_key(holder.host_key)[1]):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)

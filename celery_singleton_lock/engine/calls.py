@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from ..keys import LockKeys
-from ..process import HOST_KEY, PROCESS
+from ..process import PROCESS
+from .request import Request
 from .scripts import Script
 
 #: the share of the lease a host's clock may be off the Redis clock before the
@@ -39,20 +40,21 @@ def _field(value: str) -> str:
     return value.replace("\n", " ") if "\n" in value else value
 
 
-def record_rest(task_id: str, lease_ms: int, hostname: str, retries: int, task_name: str,
-                fin_ms: int) -> str:
+def record_rest(request: Request, fin_ms: int) -> str:
     """The owner record's fields from ``lease`` on, as one string (docs/redis-keys.md)."""
-    return (f"{lease_ms}\n{fin_ms}\n{retries}\n{PROCESS.pid}\n{HOST_KEY}\n{_field(hostname)}\n"
-            f"{_field(task_name)}\n{task_id}")
+    return (f"{request.lease.ms}\n{fin_ms}\n{request.retries}\n{PROCESS.pid}\n"
+            f"{PROCESS.host_key}\n{_field(request.hostname)}\n"
+            f"{_field(request.task_name)}\n{request.task_id}")
 
 
-def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, hostname: str,
-                 retries: int, task_name: str, scope: str, fin_ms: int, throttle_ms: int = 0,
-                 replace: bool = False, done: bool = True, rate: tuple[int, int] = (0, 0),
-                 *, keep_ms: int) -> tuple[list[str], list[Any]]:
+def acquire_call(keys: LockKeys, request: Request, fin_ms: int, *, keep_ms: int,
+                 deadline_ms: int = 0, confirm_by_ms: int = 0) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``acquire.lua``; ``keep_ms``: how long the key's
-    fencing counter outlives the lock (``singleton_fence_ttl``), passed last
-    as the counter's TTL from the grant, the lease and that.
+    fencing counter outlives the lock (``singleton_fence_ttl``), passed as the
+    counter's TTL from the grant, the lease and that; ``deadline_ms``: the
+    server clock past which the request does nothing (:mod:`.clock`);
+    ``confirm_by_ms``, last: when a grant its holder has not confirmed by then
+    expires (0: it lives its lease).
 
     Redis pays for every string passed (about as much as for a command run
     inside the script), so the owner record's fields that the script does not
@@ -65,7 +67,12 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
     ``rate``: (starts, window ms) of ``singleton_rate``; every key is passed
     then, the lock's own key for "not replacing".
     """
-    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
+    task_id, exec_id, lease_ms, scope = (request.task_id, request.exec_id, request.lease.ms,
+                                         request.scope)
+    throttle_ms, replace, done, rate = (request.throttle_ms, request.replace, request.done,
+                                        request.rate)
+    task_name = request.task_name
+    rest = record_rest(request, fin_ms)
     fence_ms = fence_ttl_ms(lease_ms, keep_ms)
     # where KEYS go by position, the lock's own key stands for "no done marker"
     done_key = keys.done if done else keys.lock
@@ -73,46 +80,47 @@ def acquire_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int, host
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
                  keys.replaced if replace else keys.lock, keys.rate],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
-                 rate[0], rate[1], fence_ms])
+                 rate[0], rate[1], fence_ms, deadline_ms, confirm_by_ms])
     if replace:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle,
                  keys.replaced],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
-                 fence_ms])
+                 fence_ms, deadline_ms, confirm_by_ms])
     if throttle_ms > 0:
         return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued, keys.throttle],
                 [task_id, exec_id, lease_ms, rest, scope, throttle_ms, _field(task_name),
-                 fence_ms])
+                 fence_ms, deadline_ms, confirm_by_ms])
     if scope == "run":
         return ([keys.lock, keys.fence, keys.fin, keys.done] if done else
-                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest, fence_ms]
+                [keys.lock, keys.fence, keys.fin]), [task_id, exec_id, lease_ms, rest, fence_ms,
+                                                     deadline_ms, confirm_by_ms]
     return ([keys.lock, keys.fence, keys.fin, done_key, keys.queued],
-            [task_id, exec_id, lease_ms, rest, scope, fence_ms])
+            [task_id, exec_id, lease_ms, rest, scope, fence_ms, deadline_ms, confirm_by_ms])
 
 
-def acquire_slots_call(keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
-                       hostname: str, retries: int, task_name: str, fin_ms: int, slots: int,
-                       done: bool = True, rate: tuple[int, int] = (0, 0), *, keep_ms: int
+def acquire_slots_call(keys: LockKeys, request: Request, fin_ms: int, *, keep_ms: int,
+                       deadline_ms: int = 0, confirm_by_ms: int = 0
                        ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = ``slots`` > 1);
-    without a done window (``done`` False) the fence's key stands for the marker's;
-    ``rate``: (starts, window ms) of ``singleton_rate``, its key last."""
-    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    keys_ = [keys.fence, keys.fin, keys.done if done else keys.fence, keys.back,
-             *(k.lock for k in keys.slots(slots))]
-    args: list[Any] = [task_id, exec_id, lease_ms, rest, fence_ttl_ms(lease_ms, keep_ms)]
+    """KEYS and ARGV of ``acquire_slots.lua`` (``singleton_limit`` = the
+    request's ``slots`` > 1); without a done window the fence's key stands for
+    the marker's; ``rate``, its key last; ``deadline_ms``, ``confirm_by_ms``: as
+    :func:`acquire_call`'s."""
+    lease_ms, rate = request.lease.ms, request.rate
+    keys_ = [keys.fence, keys.fin, keys.done if request.done else keys.fence, keys.back,
+             *(k.lock for k in keys.slots(request.slots))]
+    args: list[Any] = [request.task_id, request.exec_id, lease_ms, record_rest(request, fin_ms),
+                       fence_ttl_ms(lease_ms, keep_ms), deadline_ms, confirm_by_ms]
     if rate[0] > 0:
         return [*keys_, keys.rate], [*args, rate[0], rate[1]]
     return keys_, args
 
 
 def release_call(keys: LockKeys, exec_id: str, task_id: str, finished: bool,
-                 always_record: bool, done_ttl: float, fin_ms: int, task_name: str = ""
+                 always_record: bool, done_ms: int, fin_ms: int, task_name: str = ""
                  ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``release.lua``: the usual release (a finished task, no
     done window) passes two keys and the execution id; the finish marker's
     task id and TTL come from the owner record."""
-    done_ms = int(done_ttl * 1000)
     mode = release_mode(finished, always_record)
     if done_ms > 0:
         return [keys.lock, keys.fin, keys.done], [exec_id, mode, task_id, fin_ms, done_ms,
@@ -130,17 +138,18 @@ def release_mode(finished: bool, always_record: bool) -> int:
 
 
 def enqueue_call(keys: LockKeys, task_id: str, scope: str, ttl_ms: int, task_name: str = "",
-                 replace: Optional[tuple[int, int]] = None, done: bool = True
-                 ) -> tuple[list[str], list[Any]]:
+                 replace: Optional[tuple[int, int]] = None, done: bool = True,
+                 deadline_ms: int = 0) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``enqueue.lua``; ``replace``: (debounce ms, debounce_max
     ms) of ``singleton_on_duplicate="replace"``; ``done`` False: the task keeps
-    no done window, the lock's key stands for the marker's."""
+    no done window, the lock's key stands for the marker's; ``deadline_ms``,
+    last: as :func:`acquire_call`'s."""
     done_key = keys.done if done else keys.lock
     if replace is not None:
         return [keys.queued, keys.lock, done_key, keys.replaced], [
-            task_id, scope, max(ttl_ms, 1), _field(task_name), *replace]
+            task_id, scope, max(ttl_ms, 1), _field(task_name), *replace, deadline_ms]
     return [keys.queued, keys.lock, done_key], [task_id, scope, max(ttl_ms, 1),
-                                               _field(task_name)]
+                                               _field(task_name), deadline_ms]
 
 
 def marker_task(value: Any) -> tuple[str, str]:
@@ -181,25 +190,29 @@ def handoff_call(keys: LockKeys, exec_id: str, next_retries: int, lease_ms: int
     return [keys.lock], [exec_id, next_retries, lease_ms]
 
 
-def reclaim_call(keys: LockKeys, task_id: str, exec_id: str, token: int, lease_ms: int,
-                 hostname: str, retries: int, task_name: str, fin_ms: int,
-                 *, keep_ms: int) -> tuple[list[str], list[Any]]:
+def reclaim_call(keys: LockKeys, request: Request, token: int, fin_ms: int,
+                 *, keep_ms: int, deadline_ms: int = 0) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of ``reclaim.lua``: write back a held lock the server forgot.
 
     The key's ``back`` hash, which tells the other slots of a ``singleton_limit``
-    key that the counter they find was recreated by a write-back, lives one
-    renewal interval and a second: every holder's renewer asks within that.
+    key that the counter they find was recreated by a write-back, lives a
+    whole lease and a second (:func:`back_ms`).
     """
-    rest = record_rest(task_id, lease_ms, hostname, retries, task_name, fin_ms)
-    return [keys.lock, keys.fence, keys.back], [exec_id, lease_ms, token, rest,
+    lease_ms = request.lease.ms
+    rest = record_rest(request, fin_ms)
+    return [keys.lock, keys.fence, keys.back], [request.exec_id, lease_ms, token, rest,
                                                 back_ms(lease_ms),
-                                                fence_ttl_ms(lease_ms, keep_ms)]
+                                                fence_ttl_ms(lease_ms, keep_ms), deadline_ms]
 
 
 def back_ms(lease_ms: int) -> int:
-    """How long a key's ``back`` hash lives after a write-back (reclaim.lua):
-    a third of the lease (the renewal interval) and a second."""
-    return lease_ms // 3 + 1000
+    """How long a key's ``back`` hash lives after a write-back (reclaim.lua): a
+    lease and a second. A holder whose lease is still valid may write its slot
+    back until the lease runs out, however late its renewer runs (a starved
+    process's came after a third of the lease and a second had passed, its
+    slot was granted to a third execution, and N + 1 ran); a slot nobody
+    writes back stays refused that long after the empty restart."""
+    return lease_ms + 1000
 
 
 def fence_call(keys: LockKeys, exec_id: str, token: int, keep_ms: int

@@ -1,6 +1,13 @@
-"""The native path's fencing tokens: this process's estimate of the lock
-Redis's clock, from which a grant proposes its token (:mod:`.native`), and
-how far a proposal may stand from the clock the grant then reads.
+"""This process's estimate of one lock Redis's clock: from it a native grant
+proposes its token (:mod:`.native`), and every grant, write-back and
+send-time key carries its deadline (:meth:`ServerClock.deadline_ms`): the
+server refuses a request that reaches it after its caller gave up waiting, so
+nothing of an abandoned call is left behind it (a request held in a network
+path, a relay or a kernel's retransmission queue past its caller's timeout).
+
+The estimate comes from ``TIME`` replies: one read with every new connection
+(in the same write as the scripts' ``SCRIPT LOAD``), each native grant's, and
+each refusal of a late request (which carries the server's clock).
 """
 
 from __future__ import annotations
@@ -48,6 +55,29 @@ class ServerClock:
     def known(self) -> bool:
         return bool(self.heard_from)
 
+    def low(self) -> int:
+        """A lower bound of the server clock now (µs; 0 before anything was
+        heard): the clock a reply carried was read by the server before that
+        reply arrived here, so the server's clock is at least that plus the
+        time since the reply arrived. The best (highest) of the last
+        :data:`WINDOW` replies counts."""
+        heard = self.heard_from
+        if not heard:
+            return 0
+        return time.monotonic_ns() // 1000 + max(o - t for o, t in heard)
+
+    def deadline_ms(self, budget: float) -> int:
+        """The server clock (ms) past which a request sent now is one its
+        caller gave up on, waiting ``budget`` seconds for the reply: at most
+        the server's clock when the caller gives up, so a request that
+        arrives later is surely refused (one that arrives a round trip
+        sooner may be too: the caller then sees it refused, not lost). 0, no
+        deadline, before anything was heard or without a budget."""
+        low = self.low()
+        if not low or budget <= 0:
+            return 0
+        return (low + int(budget * 1_000_000)) // 1000
+
     def propose(self) -> int:
         """A token at or a little above the server clock as a request sent
         now arrives; 0 before anything was heard."""
@@ -56,8 +86,15 @@ class ServerClock:
         return time.monotonic_ns() // 1000 + self._ahead
 
     def heard(self, sent: int, reply: Any, received: int) -> None:
+        """A request sent at ``sent`` (this process's monotonic µs) was
+        answered, with the server's ``TIME`` ``reply``, at ``received``."""
         heard = self.heard_from
-        heard.append((server_us(reply) - sent, received - sent))
+        offset = server_us(reply) - sent
+        if heard and max(o - t for o, t in heard) > offset:
+            # the server's clock is behind what an earlier reply proved it
+            # had reached: it was set back. What was heard before no longer holds
+            heard.clear()
+        heard.append((offset, received - sent))
         trips = [t for _, t in heard]
         margin = min(MARGIN_MAX_US, max(MARGIN_US, trips[-1] - min(trips)))
         self._ahead = min(o for o, _ in heard) + margin

@@ -39,7 +39,7 @@ from redis.exceptions import AskError, MovedError
 from ..process import ForkSafeLock
 from . import replies
 from .calls import renew_call
-from .outage import PROBE_FIRST, PROBE_GIVE_UP, PROBE_MAX, Answered, Owed, unreachable
+from .outage import PROBE_FIRST, PROBE_GIVE_UP, PROBE_MAX, Answered, Owed, owed_on
 from .replies import Renew
 from .scripts import Script
 from .wire import BROKEN, Wire
@@ -118,6 +118,10 @@ class ClusterWire:
         """Read the slot map again (after MOVED, or a node that went away)."""
         self._load(refresh=True)
 
+    def deadline_ms(self, key: str = "") -> int:
+        """:meth:`Wire.deadline_ms` of the node serving ``key``'s slot."""
+        return self.wire_for(key).deadline_ms()
+
     def wire_for(self, key: str) -> Wire:
         by_slot = self._by_slot or self._load()
         wire = by_slot[key_slot(key.encode())]
@@ -150,7 +154,14 @@ class ClusterWire:
 
     def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, bool]:
         """:meth:`Wire.call` on the node owning ``keys[0]``'s slot, following
-        MOVED and ASK."""
+        MOVED and ASK; calls owed to that slot go first (a release kept
+        through a failover before a new grant of its key)."""
+        if self._owed:
+            self._owed_first(keys[0])
+        return self._call(script, keys, args)
+
+    def _call(self, script: Script, keys: Sequence[str], args: Sequence[Any]
+              ) -> tuple[Any, bool]:
         repeated = False
         for _ in range(MAX_REDIRECTS):
             wire = self.wire_for(keys[0])
@@ -176,7 +187,10 @@ class ClusterWire:
                   before: Sequence[Any] = (), after: Sequence[Any] = ()
                   ) -> tuple[Any, bool, Any]:
         """:meth:`Wire.call_with` on the node owning the slot (``WAIT`` there
-        counts that node's replicas); MOVED refreshes the map and repeats."""
+        counts that node's replicas); MOVED refreshes the map and repeats.
+        Calls owed to the slot go first, as in :meth:`call`."""
+        if self._owed:
+            self._owed_first(keys[0])
         for _ in range(MAX_REDIRECTS):
             try:
                 return self.wire_for(keys[0]).call_with(script, keys, args, before=before,
@@ -208,7 +222,7 @@ class ClusterWire:
                 try:
                     reply, again = self.call(script, keys, args)
                 except redis.RedisError as exc:
-                    if owe and unreachable(exc):
+                    if owe and owed_on(exc):
                         self._keep(Owed(script, keys, args, answered))
                         return
                     answered(None, exc, repeated)
@@ -217,11 +231,18 @@ class ClusterWire:
                 return
             if isinstance(error, BROKEN):
                 self.stale()
-                if owe and unreachable(error):
-                    self._keep(Owed(script, keys, args, answered))
-                    return
+            if owe and error is not None and owed_on(error):
+                # no answer, or a failover's: sent to whoever serves the slot next
+                self._keep(Owed(script, keys, args, answered))
+                return
             answered(reply, error, repeated)
 
+        if self._owed:
+            if owe and self._owes(keys[0]):
+                # behind the calls already owed to its slot, in order
+                self._keep(Owed(script, keys, args, answered))
+                return
+            self._owed_first(keys[0])
         try:
             wire = self.wire_for(keys[0])
         except BROKEN as exc:
@@ -254,6 +275,29 @@ class ClusterWire:
         """Calls owed to a slot whose node has not answered since."""
         return len(self._owed)
 
+    def _owes(self, key: str) -> list[Owed]:
+        slot = slot_of(key)
+        with self._owed_mutex:
+            return [o for o in self._owed if slot_of(o.keys[0]) == slot]
+
+    def _owed_first(self, key: str) -> None:
+        """Send the calls owed to ``key``'s slot now, in order, before a new
+        call to it: a failure is the new call's too (its node still does not
+        take them)."""
+        for owed in self._owes(key):
+            reply, _ = self._call(owed.script, owed.keys, owed.args)
+            if owed.twice:
+                reply, _ = self._call(owed.script, owed.keys, owed.args)
+            with self._owed_mutex:
+                if owed not in self._owed:
+                    continue  # the sender sent it meanwhile (sent twice: owner-checked)
+                self._owed.remove(owed)
+            if owed.answered is not None:
+                try:
+                    owed.answered(reply, None, True)
+                except Exception:
+                    logger.exception("Handling a lock reply failed")
+
     def _send_owed(self) -> None:
         """Send every owed call, in order, to the node serving its slot now,
         reading the map again after each failure, backing off, until all went
@@ -266,9 +310,9 @@ class ClusterWire:
                     return
                 owed = self._owed[0]
             try:
-                reply, _ = self.call(owed.script, owed.keys, owed.args)
+                reply, _ = self._call(owed.script, owed.keys, owed.args)
                 if owed.twice:
-                    reply, _ = self.call(owed.script, owed.keys, owed.args)
+                    reply, _ = self._call(owed.script, owed.keys, owed.args)
             except redis.RedisError as exc:
                 if time.monotonic() - started > PROBE_GIVE_UP * 5:
                     self._drop_owed(exc)
@@ -278,6 +322,8 @@ class ClusterWire:
                 backoff = min(backoff * 2, PROBE_MAX)
                 continue
             with self._owed_mutex:
+                if owed not in self._owed:
+                    continue  # a call to its slot sent it first
                 self._owed.remove(owed)
             backoff = PROBE_FIRST
             if owed.answered is not None:

@@ -59,33 +59,56 @@ COMMANDS = Commands("commands")
 
 def _grant(keys: Sequence[str], args: Sequence[Any]) -> tuple[bytes, int]:
     """KEYS lock, fence, fin[, done]; ARGV the owner record, the lease ms, the
-    proposed token, the counter's TTL ms. Take the lock if free (the holder's
-    record when not), create the counter at the token if there is none (the
-    counter when there is), read the finish and done markers, then the clock;
-    written whole, one string, as a task's script calls are (:mod:`.scripts`)."""
+    proposed token, the counter's TTL ms, the deadline and when a grant not
+    confirmed by then expires (server ms; 0, 0: none). Take the lock if free
+    (the holder's record when not) and read its remaining ms, create the
+    counter at the token if there is none (the counter when there is), read
+    the finish and done markers, then the clock; written whole, one string,
+    as a task's script calls are (:mod:`.scripts`).
+
+    With a deadline the lock is set to expire at it (``PXAT``), then, in the
+    same write, at ``confirm_by`` if it is still the record just set
+    (``IFEQ``), as a script's grant lives until then unless its holder
+    confirms it (grant_ttl in lua/_record.lua): a grant that reaches the
+    server after its caller gave up expires the moment it is set (Redis
+    writes no key set to expire in the past), and the second reply says so."""
     lock, fence, fin = keys[0], keys[1], keys[2]
     record, lease, token, fence_ms = args[0], str(args[1]), str(args[2]), str(args[3])
-    data = (f"*7\r\n$3\r\nSET\r\n${len(lock)}\r\n{lock}\r\n${len(record)}\r\n{record}\r\n"
-            f"$2\r\nNX\r\n$2\r\nPX\r\n${len(lease)}\r\n{lease}\r\n$3\r\nGET\r\n"
-            f"*7\r\n$3\r\nSET\r\n${len(fence)}\r\n{fence}\r\n${len(token)}\r\n{token}\r\n"
-            f"$2\r\nNX\r\n$2\r\nPX\r\n${len(fence_ms)}\r\n{fence_ms}\r\n$3\r\nGET\r\n"
-            f"*2\r\n$3\r\nGET\r\n${len(fin)}\r\n{fin}\r\n")
+    deadline = str(args[4]) if len(args) > 4 and args[4] else ""
+    if deadline:
+        until = str(args[5])
+        data = (f"*7\r\n$3\r\nSET\r\n${len(lock)}\r\n{lock}\r\n${len(record)}\r\n{record}\r\n"
+                f"$2\r\nNX\r\n$4\r\nPXAT\r\n${len(deadline)}\r\n{deadline}\r\n$3\r\nGET\r\n"
+                f"*7\r\n$3\r\nSET\r\n${len(lock)}\r\n{lock}\r\n${len(record)}\r\n{record}\r\n"
+                f"$4\r\nIFEQ\r\n${len(record)}\r\n{record}\r\n$4\r\nPXAT\r\n${len(until)}\r\n"
+                f"{until}\r\n")
+        first: list[Command] = [("SET", lock, record, "NX", "PXAT", deadline, "GET"),
+                                ("SET", lock, record, "IFEQ", record, "PXAT", until)]
+    else:
+        data = (f"*7\r\n$3\r\nSET\r\n${len(lock)}\r\n{lock}\r\n${len(record)}\r\n{record}\r\n"
+                f"$2\r\nNX\r\n$2\r\nPX\r\n${len(lease)}\r\n{lease}\r\n$3\r\nGET\r\n")
+        first = [("SET", lock, record, "NX", "PX", lease, "GET")]
+    data += (f"*2\r\n$4\r\nPTTL\r\n${len(lock)}\r\n{lock}\r\n"
+             f"*7\r\n$3\r\nSET\r\n${len(fence)}\r\n{fence}\r\n${len(token)}\r\n{token}\r\n"
+             f"$2\r\nNX\r\n$2\r\nPX\r\n${len(fence_ms)}\r\n{fence_ms}\r\n$3\r\nGET\r\n"
+             f"*2\r\n$3\r\nGET\r\n${len(fin)}\r\n{fin}\r\n")
     if len(keys) > 3:
         done = keys[3]
         data += f"*2\r\n$3\r\nGET\r\n${len(done)}\r\n{done}\r\n"
     data += "*1\r\n$4\r\nTIME\r\n"
-    count = len(keys) + 1
+    count = len(keys) + 1 + len(first)
     if data.isascii():
         return data.encode(), count
-    commands: list[Command] = [("SET", lock, record, "NX", "PX", lease, "GET"),
+    commands: list[Command] = [*first, ("PTTL", lock),
                                ("SET", fence, token, "NX", "PX", fence_ms, "GET"),
                                ("GET", fin), *[("GET", k) for k in keys[3:]], ("TIME",)]
     return b"".join([pack(c) for c in commands]), count
 
 
 #: a grant (:meth:`.native.Native.acquire`): its replies are the holder's
-#: record or None, the counter or None, the finish marker, [the done
-#: marker,] the clock
+#: record or None, [with a deadline: "OK" when the grant was set to wait for
+#: its confirmation,] the lock's remaining ms, the counter or None, the finish
+#: marker, [the done marker,] the clock
 GRANT = Commands("grant", _grant)
 
 

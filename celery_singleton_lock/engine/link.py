@@ -21,7 +21,9 @@ READONLY into a failover).
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import struct
 from typing import Any
 
 import redis
@@ -30,6 +32,8 @@ import redis.exceptions
 
 #: how much one read off the socket takes at most (as redis-py's reader)
 READ_SIZE = 65536
+#: SO_LINGER on, 0 s: a close resets the connection, unsent bytes dropped
+_ABORT_ON_CLOSE = struct.pack("ii", 1, 0)
 
 _CRLF = b"\r\n"
 
@@ -47,7 +51,7 @@ class Link:
     """A redis-py connection written and read by the wire."""
 
     __slots__ = ("_buf", "_decode", "_encoding", "_errors", "_pos", "_resolving", "_sock",
-                 "conn", "here")
+                 "conn", "here", "owed")
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -63,64 +67,110 @@ class Link:
         self._sock: Any = None
         self._buf = b""
         self._pos = 0
+        #: replies the server owes on this connection: sent for, not read yet.
+        #: A connection goes back to its wire's idle list only at 0; any other
+        #: count is closed instead (:meth:`.wire.Wire._give`), so no call ever
+        #: reads a reply that was another call's
+        self.owed = 0
 
-    def send(self, packed: bytes) -> None:
-        """Write ``packed``, connecting first when not connected (a
-        Sentinel-managed connection asks for the primary's address then)."""
+    def send(self, packed: bytes, replies: int = 1) -> None:
+        """Write ``packed``, which gets ``replies`` replies, connecting first
+        when not connected (a Sentinel-managed connection asks for the
+        primary's address then)."""
         conn = self.conn
         sock = conn._sock
         if sock is None:
             self._connect()
             sock = conn._sock
-        if not self.here:
-            conn.send_packed_command([packed], check_health=False)
-            return
         if sock is not self._sock:  # a new socket: nothing of the old one is owed
             self._sock = sock
             self._buf = b""
             self._pos = 0
+            self.owed = 0
+        if not self.here:
+            self.owed += replies
+            try:
+                conn.send_packed_command([packed], check_health=False)
+            except BaseException:
+                self.owed = 0  # redis-py disconnected it
+                raise
+            return
+        self.owed += replies
         try:
             sock.sendall(packed)
         except socket.timeout:
-            conn.disconnect()
+            self.disconnect()
             raise redis.TimeoutError("Timeout writing to socket") from None
         except OSError as exc:
-            conn.disconnect()
+            self.disconnect()
             raise redis.ConnectionError(f"Error while writing to socket: {exc}") from None
         except BaseException:
-            conn.disconnect()  # part of it may have left
+            self.disconnect()  # part of it may have left
             raise
+
+    def ensure(self) -> None:
+        """Connect now, if not connected (the handshake's replies are read by
+        redis-py: nothing is owed after it)."""
+        if self.conn._sock is None:
+            self._connect()
 
     def _connect(self) -> None:
         """Connect as redis-py's send would (no health check of a connection
-        just made), a Sentinel-managed one through ``connect()``."""
+        just made), a Sentinel-managed one through ``connect()``.
+
+        The socket drops what it has not sent yet when it is closed
+        (``SO_LINGER`` 0): a call given up on (no reply in time) closes its
+        connection, and a request still in the kernel's send queue must not
+        reach the server later, when its caller is long gone (a grant nobody
+        holds). Replies are read before any close that is not an abandon."""
         conn = self.conn
         if self._resolving or not hasattr(conn, "connect_check_health"):
             conn.connect()  # redis-py before 6: what its send calls too
         else:
             conn.connect_check_health(check_health=False)
+        sock = conn._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT_ON_CLOSE)
 
     def read(self) -> Any:
-        """The next reply; an error reply raised as redis-py's exception."""
+        """The next reply; an error reply raised as redis-py's exception
+        (read all the same: the connection stays in step)."""
+        if self.owed <= 0:
+            # a read of a reply nobody sent for would take the next call's
+            raise redis.exceptions.InvalidResponse("no reply is owed on this connection")
         if not self.here:
-            return self.conn.read_response()
+            try:
+                reply = self.conn.read_response()
+            except redis.ResponseError:
+                self.owed -= 1
+                raise
+            except BaseException:
+                self.disconnect()
+                raise
+            self.owed -= 1
+            return reply
         try:
             reply = self._short() if self._pos == len(self._buf) else self._reply()
         except socket.timeout:
-            self.conn.disconnect()
+            self.disconnect()
             raise redis.TimeoutError(f"Timeout reading from {self._where()}") from None
         except OSError as exc:
-            self.conn.disconnect()
+            self.disconnect()
             raise redis.ConnectionError(
                 f"Error while reading from {self._where()}: {exc}") from None
         except BaseException:
-            self.conn.disconnect()  # out of step with the server
+            self.disconnect()  # out of step with the server
             raise
+        self.owed -= 1
         if isinstance(reply, redis.ResponseError):
             raise reply
         return reply
 
     def disconnect(self) -> None:
+        """Close the connection: the replies still owed on it go with it (it
+        reconnects when next used)."""
+        self.owed = 0
         self.conn.disconnect()
 
     def _where(self) -> str:

@@ -27,21 +27,31 @@ The promises are the scripts':
   counter is "create if none" or "compare, then raise": it never goes down.
   A token may run up to :data:`AHEAD_US` ahead of the clock (a script's is
   the clock itself): a counter lost that soon after a grant (deleted by hand;
-  a restart or a failover takes longer) could let the next grant come below.
+  a restart or a failover takes longer) could let the next grant come below;
+* a grant lives until its request's deadline until its holder confirms it
+  (:meth:`Native.confirm`), as a script's does.
+
+Over 500 lines: one class, the lock's life in plain commands (grant,
+confirmation, release, hand-off, renewal, write-back), each the twin of a
+script in ``lua/`` and kept beside the others: they share the owner record's
+layout, the held records they compare, and the way they read a record again
+when it changed under them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import redis
 
+from ..exceptions import LateRequestError
 from ..keys import LockKeys
 from ..process import Holder
 from .calls import fence_of, fence_ttl_ms, record_rest
-from .clock import AHEAD_US, ServerClock, now_us, server_us
+from .clock import AHEAD_US, now_us, server_us
 from .commands import (
     COMMANDS,
     FIELDS,
@@ -64,7 +74,9 @@ from .replies import (
     Released,
     Renew,
     holder_of,
+    lease_of,
 )
+from .request import Request
 from .wire import BROKEN, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -94,9 +106,12 @@ class Native:
         #: how long a key's fencing counter outlives its lock (singleton_fence_ttl)
         self.keep_ms = keep_ms
         self.fin_ms = fin_ms
-        self.clock = ServerClock()
+        #: the wire's estimate of the server clock (a grant proposes its token from it)
+        self.clock = wire.clock
         #: (lock key, execution id) -> what this process holds
         self.held: dict[tuple[str, str], Held] = {}
+        #: fencing counters whose raise behind a grant has not been answered yet
+        self._raising: dict[str, threading.Event] = {}
 
     def serves(self, lock: str, exec_id: str) -> bool:
         """A call on this lock is this path's: it granted the lock, or the
@@ -110,14 +125,18 @@ class Native:
 
     # -- a grant ------------------------------------------------------------------------
 
-    def acquire(self, keys: LockKeys, *, task_id: str, exec_id: str, lease_ms: int,
-                hostname: str, retries: int, task_name: str, done: bool,
-                again: int = TRIES) -> Acquired:
-        """Take the lock for an execution that starts now (acquire.lua under scope
-        ``run``, one slot, no throttle): one round trip, two when the proposed
+    def acquire(self, keys: LockKeys, request: Request, *, again: int = TRIES,
+                deadline: int = 0, confirm_by: int = 0) -> Acquired:
+        """Take the lock for an execution that starts now (acquire.lua for a
+        :attr:`.Request.plain` request): one round trip, two when the proposed
         token does not stand or a copy is marked. ``again``: how many more
-        times it starts over when the record changed between its two writes."""
-        rest = record_rest(task_id, lease_ms, hostname, retries, task_name, self.fin_ms)
+        times it starts over when the record changed between its two writes;
+        ``deadline``: the server clock (ms) past which the grant does nothing
+        (:data:`.commands.GRANT`; :class:`.LateRequestError`); ``confirm_by``:
+        when the grant expires unless confirmed (:meth:`confirm`) before."""
+        task_id, exec_id, lease_ms = request.task_id, request.exec_id, request.lease.ms
+        done, retries = request.done, request.retries
+        rest = record_rest(request, self.fin_ms)
         if not self.clock.known:  # the server's clock, once per process
             sent = now_us()
             self.clock.heard(sent, self.send([("TIME",)])[0][0], now_us())
@@ -128,15 +147,20 @@ class Native:
             keys.lock, keys.fence, keys.fin]
         sent = now_us()
         try:
-            answers, _ = self.wire.call(GRANT, names, [record, lease_ms, proposed, fence_ms])
+            answers, _ = self.wire.call(GRANT, names, [record, lease_ms, proposed, fence_ms,
+                                                       deadline, confirm_by])
         except BROKEN as exc:
             if not isinstance(exc, RedisUnanswered):
                 # Redis may still run it: undone, owner-checked, once it answers
                 self.wire.owe(exc, COMMANDS, [], [self.flavor.delete_if(keys.lock, record)])
             raise
         self.clock.heard(sent, answers[-1], now_us())
-        holder, counter, fin = answers[0], answers[1], answers[2]
-        done_by = answers[3] if done else None
+        holder = answers[0]
+        if deadline and answers.pop(1) != "OK" and holder is None:
+            # set to expire at its deadline, already past: Redis wrote nothing
+            raise LateRequestError("grant", server_us(answers[-1]) // 1000, deadline)
+        ttl, counter, fin = answers[1], answers[2], answers[3]
+        done_by = answers[4] if done else None
         now = server_us(answers[-1])
 
         handed = False
@@ -146,10 +170,15 @@ class Native:
                 if fields[1] != "" and fields[1] == str(retries):
                     handed = True  # the retry takes back the key its attempt kept
                 elif fields[0] == exec_id:
-                    # this execution asked again (a reply lost on the way): its lease anew
-                    self.send([("PEXPIRE", keys.lock, lease_ms)])
-                    token = int(fields[3])
-                    self.held[(keys.lock, exec_id)] = Held(holder, token)
+                    # this execution asked again (a reply lost on the way): its lease
+                    # anew, its own record's only (compared: the key may have changed
+                    # hands since the grant read it; then decided again, below)
+                    kept = self._rewrite(keys.lock, exec_id, holder, lambda r: r,
+                                         ("PX", lease_ms))
+                    if kept is None:
+                        return self._again(keys, request, again, deadline, confirm_by)
+                    token = int(fields_of(kept)[3])
+                    self.held[(keys.lock, exec_id)] = Held(kept, token)
                     if counter is not None and counter != str(proposed):
                         self._raise_later(keys.fence, token,
                                           fence_ttl_ms(lease_ms, self.keep_ms), counter)
@@ -167,12 +196,16 @@ class Native:
                 return Acquired(Acquire.FINISHED if by == task_id else Acquire.DONE,
                                 holder=Holder(by))
             if holder is not None:
-                return Acquired(Acquire.HELD, holder=holder_of(holder))
+                return Acquired(Acquire.HELD, holder=holder_of(holder), ttl_ms=ttl,
+                                lease_ms=lease_of(holder))
             if fin == task_id:
                 self._give_back(keys.lock, record)
                 return Acquired(Acquire.FINISHED, holder=Holder(task_id))
 
-        created = counter is None or counter == str(proposed)
+        # the counter this grant created (none was there), or the one it found:
+        # one found holding the very token proposed is another grant's, and
+        # the token goes one above it (two holders never share one)
+        created = counter is None
         last = None if created else int(counter)
         if now <= proposed <= now + AHEAD_US and (last is None or proposed > last):
             token = proposed
@@ -190,6 +223,8 @@ class Native:
             self.held[(keys.lock, exec_id)] = Held(record, token)
             if not created:  # the counter it found, raised right behind the grant
                 self._raise_later(keys.fence, token, fence_ms, counter)
+            if deadline:
+                self.confirm(keys.lock, exec_id, lease_ms)
             return Acquired(Acquire.GRANTED, token=token)
         else:
             # the proposal did not stand: the record and the counter carry the token
@@ -198,14 +233,49 @@ class Native:
         if written is None:
             # changed between the two writes (a copy marked it, its lease ran
             # out): decided again, from what the key holds now
-            if again <= 0:
-                raise redis.ResponseError(f"lock {keys.base} kept changing during its grant")
-            return self.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
-                                hostname=hostname, retries=retries, task_name=task_name,
-                                done=done, again=again - 1)
+            return self._again(keys, request, again, deadline, confirm_by)
         self._raise(keys.fence, token, fence_ms, seen)
         self.held[(keys.lock, exec_id)] = Held(written, token)
+        if deadline and not handed:
+            self.confirm(keys.lock, exec_id, lease_ms)
         return Acquired(Acquire.GRANTED, token=token)
+
+    def _again(self, keys: LockKeys, request: Request, again: int, deadline: int,
+               confirm_by: int) -> Acquired:
+        """:meth:`acquire` started over: its record changed between its two
+        writes; an error once it has ``again`` times."""
+        if again <= 0:
+            raise redis.ResponseError(f"lock {keys.base} kept changing during its grant")
+        return self.acquire(keys, request, again=again - 1, deadline=deadline,
+                            confirm_by=confirm_by)
+
+    def confirm(self, lock: str, exec_id: str, lease_ms: int) -> None:
+        """A grant is its holder's: its lease from now (until then it lives
+        until its request's deadline), sent without waiting, the reply read
+        with this process's next call. A grant found gone by then (its reply
+        came too late) is said in the log; the renewer finds it lost."""
+        held = self.held.get((lock, exec_id))
+        if held is None:
+            return
+
+        def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+            answers = reply if isinstance(reply, list) else [reply]
+            if error is not None or answers[0] == "OK":
+                return  # confirmed; or a Redis error, and the renewer tries again
+            try:  # the record changed (a copy marked it): compared as it is now
+                renewed = self._renew_read(lock, exec_id, lease_ms)
+            except redis.RedisError as exc:
+                logger.warning("Could not confirm the grant of %s: %s", lock, exc)
+                return
+            if renewed is not Renew.RENEWED:
+                # released already, or its reply came too late: the renewer
+                # says so if the task still holds it
+                logger.debug("Singleton lock %s was not its holder's when its grant was "
+                             "confirmed (%s)", lock, renewed.name)
+
+        # (the counter's TTL, set by the grant, already counts from a full lease)
+        self.wire.call_later(COMMANDS, [], [
+            ("SET", lock, held.record, "IFEQ", held.record, "PX", lease_ms)], done)
 
     def _give_back(self, lock: str, record: str) -> None:
         """A grant for a task that must not run (finished, done): undone."""
@@ -244,15 +314,34 @@ class Native:
         """:meth:`_raise` sent now, its reply read with this process's next call
         (before its release is sent): the counter is raised before anyone
         else's release of the lock, which comes after the task ran."""
+        raised = threading.Event()
+        self._raising[fence] = raised
+
         def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
-            if error is None and reply != "OK":
-                try:  # raced (a holder whose lease ran out raised it too)
-                    self._raise(fence, token, px, self.send([("GET", fence)])[0][0])
-                except redis.RedisError as exc:
-                    logger.warning("Could not raise the fencing counter %s: %s", fence, exc)
+            try:
+                if error is None and reply != "OK":
+                    try:  # raced (a holder whose lease ran out raised it too)
+                        self._raise(fence, token, px, self.send([("GET", fence)])[0][0])
+                    except redis.RedisError as exc:
+                        logger.warning("Could not raise the fencing counter %s: %s", fence,
+                                       exc)
+            finally:
+                raised.set()
+                if self._raising.get(fence) is raised:
+                    del self._raising[fence]
 
         self.wire.call_later(COMMANDS, [], [("SET", fence, token, "IFEQ", seen, "PX", px)],
                              done, owe=True)
+
+    def _raised_first(self, lock: str) -> None:
+        """Before a release of ``lock`` is sent: the raise of its counter sent
+        right behind its grant (:meth:`_raise_later`) has been answered, so
+        the server ran it first, whichever connection each went out on. It
+        has, but for a task that ended within a round trip of its grant."""
+        raised = self._raising.get(fence_of(lock))
+        if raised is not None and not raised.is_set():
+            self.wire.settle()
+            raised.wait(self.wire.budget or None)
 
     def _raise(self, fence: str, token: int, px: int, seen: Optional[str]) -> None:
         """Raise the counter ``fence`` to at least ``token``; ``seen``: what it
@@ -279,6 +368,7 @@ class Native:
         2 finished and recorded always, 0 not finished; ``done_ms``: the key
         stays done that long."""
         held = self.held.pop((keys.lock, exec_id), None)
+        self._raised_first(keys.lock)
         if held is None:
             return self._release_read(keys, exec_id, task_id, mode, done_ms, task_name), False
         answers, repeated = self.send(self._release_commands(keys, held, task_id, mode,
@@ -293,6 +383,7 @@ class Native:
         """:meth:`release` without waiting for the reply (read by the wire's next
         call or its settle); owed while the server is silent."""
         held = self.held.pop((keys.lock, exec_id), None)
+        self._raised_first(keys.lock)
         if held is None:
             try:
                 status = self._release_read(keys, exec_id, task_id, mode, done_ms, task_name)
@@ -407,8 +498,10 @@ class Native:
         return out
 
     def renew(self, entries: Sequence[tuple[str, str, int]]) -> list[Renew]:
-        """renew.lua: each lock's lease and its counter anew, compared first; one
-        write for all, then a read of each one that changed."""
+        """renew.lua: each lock's lease anew, compared first, one write for
+        all, then a read of each one that changed; the counter of each lock
+        renewed extended after, sent without waiting (a lock no longer held
+        leaves its key's counter as the last grant or renewal set it)."""
         commands: list[Command] = []
         known: list[Optional[Held]] = []
         for lock, exec_id, lease_ms in entries:
@@ -416,18 +509,22 @@ class Native:
             known.append(held)
             if held is not None:
                 commands.append(("SET", lock, held.record, "IFEQ", held.record, "PX", lease_ms))
-                commands.append(("PEXPIRE", fence_of(lock), fence_ttl_ms(lease_ms, self.keep_ms)))
         answers = self.send(commands)[0] if commands else []
         out: list[Renew] = []
+        fences: list[Command] = []
         at = 0
         for (lock, exec_id, lease_ms), held in zip(entries, known):
             if held is not None:
                 ok = answers[at] == "OK"
-                at += 2
+                at += 1
                 if ok:
                     out.append(Renew.RENEWED)
+                    fences.append(("PEXPIRE", fence_of(lock),
+                                   fence_ttl_ms(lease_ms, self.keep_ms)))
                     continue
             out.append(self._renew_read(lock, exec_id, lease_ms))
+        if fences:
+            self.wire.call_later(COMMANDS, [], fences, _unread)
         return out
 
     def _renew_read(self, lock: str, exec_id: str, lease_ms: int) -> Renew:
@@ -440,34 +537,38 @@ class Native:
                 return Renew.NOT_OURS
             if fields[1] != "":
                 return Renew.HANDED_OFF
-            fence_ms = fence_ttl_ms(lease_ms, self.keep_ms)
-            answers, _ = self.send([("SET", lock, record, "IFEQ", record, "PX", lease_ms),
-                                    ("PEXPIRE", fence_of(lock), fence_ms)])
+            answers, _ = self.send([("SET", lock, record, "IFEQ", record, "PX", lease_ms)])
             if answers[0] == "OK":
+                self.wire.call_later(COMMANDS, [], [
+                    ("PEXPIRE", fence_of(lock), fence_ttl_ms(lease_ms, self.keep_ms))], _unread)
                 held = self.held.get((lock, exec_id))
                 if held is not None:  # a copy marked it: compared as it is now
                     held.record = record
                 return Renew.RENEWED
         return Renew.NOT_OURS
 
-    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int,
-                lease_ms: int, hostname: str, retries: int, task_name: str) -> Reclaimed:
+    def reclaim(self, keys: LockKeys, request: Request, token: int) -> Reclaimed:
         """reclaim.lua: write back a held lock the server forgot (its counter
         gone with it), not one released or expired (the counter still there)."""
+        exec_id, lease_ms = request.exec_id, request.lease.ms
         record, counter, clock = self.send([("GET", keys.lock), ("GET", keys.fence),
                                             ("TIME",)])[0]
         if record is not None:
             fields = fields_of(record)
             if fields[0] == exec_id:
-                self.send([("PEXPIRE", keys.lock, lease_ms)])
-                return Reclaimed(Reclaim.OURS, token=int(fields[3]))
+                # its lease anew, its own record's only (compared: the key may have
+                # changed hands since it was read; then decided again)
+                kept = self._rewrite(keys.lock, exec_id, record, lambda r: r,
+                                     ("PX", lease_ms))
+                if kept is None:
+                    return self.reclaim(keys, request, token)
+                return Reclaimed(Reclaim.OURS, token=int(fields_of(kept)[3]))
             return Reclaimed(Reclaim.HELD, holder=holder_of(record))
         if counter is not None:
             return Reclaimed(Reclaim.RELEASED)
         now = server_us(clock)
         new = max(now, token + 1)
-        rest = record_rest(task_id, lease_ms, hostname, retries, task_name, self.fin_ms)
-        record = new_record(exec_id, new, now, rest)
+        record = new_record(exec_id, new, now, record_rest(request, self.fin_ms))
         fence_ms = fence_ttl_ms(lease_ms, self.keep_ms)
         counter, holder = self.send([("SET", keys.fence, new, "NX", "PX", fence_ms, "GET"),
                                      ("SET", keys.lock, record, "NX", "PX", lease_ms, "GET")])[0]
@@ -488,3 +589,8 @@ class Native:
 
     def unclaim(self, key: str, value: str) -> bool:
         return bool(self.send([self.flavor.delete_if(key, value)])[0][0] == 1)
+
+
+def _unread(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+    """The reply of a counter's extension after a renewal: nothing waits on it
+    (a counter it missed lives on from the grant; the next renewal extends it)."""

@@ -42,6 +42,8 @@ logger = logging.getLogger("celery_singleton_lock")
 
 #: how soon the probe tries again to connect to a server that refused (doubling)
 PROBE_FIRST, PROBE_MAX = 0.02, 0.25
+#: probes waiting for an answer at once, each on its own connection
+PROBE_AT_ONCE = 4
 #: how long the probe's PING waits for a reply before it asks again: a frozen
 #: server's reply arrives the moment it runs again
 PROBE_READ = 5.0
@@ -74,6 +76,34 @@ def unreachable(error: BaseException) -> bool:
     """``error`` means the server did not answer: it is down, frozen or cut off."""
     return isinstance(error, (redis.TimeoutError, redis.ConnectionError)) and not isinstance(
         error, _ANSWERED)
+
+
+#: error replies of a server in the middle of a failover or a restart: the
+#: command was refused before it ran, and is taken once that is over
+FAILING_OVER = ("CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "READONLY", "LOADING")
+_FAILING_OVER_CLASSES = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                         redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError)
+
+
+def failing_over(error: BaseException) -> bool:
+    """``error`` is a failover's answer, not a refusal of the call: a Cluster
+    without a primary for some slot (``CLUSTERDOWN``, ``MASTERDOWN``), a slot
+    moving (``TRYAGAIN``), a primary demoted (``READONLY``), a restart loading
+    its data (``LOADING``). The call did not run; sent again later, it will.
+    (redis-py gives most their own class; an older one, a plain ResponseError
+    whose text starts with the code.)"""
+    if isinstance(error, _FAILING_OVER_CLASSES):
+        return True
+    if isinstance(error, redis.ResponseError):
+        return str(error).split(" ", 1)[0].upper() in FAILING_OVER
+    return False
+
+
+def owed_on(error: BaseException) -> bool:
+    """An owner-checked call (a release, the undo of a grant) that failed
+    with ``error`` is kept and sent again once the server answers: it did
+    not answer, or answered that a failover is under way."""
+    return unreachable(error) or failing_over(error)
 
 
 class Owed:
@@ -129,10 +159,10 @@ class Outage:
                 f"{time.monotonic() - since:.1f} s (lock calls fail at once until it does)")
 
     def begin(self, error: BaseException, owed: Optional[Owed] = None) -> None:
-        """A call got no reply (``error``): calls fail at once from now until
-        the server answers; ``owed`` is sent then. An error that shows the
-        server answered (a wrong password) begins nothing."""
-        if not unreachable(error):
+        """A call got no reply (``error``), or a failover's answer: calls fail
+        at once from now until the server answers; ``owed`` is sent then. An
+        error that shows the server answered (a wrong password) begins nothing."""
+        if not owed_on(error):
             return
         with self._mutex:
             if owed is not None:
@@ -183,6 +213,9 @@ class Outage:
                 if self._resumed is not None:
                     self._resumed()
                 if not self._send_owed():
+                    # answered, but not taking them yet (a failover under way)
+                    self._wake.wait(PROBE_MAX)
+                    self._wake.clear()
                     continue
                 with self._mutex:
                     if self._owed:  # owed while the others were being sent
@@ -213,26 +246,57 @@ class Outage:
                     logger.exception("Handling a lock reply failed")
 
     def _wait_for_server(self) -> bool:
-        """Until a PING is answered: True; False after :data:`PROBE_GIVE_UP`."""
+        """Until a PING is answered: True; False after :data:`PROBE_GIVE_UP`.
+
+        Each probe is a connection of its own, and a new one starts every
+        backoff (up to :data:`PROBE_AT_ONCE` waiting at once) rather than
+        after the last gave up: on a path that drops packets, a probe whose
+        SYN or PING was lost waits out TCP's retransmission (a second, then
+        two, four ...), while the next one, sent meanwhile, gets through."""
         backoff = PROBE_FIRST
         started = time.monotonic()
+        answered = threading.Event()
+        probes: list[threading.Thread] = []
         while True:
-            conn = self._connect()
-            try:
-                conn.connect()
-                conn.send_command("PING", check_health=False)
-                conn.read_response()  # returns the moment a frozen server runs again
+            probes = [p for p in probes if p.is_alive()]
+            if len(probes) < PROBE_AT_ONCE:
+                probe = threading.Thread(target=self._probe, args=(answered,),
+                                         name="singleton-outage-probe", daemon=True)
+                probe.start()
+                probes.append(probe)
+            if self._woken(backoff, answered):
                 return True
-            except redis.RedisError:
-                pass
-            finally:
-                conn.disconnect()
             waited = time.monotonic() - started
             if waited > PROBE_GIVE_UP * (5 if self._owed else 1):
                 return False
-            self._wake.wait(backoff)
-            self._wake.clear()
             backoff = min(backoff * 2, PROBE_MAX)
+
+    def _woken(self, wait: float, answered: threading.Event) -> bool:
+        """Wait up to ``wait`` seconds for a probe's answer, or a wake-up (the
+        renewer heard the server: probe again now); whether a probe answered."""
+        deadline = time.monotonic() + wait
+        while not answered.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._wake.wait(min(left, PROBE_FIRST)):
+                self._wake.clear()
+                break
+        return answered.is_set()
+
+    def _probe(self, answered: threading.Event) -> None:
+        """One PING on a connection of its own; ``answered`` set when it is
+        answered (the moment a frozen server runs again)."""
+        conn = self._connect()
+        try:
+            conn.connect()
+            conn.send_command("PING", check_health=False)
+            conn.read_response()
+            answered.set()
+        except redis.RedisError:
+            pass
+        except Exception:  # never let a probe's thread die loudly
+            logger.debug("An outage probe failed", exc_info=True)
+        finally:
+            conn.disconnect()
 
     def _send_owed(self) -> bool:
         """Send every owed call, in order; False when one failed (still down)."""

@@ -99,23 +99,3 @@ def refuses_scripts(exc: redis.ResponseError) -> bool:
     text = str(exc).lower()
     return isinstance(exc, redis.exceptions.NoPermissionError) or "unknown command" in text \
         or "noperm" in text or ("scripting" in text and "disabled" in text)
-
-
-#: the settings a native call cannot serve, each with what makes it need a script
-NEEDS_A_SCRIPT = (
-    ("singleton_scope", lambda c: c.scope != "run"),
-    ("singleton_limit", lambda c: c.limit > 1),
-    ("singleton_throttle", lambda c: c.throttle > 0),
-    ("singleton_on_duplicate", lambda c: c.on_duplicate == "replace"),
-    ("singleton_wait_replicas", lambda c: c.wait_replicas > 0),
-    ("singleton_also_lock", lambda c: c.also_lock is not None),
-)
-
-
-def needs_a_script(config: SingletonConfig) -> list[str]:
-    """The settings of ``config`` (a task's) that only a script serves."""
-    return [name for name, needs in NEEDS_A_SCRIPT if needs(config)]
-
-
-def native_serves(config: SingletonConfig) -> bool:
-    return not needs_a_script(config)

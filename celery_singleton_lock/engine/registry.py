@@ -1,10 +1,13 @@
 """One lock engine per app and process: the kind the URL names, made anew after fork.
 
-:func:`connect` picks it: :class:`~.server.LockEngine` for one server, a
-Sentinel-managed primary or a Cluster, :class:`~.redlock.engine.RedlockEngine`
-for a quorum of independent masters; both are an :class:`~.base.Engine`.
-:func:`engine_for` keeps one per app in each process; its replies still owed
-are read at process exit.
+:func:`connect` picks it by the URL's kind: :class:`~.server.LockEngine` for
+one server, a Sentinel-managed primary or a Cluster,
+:class:`~.redlock.engine.RedlockEngine` for a quorum of independent masters;
+both are an :class:`~.base.Engine`, and each kind is made by the maker its
+module registered (:func:`register`, done by the engine package when it is
+imported): this module, through which everything above the engine reaches
+it, knows the interface only. :func:`engine_for` keeps one per app in
+each process; its replies still owed are read at process exit.
 """
 
 from __future__ import annotations
@@ -12,24 +15,35 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from ..config import SingletonConfig, get_config
 from ..exceptions import describe
 from ..process import PROCESS, ForkSafeLock
+from ..urls import mode_of
 from .base import Engine
-from .redlock.engine import RedlockEngine
-from .server import LockEngine
-from .servers import mode_of
 
 logger = logging.getLogger("celery_singleton_lock")
 
 
+#: the kind of deployment a URL names (:func:`..urls.mode_of`) -> what makes its engine
+_makers: dict[str, Callable[[SingletonConfig], Engine]] = {}
+
+
+def register(modes: Iterable[str], make: Callable[[SingletonConfig], Engine]) -> None:
+    """``make(config)`` makes the engine of a URL of any of ``modes``."""
+    for mode in modes:
+        _makers[mode] = make
+
+
 def connect(config: SingletonConfig) -> Engine:
     """A new engine for ``config.redis_url`` (no connection is opened yet)."""
-    if mode_of(config.redis_url) == "redlock":
-        return RedlockEngine.from_config(config)
-    return LockEngine.from_config(config)
+    mode = mode_of(config.redis_url)
+    make = _makers.get(mode)
+    if make is None:
+        raise ValueError(f"no lock engine for {mode or 'this kind of'} URL "
+                         f"{config.redis_url.split('://', 1)[0]}://")
+    return make(config)
 
 
 _engines: weakref.WeakKeyDictionary[Any, tuple[int, Engine]] = weakref.WeakKeyDictionary()

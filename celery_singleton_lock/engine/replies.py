@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional
 
-from ..exceptions import UnexpectedReplyError
+from ..exceptions import LateRequestError, UnexpectedReplyError
 from ..process import Holder
 
 
@@ -83,6 +83,30 @@ class Acquired:
     reopens_ms: int = 0
     #: ``singleton_limit`` > 1: the slot granted, or the slot of ``holder``
     slot: int = 1
+    #: HELD by a running execution: its lock's remaining ms (the shortest of the
+    #: slots held), and the lease it was granted (-1, 0: not known). A grant
+    #: its holder has not confirmed yet lives only until its request's
+    #: deadline (grant_ttl in lua/_record.lua): :meth:`unconfirmed`
+    ttl_ms: int = -1
+    lease_ms: int = 0
+
+    @property
+    def doubtful(self) -> bool:
+        """Refused by a holder that may not be running: its lock was not
+        renewed on time (it lives less than two thirds of its lease; a holder
+        renews when a third has passed). A grant its holder has not confirmed
+        yet (and may never: its caller gave up; grant_ttl in lua/_record.lua),
+        a holder cut off from Redis, or one whose release is still on its way.
+        Its lock is decided within what it has left: renewed, or gone."""
+        return (self.status is Acquire.HELD and self.lease_ms > 0
+                and 0 <= self.ttl_ms < self.lease_ms * 2 // 3)
+
+    def unconfirmed(self, budget_ms: int) -> bool:
+        """:attr:`doubtful`, and decided soon: within twice ``budget_ms`` (how
+        long a caller waits for a grant's reply: a grant not confirmed lives
+        until its request's deadline and one more such wait), as a grant not
+        confirmed yet is."""
+        return self.doubtful and self.ttl_ms < 2 * budget_ms
 
     @property
     def holder_state(self) -> str:
@@ -145,9 +169,16 @@ def _enum(family: type[IntEnum], value: Any, script: str) -> Any:
         raise UnexpectedReplyError(script, value) from None
 
 
+#: the reply every request with a deadline gives when it arrived after it:
+#: ``{8, server clock ms}`` (``arrival`` in lua/_record.lua)
+LATE = 8
+
+
 def _first(reply: Any, script: str) -> Any:
     if not isinstance(reply, list) or not reply:
         raise UnexpectedReplyError(script, reply)
+    if reply[0] == LATE and len(reply) == 2 and isinstance(reply[1], int):
+        raise LateRequestError(script, reply[1], 0)
     return reply[0]
 
 
@@ -184,6 +215,16 @@ def holder_of(raw: Any) -> Holder:
                   pid=int(values[8] or 0), hostname=values[10])
 
 
+def lease_of(raw: Any) -> int:
+    """The lease (ms) an owner record (as stored) was granted; 0 when not known,
+    or when the record is kept for a retry (its ``handoff`` set: its TTL is
+    the retry's wait, not a grant's)."""
+    fields = raw.split("\n", 6)
+    if len(fields) < 7 or fields[1]:
+        return 0
+    return int(fields[5]) if fields[5].isdigit() else 0
+
+
 def acquired(reply: Any) -> Acquired:
     if isinstance(reply, str):  # granted: the fencing token
         try:
@@ -195,16 +236,22 @@ def acquired(reply: Any) -> Acquired:
         if status is Acquire.GRANTED:
             return Acquired(status, token=int(reply[1]),
                             slot=int(reply[2]) if len(reply) > 2 else 1)
-        if status is Acquire.SAME_TASK and len(reply) > 2:
-            return Acquired(status, holder=holder_of(reply[1]), slot=int(reply[2]))
         if status in (Acquire.FINISHED, Acquire.DONE, Acquire.REPLACED):
             return Acquired(status, holder=Holder(reply[1]))
         if status in (Acquire.THROTTLED, Acquire.RATE_LIMITED):
             return Acquired(status, holder=Holder(reply[1]),
                             reopens_ms=max(int(reply[2]), 0))
+        # HELD: {0, record, accepted[, ttl]} (acquire.lua), {0, record, 0, slot, ttl}
+        # (acquire_slots.lua); SAME_TASK: {2, record[, slot]}
+        if status is not Acquire.HELD:
+            return Acquired(status, holder=holder_of(reply[1]),
+                            slot=int(reply[2]) if len(reply) > 2 else 1)
+        slots = len(reply) > 4
         return Acquired(status, holder=holder_of(reply[1]),
                         queued_by_it=len(reply) > 2 and reply[2] == 1,
-                        slot=int(reply[3]) if len(reply) > 3 else 1)
+                        slot=int(reply[3]) if slots else 1,
+                        ttl_ms=int(reply[-1]) if len(reply) > 3 else -1,
+                        lease_ms=lease_of(reply[1]))
     except (IndexError, TypeError, ValueError, AttributeError):
         raise UnexpectedReplyError("acquire", reply) from None
 
@@ -219,6 +266,8 @@ def reclaimed(reply: Any) -> Reclaimed:
             return Reclaimed(Reclaim.OURS, token=int(reply[1]))
         if isinstance(reply, list) and reply[0] == 0:
             return Reclaimed(Reclaim.HELD, holder=holder_of(reply[1]))
+        if isinstance(reply, list):
+            _first(reply, "reclaim")  # too late: raised
     except (IndexError, TypeError, ValueError, AttributeError):
         pass
     raise UnexpectedReplyError("reclaim", reply)

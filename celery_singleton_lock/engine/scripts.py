@@ -33,7 +33,7 @@ class Script:
     def load(cls, name: str) -> Script:
         """``lua/<name>.lua`` after the prelude every script shares (the owner
         record's layout, ``lua/_record.lua``)."""
-        source = _read(PRELUDE) + _read(name)
+        source = read_source(PRELUDE) + read_source(name)
         return cls(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
@@ -41,7 +41,8 @@ class Script:
 PRELUDE = "_record"
 
 
-def _read(name: str) -> str:
+def read_source(name: str) -> str:
+    """The text of ``lua/<name>.lua``."""
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
 
 
@@ -62,19 +63,21 @@ def evalsha(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes:
     """``EVALSHA <sha> <numkeys> <keys> <args>`` in RESP."""
     # A task's two calls, in one string each: its acquire (three keys, or
     # four with a done window; the task id, the execution id, the lease ms,
-    # the record, the counter's TTL ms) and its release (two keys; the
-    # execution id, the mode). Written whole, they cost half the CPU of the
-    # loop below; text that is not ASCII (a bulk's length counts bytes) goes
-    # through the loop.
-    if len(args) == 5 and 3 <= len(keys) <= 4:
-        a1, a2, a3, a4, a5 = args
+    # the record, the counter's TTL ms, the deadline, the confirmation's) and
+    # its release (two keys; the execution id, the mode). Written whole, they
+    # cost half the CPU of the loop below; text that is not ASCII (a bulk's
+    # length counts bytes) goes through the loop.
+    if len(args) == 7 and 3 <= len(keys) <= 4:
+        a1, a2, a3, a4, a5, a6, a7 = args
         if a1.__class__ is str and a2.__class__ is str and a3.__class__ is int \
-                and a4.__class__ is str and a5.__class__ is int:
-            s3, s5 = str(a3), str(a5)
+                and a4.__class__ is str and a5.__class__ is int and a6.__class__ is int \
+                and a7.__class__ is int:
+            s3, s5, s6, s7 = str(a3), str(a5), str(a6), str(a7)
             names = "".join([f"${len(k)}\r\n{k}\r\n" for k in keys])
-            text = (f"*{len(keys) + 8}\r\n{script.head_text}$1\r\n{len(keys)}\r\n{names}"
+            text = (f"*{len(keys) + 10}\r\n{script.head_text}$1\r\n{len(keys)}\r\n{names}"
                     f"${len(a1)}\r\n{a1}\r\n${len(a2)}\r\n{a2}\r\n${len(s3)}\r\n{s3}\r\n"
-                    f"${len(a4)}\r\n{a4}\r\n${len(s5)}\r\n{s5}\r\n")
+                    f"${len(a4)}\r\n{a4}\r\n${len(s5)}\r\n{s5}\r\n${len(s6)}\r\n{s6}\r\n"
+                    f"${len(s7)}\r\n{s7}\r\n")
             if text.isascii():
                 return text.encode()
     elif len(keys) == 2 and len(args) == 2:

@@ -20,15 +20,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import redis
 
 from ..config import SingletonConfig
-from ..exceptions import TooFewReplicasError, UnconfirmedHolderError, describe
+from ..exceptions import (
+    LateRequestError,
+    TooFewReplicasError,
+    UnconfirmedHolderError,
+    describe,
+)
 from ..keys import LockKeys
+from ..urls import mode_of
 from . import replies
-from .base import Engine, Entry
+from .base import Engine, Entry, Watch
 from .calls import (
     SCRIPTS,
     acquire_call,
@@ -43,17 +49,22 @@ from .calls import (
     renew_call,
     unqueue_call,
 )
+from .clock import now_us
 from .cluster import ClusterWire, LazyCluster, renew_per_slot
 from .native import Native
-from .outage import RedisUnanswered
+from .outage import RedisUnanswered, failing_over
 from .paths import SCRIPTS_ONLY, Path, choose
 from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
+from .request import Request
 from .scripts import Script
-from .servers import CLIENT_DEFAULTS, make_client, mode_of
-from .watch import ClusterWatch, RedisWatch, Watch
+from .servers import CLIENT_DEFAULTS, make_client
+from .shapes import text
+from .watch import ClusterWatch, RedisWatch
 from .wire import BROKEN, Wire
 
 logger = logging.getLogger("celery_singleton_lock")
+
+_T = TypeVar("_T")
 
 #: locks renewed by one script call: each costs Redis a few microseconds, so a
 #: call stays well under 5 ms however many locks a process holds
@@ -96,6 +107,10 @@ class LockEngine(Engine):
         self._wait: tuple[Any, ...] = (
             ("WAIT", config.wait_replicas, config.wait_timeout) if config.wait_replicas else ())
         self._no_replica_said = float("-inf")
+        #: how long a lock call waits for its reply (``socket_timeout``): a
+        #: request's deadline is that long after it leaves (:mod:`.clock`)
+        self.budget = self.wire.budget if isinstance(self.wire, Wire) else float(
+            {**CLIENT_DEFAULTS, **config.redis_options}.get("socket_timeout") or 0.0)
         #: what the server offers, asked at the first call (:mod:`.paths`)
         self._path: Optional[Path] = None
         #: the native path, on a server that has the commands
@@ -131,6 +146,18 @@ class LockEngine(Engine):
             self._path = path
         return self._path
 
+    def clock_offset(self, ask: bool = False) -> Optional[float]:
+        wires = [self.wire] if isinstance(self.wire, Wire) else self.wire.wires
+        if not wires and ask and isinstance(self.wire, ClusterWire):
+            wires = [self.wire.wire_for_slot(0)]
+        for wire in wires:
+            if ask and not wire.clock.known:
+                wire.deadline_ms()  # its first connection reads the server's clock
+            low = wire.clock.low()
+            if low:
+                return low / 1e6 - time.time()
+        return None
+
     def lock_path(self) -> tuple[str, bool]:
         return self.path.describe(), self.path.scripts
 
@@ -162,34 +189,13 @@ class LockEngine(Engine):
     def unsettled(self) -> int:
         return self.wire.unsettled
 
-    def acquire(
-        self,
-        keys: LockKeys,
-        *,
-        task_id: str,
-        exec_id: str,
-        lease_ms: int,
-        hostname: str,
-        retries: int,
-        task_name: str,
-        scope: str = "run",
-        throttle_ms: int = 0,
-        slots: int = 1,
-        replace: bool = False,
-        done: bool = True,
-        rate: tuple[int, int] = (0, 0),
-    ) -> Acquired:
+    def acquire(self, keys: LockKeys, request: Request) -> Acquired:
         """Take the lock for an execution that starts now.
 
         A refused execution that owns the key it took at send time keeps it
         (``queued_by_it`` in the answer): it was accepted, so it will wait and run.
-        ``throttle_ms`` > 0: a grant opens a window that long in which no other
-        task id of this key starts (``singleton_throttle``). ``replace``: a
-        task that a later send superseded is told so (``Acquire.REPLACED``).
-        ``slots`` > 1: one of that many slots (``singleton_limit``), named by
-        the answer's ``slot``. ``done`` False: the task keeps no done window
-        (``singleton_done_ttl``), so no done marker is looked for, on every path.
-        ``rate``: (starts, window ms) of ``singleton_rate`` (:mod:`.rate`).
+        A task that a later send superseded is told so (``Acquire.REPLACED``);
+        with slots, the answer's ``slot`` names the one granted.
 
         With ``singleton_wait_replicas``, a grant is not its holder's until
         WAIT confirms it: it is marked meanwhile (:meth:`.LockKeys.waiting`),
@@ -201,31 +207,51 @@ class LockEngine(Engine):
         acknowledge any): :class:`.UnconfirmedHolderError`, a Redis error, so
         ``singleton_on_backend_error`` decides (by default: retry later).
         """
-        answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                    task_name, scope, throttle_ms, slots, replace, done,
-                                    rate)
-        if not self._wait or answer.status is not Acquire.HELD:
+        def once() -> Acquired:
+            return self._in_time(keys.lock, lambda deadline: self._acquire_once(
+                keys, request, deadline))
+
+        answer = once()
+        if answer.status is not Acquire.HELD:
             return answer
-        # one pending grant is decided within WAIT's timeout and a round trip;
-        # grants that keep being given back to each other, within a few
-        each = (self.config.wait_timeout + PENDING_MARGIN_MS) / 1000
+        # a grant not yet confirmed (by WAIT, or by its holder) is decided
+        # within its own TTL, or WAIT's timeout, and a round trip; grants that
+        # keep being given back to each other, within a few of that
         started = time.monotonic()
-        last, deadline = "", 0.0
+        last, until, each = "", 0.0, 0.0
         while True:
-            pending = self._pending(keys, answer, slots)
+            pending, wait = self._unconfirmed(keys, answer, request.slots)
             if not pending:
                 return answer  # confirmed, or a holder that never waited: running
             now = time.monotonic()
             if pending != last:
-                last, deadline = pending, now + each
-            if now > deadline or now - started > 2 * each:
+                last, until, each = pending, now + wait, max(each, wait)
+            if now > until or now - started > 2 * each:
+                if not self._wait or answer.doubtful:
+                    return answer  # still doubtful: the task waits for it (policies)
                 raise UnconfirmedHolderError(keys.base, pending, now - started)
             time.sleep(PENDING_POLL)
-            answer = self._acquire_once(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                        task_name, scope, throttle_ms, slots, replace, done,
-                                    rate)
+            answer = once()
             if answer.status is not Acquire.HELD:
                 return answer
+
+    def _unconfirmed(self, keys: LockKeys, answer: Acquired, slots: int) -> tuple[str, float]:
+        """The execution id of a holder in the way of this refusal whose grant
+        is not confirmed yet, and how long it takes at most to be decided; or
+        ('', 0). A grant lives only until its request's deadline until its
+        holder confirms it (grant_ttl in lua/_record.lua: a caller that gave
+        up never does, and the key is free then); with WAIT, until WAIT
+        confirms it too (its marker, :meth:`.LockKeys.waiting`)."""
+        if answer.unconfirmed(int(self.budget * 1000)):
+            # decided soon: looked at again here (a grant whose confirmation
+            # is on its way); one doubtful for longer is the task's to wait for
+            holder = answer.holder.exec_id if answer.holder is not None else ""
+            return holder or "?", (answer.ttl_ms + PENDING_MARGIN_MS) / 1000
+        if self._wait:
+            pending = self._pending(keys, answer, slots)
+            if pending:
+                return pending, (self.config.wait_timeout + PENDING_MARGIN_MS) / 1000
+        return "", 0.0
 
     def _pending(self, keys: LockKeys, answer: Acquired, slots: int) -> str:
         """The execution id of a holder in the way of this refusal whose grant
@@ -240,30 +266,44 @@ class LockEngine(Engine):
                 return exec_id
         return ""
 
-    def _acquire_once(self, keys: LockKeys, task_id: str, exec_id: str, lease_ms: int,
-                      hostname: str, retries: int, task_name: str, scope: str,
-                      throttle_ms: int, slots: int, replace: bool, done: bool,
-                      rate: tuple[int, int] = (0, 0)) -> Acquired:
-        if (slots == 1 and scope == "run" and not throttle_ms and not replace and not self._wait
-                and not rate[0] and self.path.native is not None):
+    def _in_time(self, key: str, send: Callable[[int], _T]) -> _T:
+        """``send(deadline)`` of a request for ``key`` (:mod:`.clock`). One the
+        server refused as too late although this process waited less than half
+        its budget was not late: the server's clock is ahead of where the
+        estimate put it (set forward). The estimate corrected from the
+        refusal, which carries the server's clock, it is sent once more."""
+        sent = now_us()
+        try:
+            return send(self.wire.deadline_ms(key))
+        except LateRequestError as exc:
+            received = now_us()
+            wire = self.wire.wire_for(key) if isinstance(self.wire, ClusterWire) else self.wire
+            wire.clock.heard(sent, divmod(exc.server_ms * 1000, 1_000_000), received)
+            if received - sent >= wire.budget * 500_000:
+                raise
+            return send(self.wire.deadline_ms(key))
+
+    def _acquire_once(self, keys: LockKeys, request: Request, deadline: int = 0) -> Acquired:
+        confirm_by = self._confirm_by(deadline)
+        if request.plain and not self._wait and self.path.native is not None:
             assert self.native is not None
-            return self.native.acquire(keys, task_id=task_id, exec_id=exec_id,
-                                       lease_ms=lease_ms, hostname=hostname, retries=retries,
-                                       task_name=task_name, done=done)
-        if slots > 1:
+            return self.native.acquire(keys, request, deadline=deadline, confirm_by=confirm_by)
+        if request.slots > 1:
             script = self._acquire_slots
-            keys_, args = acquire_slots_call(keys, task_id, exec_id, lease_ms, hostname,
-                                             retries, task_name, self._fin_ms, slots, done,
-                                             rate, keep_ms=self._keep_ms)
+            keys_, args = acquire_slots_call(keys, request, self._fin_ms, keep_ms=self._keep_ms,
+                                             deadline_ms=deadline, confirm_by_ms=confirm_by)
         else:
             script = self._acquire
-            keys_, args = acquire_call(keys, task_id, exec_id, lease_ms, hostname, retries,
-                                       task_name, scope, self._fin_ms, throttle_ms, replace, done,
-                                       rate, keep_ms=self._keep_ms)
+            keys_, args = acquire_call(keys, request, self._fin_ms, keep_ms=self._keep_ms,
+                                       deadline_ms=deadline, confirm_by_ms=confirm_by)
+        exec_id, task_id, lease_ms = request.exec_id, request.task_id, request.lease.ms
         try:
             if not self._wait:
                 reply, _ = self.wire.call(script, keys_, args)
-                return replies.acquired(reply)
+                answer = replies.acquired(reply)
+                if answer.status is Acquire.GRANTED and confirm_by:
+                    self._confirm_grant(keys.slot(answer.slot), exec_id, lease_ms)
+                return answer
             # marked before the grant, in the same write: no one sees the grant unmarked
             marker = keys.waiting(exec_id)
             reply, _, acked = self.wire.call_with(
@@ -274,14 +314,30 @@ class LockEngine(Engine):
             if not isinstance(exc, RedisUnanswered):
                 # Redis may still run it (a frozen server runs what it has
                 # read): undone, owner-checked, once it answers again
-                for slot in keys.slots(slots):
+                for slot in keys.slots(request.slots):
                     self.wire.owe(exc, self._release, *release_call(
-                        slot, exec_id, task_id, False, False, 0.0, self._fin_ms))
+                        slot, exec_id, task_id, False, False, 0, self._fin_ms))
             raise
         answer = replies.acquired(reply)
         if answer.status is Acquire.GRANTED:
             self._replicated(keys.slot(answer.slot), acked, exec_id, task_id, marker)
+            if confirm_by:
+                self._confirm_grant(keys.slot(answer.slot), exec_id, lease_ms)
         return answer
+
+    def _confirm_by(self, deadline: int) -> int:
+        """When a grant asked for by a request with ``deadline`` expires if
+        its holder has not confirmed it: one more wait after the deadline, time
+        enough for a reply that came in time to be followed by the
+        confirmation (grant_ttl in lua/_record.lua). 0 with no deadline."""
+        return deadline + int(self.budget * 1000) if deadline else 0
+
+    def _confirm_grant(self, keys: LockKeys, exec_id: str, lease_ms: int) -> None:
+        """A grant lives until :meth:`_confirm_by` until its holder confirms
+        it: confirmed now, its lease from now (renew.lua), sent without
+        waiting; its reply is read with this process's next call."""
+        self.wire.call_later(self._renew, *renew_call([(keys.lock, exec_id, lease_ms)],
+                                                      self._keep_ms), _confirmed(keys.lock))
 
     def _replicated(self, keys: LockKeys, acked: Any, exec_id: str, task_id: str,
                     marker: str) -> None:
@@ -326,30 +382,38 @@ class LockEngine(Engine):
         self.wire.call_later(self._unqueue, [marker], [exec_id], _ignored)
 
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
-                always_record: bool = False, done_ttl: float = 0.0, task_name: str = ""
+                always_record: bool = False, done_ms: int = 0, task_name: str = ""
                 ) -> bool:
         """Free the lock if ``exec_id`` still owns it; True when this call freed it.
 
         A repeat after a lost reply that finds the key free counts as freed: its
-        first attempt did it. ``done_ttl`` > 0: the task (``task_name``)
+        first attempt did it. ``done_ms`` > 0: the task (``task_name``)
         succeeded and its key stays done that long.
         """
         native = self._native_for(keys.lock, exec_id)
         if native is not None:
             status, repeated = native.release(keys, exec_id, task_id,
                                               release_mode(finished, always_record),
-                                              int(done_ttl * 1000), task_name)
+                                              done_ms, task_name)
             return status is Release.RELEASED or (status is Release.FREE and repeated)
-        reply, repeated = self.wire.call(self._release, *self._release_call(
-            keys, exec_id, task_id, finished, always_record, done_ttl, task_name))
+        call = self._release_call(keys, exec_id, task_id, finished, always_record, done_ms,
+                                  task_name)
+        try:
+            reply, repeated = self.wire.call(self._release, *call)
+        except redis.ResponseError as exc:
+            if failing_over(exc):
+                # refused while a failover is under way: owner-checked, sent
+                # again to whichever node serves the key once one takes it
+                self.wire.owe(exc, self._release, *call)
+            raise
         answer = replies.released(reply, repeated)
         return answer.status is Release.RELEASED or (
             answer.status is Release.FREE and answer.repeated)
 
     def _release_call(self, keys: LockKeys, exec_id: str, task_id: str, finished: bool,
-                      always_record: bool, done_ttl: float, task_name: str
+                      always_record: bool, done_ms: int, task_name: str
                       ) -> tuple[list[str], list[Any]]:
-        return release_call(keys, exec_id, task_id, finished, always_record, done_ttl,
+        return release_call(keys, exec_id, task_id, finished, always_record, done_ms,
                             self._fin_ms, task_name)
 
     def release_later(
@@ -360,7 +424,7 @@ class LockEngine(Engine):
         answered: Callable[[Optional[Released], Optional[Exception]], None],
         *,
         always_record: bool = False,
-        done_ttl: float = 0.0,
+        done_ms: int = 0,
         task_name: str = "",
         finished: bool = True,
     ) -> None:
@@ -374,7 +438,7 @@ class LockEngine(Engine):
         native = self._native_for(keys.lock, exec_id)
         if native is not None:
             native.release_later(keys, exec_id, task_id, release_mode(finished, always_record),
-                                 int(done_ttl * 1000), task_name, answered)
+                                 done_ms, task_name, answered)
             return
 
         def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
@@ -384,7 +448,7 @@ class LockEngine(Engine):
                 answered(replies.released(reply, repeated), None)
 
         self.wire.call_later(self._release, *self._release_call(
-            keys, exec_id, task_id, finished, always_record, done_ttl, task_name), done, owe=True)
+            keys, exec_id, task_id, finished, always_record, done_ms, task_name), done, owe=True)
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
                 task_name: str = "", replace: Optional[tuple[int, int]] = None,
@@ -393,15 +457,16 @@ class LockEngine(Engine):
         debounce_max ms): take it from a task still queued, superseding it.
         ``done`` False: the task keeps no done window, none is looked for."""
         try:
-            reply, _ = self.wire.call(self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms,
-                                                                   task_name, replace, done))
+            reply = self._in_time(keys.lock, lambda deadline: replies.enqueued(self.wire.call(
+                self._enqueue, *enqueue_call(keys, task_id, scope, ttl_ms, task_name, replace,
+                                             done, deadline))[0]))
         except BROKEN as exc:
             if not isinstance(exc, RedisUnanswered):
                 # freed once Redis answers again: a send that went out without
                 # its key takes the key when it starts, as any other
                 self.wire.owe(exc, self._unqueue, *unqueue_call(keys, task_id))
             raise
-        return replies.enqueued(reply)
+        return reply
 
     def unqueue(self, keys: LockKeys, task_id: str) -> bool:
         """Free a key taken at send time, if ``task_id`` still has it."""
@@ -461,20 +526,16 @@ class LockEngine(Engine):
             out.extend(replies.renewed(reply, len(keys) // 2))
         return out
 
-    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
-                hostname: str, retries: int, task_name: str) -> Reclaimed:
+    def reclaim(self, keys: LockKeys, request: Request, token: int) -> Reclaimed:
         """A renewal found the key of a lock this execution holds gone: write it
         back if the server forgot it (the key's fencing counter is gone too),
         not if someone released it or another execution holds it now."""
-        native = self._native_for(keys.lock, exec_id)
+        native = self._native_for(keys.lock, request.exec_id)
         if native is not None:
-            return native.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
-                                  lease_ms=lease_ms, hostname=hostname, retries=retries,
-                                  task_name=task_name)
-        reply, _ = self.wire.call(self._reclaim, *reclaim_call(
-            keys, task_id, exec_id, token, lease_ms, hostname, retries, task_name,
-            self._fin_ms, keep_ms=self._keep_ms))
-        return replies.reclaimed(reply)
+            return native.reclaim(keys, request, token)
+        return self._in_time(keys.lock, lambda deadline: replies.reclaimed(self.wire.call(
+            self._reclaim, *reclaim_call(keys, request, token, self._fin_ms,
+                                         keep_ms=self._keep_ms, deadline_ms=deadline))[0]))
 
     def raise_fence(self, keys: LockKeys, exec_id: str, token: int) -> bool:
         """Raise the key's fencing counter (and the owner record's token) to at
@@ -497,6 +558,54 @@ class LockEngine(Engine):
         raw = self.client.execute_command("GET", keys.lock)
         return replies.record(raw)
 
+    def read(self, key: str) -> Optional[str]:
+        value = self.client.execute_command("GET", key)
+        return None if value is None else text(value)
+
+    def write(self, key: str, value: str, ttl_ms: int, *, previous: bool = False
+              ) -> Optional[str]:
+        if previous:
+            # by name with the option redis-py reads: SET's reply is else made a bool
+            old = self.client.execute_command("SET", key, value, "PX", ttl_ms, "GET", get=True)
+            return None if old is None else text(old)
+        self.client.execute_command("SET", key, value, "PX", ttl_ms)
+        return None
+
+    def take(self, key: str) -> Optional[str]:
+        value = self.client.execute_command("GETDEL", key)
+        return None if value is None else text(value)
+
+    def present(self, key: str) -> bool:
+        return bool(self.client.execute_command("EXISTS", key))
+
+    def run_script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        reply, _ = self.wire.call(script, keys, args)
+        return reply
+
+    def read_hash(self, key: str) -> dict[str, str]:
+        raw = self.client.execute_command("HGETALL", key) or {}
+        if isinstance(raw, list):  # RESP2 without redis-py's callback: a flat list
+            raw = dict(zip(raw[::2], raw[1::2]))
+        return {text(k): text(v) for k, v in raw.items()}
+
+    def update_hash(self, key: str, *, add: Optional[dict[str, float]] = None,
+                    put: Optional[dict[str, str]] = None, drop: Sequence[str] = (),
+                    ttl_s: int = 0) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name, amount in (add or {}).items():
+            if float(amount).is_integer():
+                pipe.hincrby(key, name, int(amount))
+            else:
+                pipe.hincrbyfloat(key, name, amount)
+        if put:
+            pipe.hset(key, mapping=put)
+        if drop:
+            pipe.hdel(key, *drop)
+        if ttl_s and (add or put):
+            pipe.expire(key, ttl_s)
+        if add or put or drop:
+            pipe.execute()
+
     def queued_by(self, keys: LockKeys) -> str:
         """The id of the task that took the key when it was sent, or ''."""
         return marker_task(self.client.get(keys.queued))[1]
@@ -507,3 +616,18 @@ class LockEngine(Engine):
 
 def _ignored(reply: Any, error: Optional[Exception], repeated: bool) -> None:
     """The reply of a call whose outcome nobody waits for (a WAIT marker's delete)."""
+
+
+def _confirmed(lock: str) -> Callable[[Any, Optional[Exception], bool], None]:
+    """The answer of a grant's confirmation: a grant gone by then (its reply
+    came too late, a failover) is said in the log; the renewer finds it lost."""
+    def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
+        if error is None:
+            answer = replies.renewed(reply, 1)[0]
+            if answer is not Renew.RENEWED:
+                # released already (a short task whose release went out on
+                # another connection), or its reply came too late: the
+                # renewer says so if the task still holds it
+                logger.debug("Singleton lock %s was not its holder's when its grant was "
+                             "confirmed (%s)", lock, answer.name)
+    return done

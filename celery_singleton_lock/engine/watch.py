@@ -4,7 +4,7 @@ moment their server goes away (a crash, a restart, a kill).
 A :class:`RedisWatch` waits on one server; :class:`MastersWatch` on every
 Redlock master, :class:`ClusterWatch` on every Cluster primary (following the
 slot map). Each reconnects, backing off, until its server answers again, and
-then reports a :class:`Back`: the renewer (:mod:`..worker.heartbeat`)
+then reports a :class:`~.base.Back`: the renewer (:mod:`..worker.heartbeat`)
 re-asserts every held lock at once. Each engine says which watch it needs
 (:meth:`.base.Engine.watch`).
 """
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import redis
 
+from .base import Back
 from .cluster import ClusterWire
 from .outage import Outage
 from .wire import Wire
@@ -25,16 +26,6 @@ logger = logging.getLogger("celery_singleton_lock")
 
 #: how soon the watch tries again to reach a Redis that went away (doubling)
 RECONNECT_FIRST, RECONNECT_MAX = 0.02, 0.5
-
-
-class Back(NamedTuple):
-    """A watched server answers again after going away."""
-
-    #: it is a new server (its run_id changed; False also when INFO is not
-    #: allowed): said in the log only, the renewal tells forgotten keys itself
-    restarted: bool
-    #: the outage of the wire that talks to it, if calls fail at once meanwhile
-    outage: Optional[Outage] = None
 
 
 class RedisWatch:
@@ -221,4 +212,3 @@ def _run_id(info: Any) -> Optional[str]:
 
 
 #: what the renewer waits on: one server's watch, or one per server
-Watch = Union[RedisWatch, MultiWatch]

@@ -20,6 +20,13 @@ is owed first (see :mod:`.outage`).
 
 How a script call is written in RESP is in :mod:`.scripts`; each connection
 is written and its replies read by a :class:`~.link.Link`.
+
+Over 500 lines: one class, the calls of one process to one Redis on
+connections of its own, and the rule every one of them keeps (a reply is read
+by the call that sent for it, in order, before its connection is used by
+anyone else); the ways of calling (now, with a command before and after,
+several at once, without waiting) each follow it, and cut apart they would
+each keep a copy of it.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..process import ForkSafeLock
+from .clock import ServerClock, now_us
 from .commands import Commands
 from .link import Link
-from .outage import PROBE_READ, PROBE_READ_MOVING, Answered, Outage, Owed
+from .outage import PROBE_READ, PROBE_READ_MOVING, Answered, Outage, Owed, failing_over, owed_on
 from .scripts import Script, evalsha, pack
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -106,15 +114,23 @@ class Wire:
         self._connection_class = pool.connection_class
         self._connection_kwargs = dict(pool.connection_kwargs)
         self._idle: list[Link] = []
-        # connections owing the reply of a command sent without waiting
-        self._unsettled: list[tuple[Link, _Pending]] = []
+        # connections owing the replies of commands sent without waiting, in
+        # the order they were sent; whoever takes one off this list reads them
+        self._unsettled: list[tuple[Link, list[_Pending]]] = []
         self._made = 0
+        #: connections closed because a call left replies unread on them
+        self.discarded = 0
         self._making = ForkSafeLock()
         #: the sentinels name the primary (``sentinel://``): it can move
         self._service = getattr(self._connection_kwargs.get("connection_pool"),
                                 "service_name", None)
         self.outage = Outage(lambda: self.name, self._probe_connection, self._call_owed,
                              self._drop_idle if self._service is not None else None)
+        #: this process's estimate of the server's clock (:mod:`.clock`)
+        self.clock = ServerClock()
+        #: how long a call waits for its reply before it gives up (the
+        #: connections' read timeout): the budget of a request's deadline
+        self.budget = float(self._connection_kwargs.get("socket_timeout") or 0.0)
 
     @property
     def name(self) -> str:
@@ -142,25 +158,33 @@ class Wire:
     @property
     def unsettled(self) -> int:
         """Commands sent whose reply has not been read yet."""
-        return len(self._unsettled)
+        return sum(len(owed) for _, owed in list(self._unsettled))
 
-    def _take(self, force: bool = False) -> Link:
-        """A connection in step: every reply owed on this wire read first.
-        Raises :class:`~.outage.RedisUnanswered` while the server does not
-        answer (``force``: the outage's own owed calls)."""
-        if self._unsettled:
-            self.settle()
-        if not force and self.outage.since is not None:
-            self.outage.check()
+    def _take(self, force: bool = False) -> tuple[Link, list[_Pending]]:
+        """A connection for a call, and the commands sent on it earlier whose
+        replies are still to be read, in order: a call writes its own command
+        first, then reads theirs (they come first) and its own. So a call
+        waits for nothing sent before it but what has not answered by the time
+        its own reply is there: a release sent at a task's end costs the next
+        task's grant no round trip. Raises :class:`~.outage.RedisUnanswered`
+        while the server does not answer (``force``: the outage's own owed
+        calls, on a connection owing nothing)."""
+        if not force:
+            if self.outage.since is not None:
+                self.outage.check()
+            try:
+                return self._unsettled.pop()
+            except IndexError:
+                pass
         try:
-            return self._idle.pop()
+            return self._idle.pop(), []
         except IndexError:
             with self._making:
                 self._made += 1
             conn = self._connection_class(**self._connection_kwargs)
             if self._scripts:
                 conn.register_connect_callback(self._load_scripts)
-            return Link(conn)
+            return Link(conn), []
 
     def _probe_connection(self) -> Any:
         """The outage probe's connection: its PING waits longer than a lock
@@ -203,17 +227,49 @@ class Wire:
         return self._connection_class(**self._connection_kwargs)
 
     def _load_scripts(self, conn: Any) -> None:
-        """SCRIPT LOAD of every script, pipelined: one round trip per connect
+        """SCRIPT LOAD of every script and the server's ``TIME`` (the clock
+        estimate, :mod:`.clock`), pipelined: one round trip per connect
         (redis-py reads the replies: its connect reads all it sent)."""
+        sent = now_us()
         for script in self._scripts:
             conn.send_command("SCRIPT", "LOAD", script.source, check_health=False)
+        conn.send_command("TIME", check_health=False)
         for _ in self._scripts:
             # a user not allowed SCRIPT LOAD: NOSCRIPT handling reports it later
             with contextlib.suppress(redis.ResponseError):
                 conn.read_response()
+        try:
+            clock = conn.read_response()
+        except redis.ResponseError:  # TIME not allowed: requests go without a deadline
+            return
+        self.clock.heard(sent, clock, now_us())
+
+    def deadline_ms(self, key: str = "") -> int:
+        """The deadline of a request sent now (for ``key``: on a Cluster, the
+        node serving it) (server ms, :meth:`.clock.
+        ServerClock.deadline_ms`; 0: none). The first one of a wire connects
+        first, which reads the server's clock."""
+        if not self.clock.known and self.budget > 0:
+            if self.outage.since is not None:
+                self.outage.check()
+            link, _ = self._take(force=True)
+            try:
+                link.ensure()
+            except BROKEN as exc:
+                self._give(link, broken=True)
+                self.outage.begin(exc)
+                raise
+            self._give(link)
+        return self.clock.deadline_ms(self.budget)
 
     def _give(self, link: Link, broken: bool = False) -> None:
-        if broken:
+        """``link`` back to the idle list: in step (every reply sent for read)
+        or closed. A connection still owed a reply (an error raised between
+        two reads, a call interrupted) is closed, never reused: its next
+        reader would take an older call's reply for its own."""
+        if broken or link.owed:
+            if link.owed and not broken:
+                self.discarded += 1
             link.disconnect()  # it reconnects when next used
         self._idle.append(link)
 
@@ -238,17 +294,29 @@ class Wire:
         packed = b"".join(evalsha(script, keys, args) for keys, args in calls)
         if after:
             packed += pack(after)
+        replies = len(calls) + (1 if after else 0)
         for attempt in (1, 2):
-            link = self._take()
+            link, owed = self._take()
             try:
-                link.send(packed)
-                answers: list[Any] = []
-                for _ in calls:  # every reply read, errors included: stay in step
-                    try:
-                        answers.append(link.read())
-                    except redis.ResponseError as exc:
-                        answers.append(exc)
+                link.send(packed, replies)
+            except BaseException as exc:
+                self._give(link, broken=True)
+                self._lost(owed, exc)
+                if isinstance(exc, BROKEN) and attempt == 1 and not isinstance(
+                        exc, redis.TimeoutError):
+                    continue
+                if isinstance(exc, BROKEN):
+                    self.outage.begin(exc)
+                raise
+            try:
+                self._read_owed(link, owed)
+                # every reply read, errors included: the connection stays in step
+                answers = [_read_or_error(link) for _ in calls]
                 late = _read_late(link) if after else None
+                lost = any(isinstance(a, NoScriptError) for a in answers)
+                if lost:
+                    link.send(pack(["SCRIPT", "LOAD", script.source]))
+                    link.read()
             except BROKEN as exc:
                 self._give(link, broken=True)
                 if attempt == 2 or isinstance(exc, redis.TimeoutError):
@@ -256,18 +324,11 @@ class Wire:
                     raise
                 continue
             except BaseException:
-                self._give(link, broken=True)
+                self._give(link)  # closed if a reply is still owed on it
                 raise
-            if any(isinstance(a, NoScriptError) for a in answers):
-                try:
-                    link.send(pack(["SCRIPT", "LOAD", script.source]))
-                    link.read()
-                except BaseException:
-                    self._give(link, broken=True)
-                    raise
-                self._give(link)
-                continue  # the server lost its scripts: send them all again
             self._give(link)
+            if lost:
+                continue  # the server lost its scripts: send them all again
             for answer in answers:
                 if isinstance(answer, redis.ResponseError):
                     raise answer
@@ -281,36 +342,34 @@ class Wire:
         and/or one just after it (``WAIT``), in the same write on the same
         connection: (script reply, sent twice, reply of ``after`` or None).
 
-        Still one round trip. An error reply of ``after`` is returned as its
-        reply, not raised: the script's own reply is what the caller acts on.
-        A broken connection is tried once more; no reply in time is not (the
-        server may run the command yet): the outage begins.
+        Still one round trip. Every reply of the write is read, error replies
+        included, before anything is raised. An error reply of ``after`` is
+        returned as its reply, not raised: the script's own reply is what the
+        caller acts on; one of ``before`` counts only when the script's reply
+        is an error too (the script's is raised). A broken connection is
+        tried once more; no reply in time is not (the server may run the
+        command yet): the outage begins.
         """
         data, count = pack_call(script, keys, args)
         if before or after:
             data = (pack(before) if before else b"") + data + (pack(after) if after else b"")
+        replies = count + (1 if before else 0) + (1 if after else 0)
         for attempt in (1, 2):
-            link = self._take(force)
+            link, owed = self._take(force)
             try:
-                link.send(data)
-                if before:
-                    link.read()
-                try:
-                    reply = read_replies(link, count)
-                except NoScriptError:
-                    if after:
-                        link.read()
-                    link.send(pack(["SCRIPT", "LOAD", script.source]))
-                    link.read()
-                    link.send(data)
-                    if before:
-                        link.read()
-                    reply = link.read()
-                except redis.ResponseError:
-                    if after:
-                        link.read()  # keep the connection in step
-                    raise
-                late = _read_late(link) if after else None
+                link.send(data, replies)
+            except BaseException as exc:
+                self._give(link, broken=True)
+                self._lost(owed, exc)
+                if isinstance(exc, BROKEN) and attempt == 1 and not isinstance(
+                        exc, redis.TimeoutError):
+                    continue
+                if isinstance(exc, BROKEN) and not force:
+                    self.outage.begin(exc)
+                raise
+            try:
+                self._read_owed(link, owed)
+                reply, late = _exchange(link, script, data, replies, count, before, after)
             except BROKEN as exc:
                 self._give(link, broken=True)
                 if attempt == 2 or isinstance(exc, redis.TimeoutError):
@@ -318,11 +377,8 @@ class Wire:
                         self.outage.begin(exc)
                     raise
                 continue
-            except redis.RedisError:
-                self._give(link)
-                raise
             except BaseException:
-                self._give(link, broken=True)
+                self._give(link)  # closed if a reply is still owed on it
                 raise
             self._give(link)
             return reply, attempt == 2, late
@@ -354,54 +410,85 @@ class Wire:
                 Owed(script, keys, args, pending.answer)):
             return  # sent when the server answers again
         try:
-            link = self._take()
+            link, owed = self._take()
             try:
-                link.send(data)
-            except BaseException:
+                link.send(data, count)
+            except BaseException as exc:
                 self._give(link, broken=True)
+                self._lost(owed, exc)
                 raise
         except BROKEN:
             self._redo(pending, repeated=True)  # some of it may have left
             return
-        self._unsettled.append((link, pending))
+        owed.append(pending)
+        self._unsettled.append((link, owed))
 
-    def _settle(self, link: Link, pending: _Pending) -> None:
-        try:
-            reply = read_replies(link, pending.count)
-        except NoScriptError:
-            self._give(link)
-            self._redo(pending, repeated=False)  # it never ran; loads the script again
-            return
-        except redis.TimeoutError as exc:
-            self._give(link, broken=True)
-            if pending.owe:  # no reply: it may run yet; sent again once the server answers
-                self.outage.begin(exc, Owed(pending.script, pending.keys, pending.args,
-                                            pending.answer))
+    def _read_owed(self, link: Link, owed: list[_Pending]) -> None:
+        """Read the replies of ``owed`` (commands sent earlier on ``link``), in
+        order, and tell each its answer. A connection that broke or got no
+        reply in time takes the rest with it (each handled as
+        :meth:`_lost` says) and the error is raised: the calling command was
+        on it too."""
+        for i, pending in enumerate(owed):
+            try:
+                reply = read_replies(link, pending.count)
+            except NoScriptError:
+                self._redo(pending, repeated=False)  # it never ran; loads the script again
+                continue
+            except BROKEN as exc:
+                self._lost(owed[i:], exc)
+                raise
+            except redis.RedisError as exc:
+                if pending.owe and failing_over(exc):
+                    # refused for a failover under way: sent again once it is over
+                    self.outage.begin(exc, Owed(pending.script, pending.keys, pending.args,
+                                                pending.answer))
+                else:
+                    pending.answer(None, exc)
+                continue
+            pending.answer(reply, None)
+
+    def _lost(self, owed: Sequence[_Pending], error: BaseException) -> None:
+        """The connection ``owed`` were sent on is gone before their replies
+        were read: no reply in time (the server may run them yet: an owed
+        release is kept for when it answers, the others told), or broken
+        (each sent again: it may have run)."""
+        for pending in owed:
+            if isinstance(error, redis.TimeoutError):
+                if pending.owe:
+                    self.outage.begin(error, Owed(pending.script, pending.keys, pending.args,
+                                                  pending.answer))
+                else:
+                    self.outage.begin(error)
+                    pending.answer(None, error, True)
+            elif isinstance(error, BROKEN):
+                self._redo(pending, repeated=True)
             else:
-                self.outage.begin(exc)
-                pending.answer(None, exc, True)
-            return
+                pending.answer(None, redis.ConnectionError(
+                    f"the connection was closed before the reply was read ({error!r})"), True)
+
+    def _settle_link(self, link: Link, owed: list[_Pending]) -> None:
+        try:
+            self._read_owed(link, owed)
         except BROKEN:
             self._give(link, broken=True)
-            self._redo(pending, repeated=True)  # it may have run
-            return
-        except redis.RedisError as exc:
-            self._give(link)
-            pending.answer(None, exc)
             return
         except BaseException:
             self._give(link, broken=True)
             raise
         self._give(link)
-        pending.answer(reply, None)
 
     def _redo(self, pending: _Pending, repeated: bool) -> None:
         try:
             reply, again = self.call(pending.script, pending.keys, pending.args)
         except redis.RedisError as exc:
-            if pending.owe and self.outage.owe(
-                    Owed(pending.script, pending.keys, pending.args, pending.answer)):
-                return  # sent again once the server answers
+            if pending.owe:
+                owed = Owed(pending.script, pending.keys, pending.args, pending.answer)
+                if owed_on(exc):
+                    self.outage.begin(exc, owed)  # sent again once the server takes it
+                    return
+                if self.outage.owe(owed):
+                    return
             pending.answer(None, exc, repeated)
         else:
             pending.answer(reply, None, repeated or again)
@@ -410,13 +497,12 @@ class Wire:
         """Read every reply still owed on this wire (none while the server is
         not answering: they are read once it is)."""
         unsettled = self._unsettled
-        # every call starts here: nothing raised when none is owed
         while unsettled and self.outage.since is None:
             try:
-                link, pending = unsettled.pop()
-            except IndexError:  # another thread read the last one
+                link, owed = unsettled.pop()
+            except IndexError:  # another thread took the last one
                 return
-            self._settle(link, pending)
+            self._settle_link(link, owed)
 
     def close(self) -> None:
         """Read what is owed, then close every connection."""
@@ -425,6 +511,41 @@ class Wire:
         finally:
             while self._idle:
                 self._idle.pop().disconnect()
+
+
+def _read_or_error(link: Link) -> Any:
+    """The next reply, an error reply returned as its exception."""
+    try:
+        return link.read()
+    except redis.ResponseError as exc:
+        return exc
+
+
+def _exchange(link: Link, script: Call, data: bytes, replies: int, count: int,
+              before: Sequence[Any], after: Sequence[Any]) -> tuple[Any, Any]:
+    """Read every reply of ``data``, written already (``replies`` replies:
+    ``before``'s, the call's ``count``, ``after``'s): (the call's reply,
+    ``after``'s). A server that lost the script gets it loaded and the
+    write sent once more."""
+    for loaded in (False, True):
+        if loaded:
+            link.send(data, replies)
+        first = _read_or_error(link) if before else None
+        try:
+            reply, error = read_replies(link, count), None
+        except redis.ResponseError as exc:
+            reply, error = None, exc
+        late = _read_late(link) if after else None
+        if isinstance(error, NoScriptError) and not loaded and isinstance(script, Script):
+            link.send(pack(["SCRIPT", "LOAD", script.source]))
+            link.read()
+            continue  # sent again, in step: every reply of the first write was read
+        if error is not None:
+            raise error
+        if isinstance(first, redis.ResponseError):
+            logger.warning("%s sent before %s failed: %s", before[0], script.name, first)
+        return reply, late
+    raise AssertionError("unreachable")
 
 
 def _read_late(link: Link) -> Any:

@@ -22,6 +22,7 @@ Served two ways:
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator, Optional, Union
 
 import redis
@@ -56,14 +57,19 @@ SERIES: dict[str, tuple[str, str, bool]] = {
 class SingletonCollector(Collector):
     """Reads the counters and held locks every process published."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "singleton:") -> None:
-        self.client = client
+    def __init__(self, engine: Any, prefix: str = "singleton:") -> None:
+        #: the lock engine the counts and the held locks are read through
+        self.engine = engine
         self.prefix = prefix
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "singleton:",
                  **options: Any) -> SingletonCollector:
-        return cls(redis.Redis.from_url(url, decode_responses=True, **options), prefix)
+        from ..config import SingletonConfig
+        from ..engine.registry import connect
+
+        return cls(connect(SingletonConfig.defaults(url, key_prefix=prefix,
+                                                    redis_options=options)), prefix)
 
     @classmethod
     def from_app(cls, app: Any) -> SingletonCollector:
@@ -81,11 +87,20 @@ class SingletonCollector(Collector):
                 "name", "hostname", *(["reason"] if with_reason else [])])
         yield GaugeMetricFamily("celery_singleton_locks_held", "Locks held now",
                                 labels=["name", "hostname"])
-        yield _hold_histogram([])
+        yield _histogram([], *HISTOGRAMS["hold"])
+        yield _histogram([], *HISTOGRAMS["acquire"])
+        yield from _health(None)
 
     def collect(self) -> Iterator[Metric]:
-        counts = monitor.read_counts(self.client, self.prefix)
-        held = monitor.read_held(self.client, self.prefix)
+        started = time.monotonic()
+        try:
+            counts = monitor.read_counts(self.engine, self.prefix)
+            held = monitor.read_held(self.engine, self.prefix)
+        except redis.RedisError:
+            # the lock Redis's health is a series too: a scrape still answers
+            yield from _health(None)
+            return
+        yield from _health(time.monotonic() - started)
         for counter, (series, doc, with_reason) in SERIES.items():
             labels = ["name", "hostname", *(["reason"] if with_reason else [])]
             family = CounterMetricFamily(series, doc, labels=labels)
@@ -102,22 +117,49 @@ class SingletonCollector(Collector):
         for (task, host), number in sorted(per_task.items()):
             gauge.add_metric([task, host], number)
         yield gauge
-        yield _hold_histogram(counts)
+        yield _histogram(counts, *HISTOGRAMS["hold"])
+        yield _histogram(counts, *HISTOGRAMS["acquire"])
 
 
-def _hold_histogram(counts: list[tuple[str, str, str, str, float]]) -> Metric:
-    family = HistogramMetricFamily("celery_singleton_hold_seconds",
-                                   "How long locks were held", labels=["name", "hostname"])
+#: histogram -> (series, help, upper bounds)
+HISTOGRAMS: dict[str, tuple[str, str, str, tuple[float, ...]]] = {
+    "hold": ("hold", "celery_singleton_hold_seconds", "How long locks were held",
+             monitor.HOLD_BUCKETS),
+    "acquire": ("acquire", "celery_singleton_acquire_seconds",
+                "How long an execution waited for its lock's answer (granted or refused)",
+                monitor.ACQUIRE_BUCKETS),
+}
+
+
+def _health(seconds: Optional[float]) -> Iterator[Metric]:
+    """Whether the lock Redis answered this scrape, and how fast (PING and the
+    two reads of the counters and held locks)."""
+    up = GaugeMetricFamily("celery_singleton_redis_up",
+                           "1 when the lock Redis answered this scrape, else 0")
+    latency = GaugeMetricFamily("celery_singleton_redis_scrape_seconds",
+                                "Seconds the lock Redis took to answer this scrape")
+    if seconds is not None:
+        up.add_metric([], 1.0)
+        latency.add_metric([], seconds)
+    else:
+        up.add_metric([], 0.0)
+    yield up
+    yield latency
+
+
+def _histogram(counts: list[tuple[str, str, str, str, float]], histogram: str, series: str,
+               doc: str, bounds: tuple[float, ...]) -> Metric:
+    family = HistogramMetricFamily(series, doc, labels=["name", "hostname"])
     buckets: dict[tuple[str, str], dict[str, float]] = {}
     sums: dict[tuple[str, str], float] = {}
     for name, task, host, reason, value in counts:
-        if name == "hold_bucket":
+        if name == f"{histogram}_bucket":
             buckets.setdefault((task, host), {})[reason] = value
-        elif name == "hold_sum":
+        elif name == f"{histogram}_sum":
             sums[(task, host)] = value
     for label, per_bound in sorted(buckets.items()):
         cumulative, rows = 0.0, []
-        for bound in monitor.HOLD_BUCKETS:
+        for bound in bounds:
             text = monitor._bound(bound)
             cumulative += per_bound.get(text, 0.0)
             rows.append((text, cumulative))

@@ -51,6 +51,8 @@ HELD_MAX_AGE = 5 * PUBLISH_INTERVAL
 STATS_TTL = 7 * 24 * 3600
 #: upper bounds of the lock hold time histogram, seconds
 HOLD_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, float("inf"))
+#: upper bounds of the acquire latency histogram (the grant's round trip), seconds
+ACQUIRE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, float("inf"))
 
 #: counter names (the Prometheus series are ``celery_singleton_<name>_total``)
 COUNTERS = ("acquired", "skipped", "refused", "waited", "lost", "renew_failed",
@@ -133,15 +135,24 @@ def send_caller_event(app: Any, type_: str, task_id: str, **fields: Any) -> None
 # -- counting --------------------------------------------------------------------
 
 class Publisher:
-    """This process's counts not yet written, and the thread that writes them."""
+    """This process's counts not yet written, and the thread that writes them.
+
+    Counts are kept per engine and written through it: a process that talks to
+    two lock Redis deployments (two apps, or an app made again with another
+    URL) writes each one's counts to its own. A count with no engine (a lock
+    lost, told by the lock itself) goes to the first engine this process
+    counted with. An engine with nothing left to write is forgotten."""
 
     def __init__(self) -> None:
         self._mutex = ForkSafeLock()
-        self._counts: dict[str, float] = {}
-        self._engine: Optional[Any] = None
+        #: pending counts by engine (its id; 0: the counts of no engine)
+        self._counts: dict[int, dict[str, float]] = {}
+        self._engines: dict[int, Any] = {}
+        self._first = 0
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
-        self._held_written = False
+        #: the engines this process's held locks were last written through
+        self._held_written: set[int] = set()
         self._warned = False
         #: where the held locks are read, per engine: the renewers say (held_from)
         self._held_sources: dict[int, Callable[[], Iterable[Any]]] = {}
@@ -151,6 +162,7 @@ class Publisher:
         worker's renewer of that engine registers itself here)."""
         with self._mutex:
             self._held_sources[id(engine)] = source
+            self._engines[id(engine)] = engine
 
     def reset(self) -> None:
         """After fork: the parent's pending counts are the parent's to write."""
@@ -161,20 +173,20 @@ class Publisher:
         """Add ``amount`` to ``field`` (and ``amount2`` to ``field2``), in one
         hold of the mutex: this runs for every task."""
         with self._mutex.lock:
-            counts = self._counts  # flush swaps it, under the mutex
+            key = 0 if engine is None else id(engine)
+            counts = self._counts.get(key)  # flush takes it, under the mutex
+            if counts is None:
+                counts = self._counts[key] = {}
+                if engine is not None:
+                    self._engines[key] = engine
+                    self._first = self._first or key
             counts[field] = counts.get(field, 0) + amount
             if field2 is not None:
                 counts[field2] = counts.get(field2, 0) + amount2
-            if self._thread is None:
-                self._start_locked(engine)
-
-    def _start_locked(self, engine: Optional[Any]) -> None:
-        if self._engine is None and engine is not None:
-            self._engine = engine
-        if self._engine is None or self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="singleton-stats", daemon=True)
-        self._thread.start()
+            if self._thread is None and self._engines:
+                self._thread = threading.Thread(target=self._run, name="singleton-stats",
+                                                daemon=True)
+                self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -190,42 +202,57 @@ class Publisher:
                 self._thread = None
 
     def flush(self, quiet: bool = False) -> None:
-        """Write the pending counts and the held locks now (one pipeline)."""
+        """Write the pending counts and the held locks now (one pipeline per engine)."""
         with self._mutex:
-            engine, counts, self._counts = self._engine, self._counts, {}
-            source = self._held_sources.get(id(engine))
-        if engine is None:
-            return
+            pending, self._counts = self._counts, {}
+            orphans = pending.pop(0, None)
+            if orphans:
+                if self._first in self._engines:
+                    mine = pending.setdefault(self._first, {})
+                    for name, amount in orphans.items():
+                        mine[name] = mine.get(name, 0) + amount
+                else:  # no engine counted with yet: kept
+                    self._counts[0] = orphans
+            work = [(key, engine, pending.get(key, {}), self._held_sources.get(key))
+                    for key, engine in self._engines.items()]
+        for key, engine, counts, source in work:
+            self._flush_one(key, engine, counts, source, quiet)
+        with self._mutex:  # nothing left to write through it: forgotten
+            for key, _engine, _counts, source in work:
+                if (source is None and key not in self._counts
+                        and key not in self._held_written and key != self._first):
+                    self._engines.pop(key, None)
+
+    def _flush_one(self, key: int, engine: Any, counts: dict[str, float],
+                   source: Optional[Callable[[], Iterable[Any]]], quiet: bool) -> None:
         prefix = engine.config.key_prefix
         field = f"{NODE.hostname}{_SEP}{os.getpid()}"
         locks = _held_snapshot(source() if source is not None else ())
-        pipe = engine.client.pipeline(transaction=False)
-        for name, amount in counts.items():
-            if float(amount).is_integer():
-                pipe.hincrby(stats_key(prefix), name, int(amount))
-            else:
-                pipe.hincrbyfloat(stats_key(prefix), name, amount)
-        if counts:
-            pipe.expire(stats_key(prefix), STATS_TTL)
-        if locks:
-            pipe.hset(held_key(prefix), field,
-                      json.dumps({"ts": time.time(), "pid": os.getpid(), "locks": locks}))
-            pipe.expire(held_key(prefix), int(HELD_MAX_AGE * 4))
-        elif self._held_written:
-            pipe.hdel(held_key(prefix), field)
-        if not counts and not locks and not self._held_written:
+        written = key in self._held_written
+        if not counts and not locks and not written:
             return
         try:
-            pipe.execute()
+            if counts:
+                engine.update_hash(stats_key(prefix), add=counts, ttl_s=STATS_TTL)
+            if locks:
+                engine.update_hash(held_key(prefix), put={field: json.dumps(
+                    {"ts": time.time(), "pid": os.getpid(), "locks": locks})},
+                    ttl_s=int(HELD_MAX_AGE * 4))
+            elif written:
+                engine.update_hash(held_key(prefix), drop=[field])
         except redis.RedisError as exc:
             with self._mutex:  # kept for the next round
+                kept = self._counts.setdefault(key, {})
                 for name, amount in counts.items():
-                    self._counts[name] = self._counts.get(name, 0) + amount
+                    kept[name] = kept.get(name, 0) + amount
             if not self._warned and not quiet:
                 self._warned = True
                 logger.warning("Could not publish singleton lock stats: %s", describe(exc))
             return
-        self._held_written = bool(locks)
+        if locks:
+            self._held_written.add(key)
+        else:
+            self._held_written.discard(key)
 
 
 PUBLISHER = Publisher()
@@ -246,8 +273,8 @@ def _field(counter: str, task_name: str, reason: str = "") -> str:
     return _SEP.join((counter, task_name, NODE.hostname, reason))
 
 
-#: (task name, hostname) -> the hold time fields: each bucket's and the sum's
-_hold_fields: dict[tuple[str, str], tuple[list[str], str]] = {}
+#: (histogram, task name, hostname) -> its fields: each bucket's and the sum's
+_histogram_fields: dict[tuple[str, str, str], tuple[list[str], str]] = {}
 
 
 def count(engine: Optional[Any], counter: str, task_name: str, reason: str = "") -> None:
@@ -257,13 +284,24 @@ def count(engine: Optional[Any], counter: str, task_name: str, reason: str = "")
 
 def observe_hold(engine: Any, task_name: str, seconds: float) -> None:
     """A lock of ``task_name`` was held ``seconds``: the hold time histogram."""
-    fields = _hold_fields.get((task_name, NODE.hostname))
+    _observe(engine, "hold", HOLD_BUCKETS, task_name, seconds)
+
+
+def observe_acquire(engine: Any, task_name: str, seconds: float) -> None:
+    """An execution of ``task_name`` waited ``seconds`` for its lock's answer
+    (granted or refused): the acquire latency histogram."""
+    _observe(engine, "acquire", ACQUIRE_BUCKETS, task_name, seconds)
+
+
+def _observe(engine: Any, histogram: str, bounds: tuple[float, ...], task_name: str,
+             seconds: float) -> None:
+    fields = _histogram_fields.get((histogram, task_name, NODE.hostname))
     if fields is None:
-        fields = _hold_fields[(task_name, NODE.hostname)] = (
-            [_field("hold_bucket", task_name, _bound(b)) for b in HOLD_BUCKETS],
-            _field("hold_sum", task_name))
+        fields = _histogram_fields[(histogram, task_name, NODE.hostname)] = (
+            [_field(f"{histogram}_bucket", task_name, _bound(b)) for b in bounds],
+            _field(f"{histogram}_sum", task_name))
     buckets, total = fields
-    index = bisect.bisect_left(HOLD_BUCKETS, seconds)  # the first bound >= seconds
+    index = bisect.bisect_left(bounds, seconds)  # the first bound >= seconds
     PUBLISHER.add(engine, buckets[index], 1, total, seconds)
 
 
@@ -280,16 +318,16 @@ def _held_snapshot(locks: Iterable[Any]) -> list[dict[str, Any]]:
 
 # -- reading ---------------------------------------------------------------------
 
-def read_held(client: redis.Redis, prefix: str,
+def read_held(engine: Any, prefix: str,
               hostname: Optional[str] = None) -> list[dict[str, Any]]:
-    """The locks held now (by one worker, or by all): task, id, key, token,
-    age (seconds), hostname, pid. Entries of processes that stopped publishing
+    """The locks held now (by one worker, or by all), as ``engine`` (an
+    :class:`~..engine.base.Engine`) reads them: task, id, key, token, age
+    (seconds), hostname, pid. Entries of processes that stopped publishing
     are left out (and removed)."""
     now = time.time()
     rows: list[dict[str, Any]] = []
     stale: list[str] = []
-    for field, value in client.hgetall(held_key(prefix)).items():
-        field = field.decode() if isinstance(field, bytes) else str(field)
+    for field, value in engine.read_hash(held_key(prefix)).items():
         host = field.rsplit(_SEP, 1)[0]
         try:
             entry = json.loads(value)
@@ -308,7 +346,7 @@ def read_held(client: redis.Redis, prefix: str,
                          "pid": entry.get("pid"), "slot": lock.get("slot", 1)})
     if stale:
         with contextlib.suppress(redis.RedisError):
-            client.hdel(held_key(prefix), *stale)
+            engine.update_hash(held_key(prefix), drop=stale)
     rows.sort(key=lambda row: (row["hostname"], -row["age"]))
     return rows
 
@@ -334,7 +372,11 @@ def flower_format_task(url: str, prefix: str = "singleton:",
     the fields a task object lists in ``_fields``: the copy Flower hands over
     gets the field added there.
     """
-    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    from ..config import SingletonConfig
+    from ..engine.registry import connect
+
+    engine = connect(SingletonConfig.defaults(url, redis_options={
+        "socket_timeout": 0.5, "socket_connect_timeout": 0.5}))
     cache: dict[str, Any] = {"at": float("-inf"), "locks": {}}
 
     def format_task(task: Any) -> Any:
@@ -344,7 +386,7 @@ def flower_format_task(url: str, prefix: str = "singleton:",
         if now - cache["at"] >= every:
             cache["at"] = now
             try:
-                cache["locks"] = {row["id"]: row for row in read_held(client, prefix)}
+                cache["locks"] = {row["id"]: row for row in read_held(engine, prefix)}
             except redis.RedisError:
                 cache["locks"] = {}
         lock = cache["locks"].get(getattr(task, "uuid", None))
@@ -360,11 +402,10 @@ def flower_format_task(url: str, prefix: str = "singleton:",
     return format_task
 
 
-def read_counts(client: redis.Redis, prefix: str) -> list[tuple[str, str, str, str, float]]:
-    """Every counter: (counter, task, hostname, reason, value)."""
+def read_counts(engine: Any, prefix: str) -> list[tuple[str, str, str, str, float]]:
+    """Every counter, as ``engine`` reads them: (counter, task, hostname, reason, value)."""
     out = []
-    for field, value in client.hgetall(stats_key(prefix)).items():
-        field = field.decode() if isinstance(field, bytes) else str(field)
+    for field, value in engine.read_hash(stats_key(prefix)).items():
         parts = field.split(_SEP)
         if len(parts) != 4:
             continue
@@ -372,10 +413,10 @@ def read_counts(client: redis.Redis, prefix: str) -> list[tuple[str, str, str, s
     return out
 
 
-def worker_totals(client: redis.Redis, prefix: str, hostname: str) -> dict[str, int]:
+def worker_totals(engine: Any, prefix: str, hostname: str) -> dict[str, int]:
     """This worker's lost and renewal failure counts."""
     totals = {"lost": 0, "renew_failed": 0}
-    for counter, _task, host, _reason, value in read_counts(client, prefix):
+    for counter, _task, host, _reason, value in read_counts(engine, prefix):
         if host == hostname and counter in totals:
             totals[counter] += int(value)
     return totals

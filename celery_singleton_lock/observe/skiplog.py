@@ -104,6 +104,8 @@ def log_wait(logger: logging.Logger, name: str, task_id: Optional[str], key: str
     elif reason == "duplicate":
         state = f" ({decision.state})" if decision.state else ""
         why = f"duplicate of {holder}{state}, key {key}; {when}"
-    else:  # accepted when it was sent: it runs, after the one holding the key
+    elif reason.startswith("accepted when sent"):  # it runs, after the one holding the key
         why = f"{key} is held by {holder}; accepted when sent, this call waits its turn; {when}"
+    else:  # a holder not renewed on time, say: decided by then
+        why = f"{key} is held by {holder} ({reason}); {when}"
     logger.info("Task %s[%s] waits: %s", name, task_id, why)

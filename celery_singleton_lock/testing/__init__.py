@@ -18,7 +18,8 @@ And these helpers, imported from ``celery_singleton_lock.testing``:
 
 And the fault kit (:mod:`.faults`): ``FaultWorker``,
 ``frozen``, ``restart``, ``assert_at_most_once``, ``assert_no_overlap``,
-``recorded_runs``, ``Run``.
+``recorded_runs``, ``Run``; and a network path of your own to a Redis
+(:mod:`.network`): ``DelayRelay``, delayed, or holding what was sent.
 
 Eager mode (``task_always_eager``) takes no lock, on purpose: run the task on a
 worker, in-process (pytest-celery's ``celery_worker``, or
@@ -45,6 +46,7 @@ from .faults import (
     recorded_runs,
     restart,
 )
+from .network import DelayRelay
 from .processes import (
     CeleryWorker,
     RedisServer,
@@ -56,6 +58,7 @@ from .processes import (
 
 __all__ = [
     "CeleryWorker",
+    "DelayRelay",
     "FaultWorker",
     "RedisServer",
     "Run",

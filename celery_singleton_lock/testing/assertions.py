@@ -19,15 +19,15 @@ def hold_key(task: Any, *args: Any, holder: str = "", ttl: float = 60.0,
     is freed at the end (if the fake holder still has it).
     """
     from ..engine.registry import engine_for
-    from ..lock import Lease
+    from ..engine.request import Lease, Request
     from ..process import PROCESS
 
     keys = task.singleton_keys(*args, **kwargs)
     engine = engine_for(task.app)
     holder = holder or f"held-by-test-{uuid.uuid4().hex[:8]}"
     exec_id = PROCESS.new_exec_id()
-    answer = engine.acquire(keys, task_id=holder, exec_id=exec_id, lease_ms=Lease(ttl).ms,
-                            hostname="test", retries=0, task_name=task.name, scope="run")
+    answer = engine.acquire(keys, Request(holder, exec_id, Lease(ttl), "test",
+                                          task_name=task.name))
     if answer.holder is not None:
         raise AssertionError(f"{keys.base} is already held by {answer.holder.task_id}")
     try:

@@ -9,10 +9,14 @@ Redis and a real worker, through the faults that break it elsewhere.
   while, or killed and started again empty.
 * :func:`assert_at_most_once` (:func:`assert_no_overlap`): fails when two runs
   of one key overlapped (more than ``limit``, with ``singleton_limit``),
-  listing them.
+  listing them; or of the same work, as a function of the call's arguments
+  says (``by=``), whatever key the task was given; and when no run was
+  recorded at all (``expect_runs=0`` says none should run).
 
 The recording wraps each singleton task's body in the worker's processes
-(``task.run``, inside the lock: what is recorded is what ran under it). A run
+(``task.run``, inside the lock: what is recorded is what ran under it), with
+the call's arguments as the body got them (in kombu's JSON; the record file is
+the test's own: nothing of them reaches Redis, a log or an event). A run
 whose process was killed through the kit ends when it was killed; one whose
 process died otherwise without ending is taken as still running, so a
 violation is never hidden. Times are the host's clock (one machine).
@@ -30,9 +34,9 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from .processes import CeleryWorker, RedisServer, wait_for
 
@@ -53,6 +57,11 @@ class Run:
     start: float  #: time.time() when the body started
     end: Optional[float]  #: when it ended (returned, raised, or was killed); None: running
     outcome: str  #: "returned", "raised", "killed" or "running"
+    #: the call's positional and keyword arguments, as the body got them
+    args: tuple[Any, ...] = field(default=(), hash=False)
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: False when they could not be written in JSON (``by=`` cannot group it)
+    call_recorded: bool = field(default=True, hash=False)
 
     def overlaps(self, other: Run) -> bool:
         inf = float("inf")
@@ -77,6 +86,17 @@ def _write(path: str, event: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def _call_of(args: Sequence[Any], kwargs: dict[str, Any]) -> Optional[str]:
+    """The call's arguments in kombu's JSON (dates, UUIDs, decimals come back as
+    such); None when a value has no JSON form."""
+    from kombu.utils.json import dumps
+
+    try:
+        return str(dumps([list(args), kwargs]))  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError):
+        return None
+
+
 def _lock_of(task: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, int, int]:
     """(key, token, slot) of the execution running now; token 0 without a lock."""
     from ..lock import REQUEST_ATTR
@@ -98,7 +118,8 @@ def record_task(task: Any, path: str) -> None:
         key, token, slot = _lock_of(task, args, kwargs)
         event = {"key": key, "task": task.name, "id": task.request.id, "token": token,
                  "slot": slot, "pid": os.getpid()}
-        _write(path, {**event, "ev": "start", "at": time.time()})
+        _write(path, {**event, "ev": "start", "at": time.time(),
+                      "call": _call_of(args, kwargs)})
         outcome = "raised"
         try:
             result = body(*args, **kwargs)
@@ -174,6 +195,8 @@ def recorded_runs(path: Union[str, Path]) -> list[Run]:
                         and i not in ends]
             if open_ids:
                 ends[open_ids[0]] = event
+    from kombu.utils.json import loads
+
     runs = []
     for ident in order:
         s, e = starts[ident], ends.get(ident)
@@ -183,9 +206,12 @@ def recorded_runs(path: Union[str, Path]) -> list[Run]:
             end, outcome = killed[s["pid"]], "killed"
         else:
             end, outcome = None, "running"
+        call = s.get("call")
+        args, kwargs = loads(call) if call else ((), {})  # type: ignore[no-untyped-call]
         runs.append(Run(key=s["key"], task=s["task"], task_id=s["id"], token=s["token"],
                         slot=s["slot"], pid=s["pid"], start=float(s["at"]), end=end,
-                        outcome=outcome))
+                        outcome=outcome, args=tuple(args), kwargs=dict(kwargs),
+                        call_recorded=call is not None))
     return runs
 
 
@@ -200,35 +226,75 @@ def _runs_of(source: RunSource) -> list[Run]:
     return list(source)
 
 
-def assert_at_most_once(source: RunSource, *, limit: int = 1) -> list[Run]:
+def _work_of(run: Run, by: Callable[..., Any]) -> Any:
+    """What ``by`` says ``run`` worked on, as a dict key."""
+    if not run.call_recorded:
+        raise AssertionError(f"by= cannot group {run}: its arguments had no JSON form")
+    try:
+        work = by(*run.args, **run.kwargs)
+    except TypeError as exc:
+        raise AssertionError(f"by= does not take the arguments of {run} ({exc}); "
+                             "task= checks one task's runs") from exc
+    try:
+        hash(work)
+    except TypeError:
+        return repr(work)
+    return work
+
+
+def assert_at_most_once(source: RunSource, *, limit: int = 1,
+                        by: Optional[Callable[..., Any]] = None,
+                        task: Optional[str] = None,
+                        expect_runs: Optional[int] = None) -> list[Run]:
     """No more than ``limit`` runs of one key at any moment (1: no two overlap).
 
-    ``source``: a :class:`FaultWorker`, a record file, or runs. Returns the
-    runs; raises AssertionError listing every group of runs that overlapped.
+    ``source``: a :class:`FaultWorker`, a record file, or runs. ``by``: a
+    function of a call's arguments (called as the task is, ``by(*args,
+    **kwargs)``) saying which work it does; runs are then grouped by its value
+    instead of by their lock key, so a key that names the wrong argument fails
+    too. ``task``: only the runs of the task of that name. ``expect_runs``: how
+    many runs there must be; by default at least one, since a check of no run
+    proves nothing (a task without ``base=SingletonTask`` is not recorded).
+
+    Returns the runs checked; raises AssertionError listing every group of
+    runs that overlapped.
     """
-    runs = _runs_of(source)
-    by_key: dict[str, list[Run]] = {}
+    runs = [r for r in _runs_of(source) if task is None or r.task == task]
+    of = f" of {task}" if task else ""
+    if expect_runs is None and not runs:
+        raise AssertionError(
+            f"no run{of} was recorded, so nothing was checked: is the task a SingletonTask "
+            "(base=SingletonTask) run by a FaultWorker? (expect_runs=0 says none should run)")
+    if expect_runs is not None and len(runs) != expect_runs:
+        raise AssertionError(f"{len(runs)} run(s){of} recorded, expected {expect_runs}")
+    groups: dict[Any, list[Run]] = {}
     for run in runs:
-        by_key.setdefault(run.key, []).append(run)
-    found: list[list[Run]] = []
-    for key_runs in by_key.values():
-        key_runs.sort(key=lambda r: r.start)
-        for i, run in enumerate(key_runs):
+        groups.setdefault(run.key if by is None else _work_of(run, by), []).append(run)
+    found: list[tuple[Any, list[Run]]] = []
+    for group, group_runs in groups.items():
+        group_runs.sort(key=lambda r: r.start)
+        for i, run in enumerate(group_runs):
             # the runs under way when this one started, this one included
-            under_way = [r for r in key_runs[:i + 1] if r.overlaps(run) or r is run]
+            under_way = [r for r in group_runs[:i + 1] if r.overlaps(run) or r is run]
             if len(under_way) > limit:
-                found.append(under_way)
+                found.append((group, under_way))
     if found:
-        groups = "\n".join("  overlapping:\n" + "\n".join(f"    {r}" for r in group)
-                           for group in found)
-        raise AssertionError(f"{len(found)} time(s) more than {limit} run(s) of one key at "
-                             f"once:\n{groups}")
+        what = "one key" if by is None else "the same work"
+        lines = []
+        for group, under_way in found:
+            lines.append("  overlapping:" if by is None else f"  overlapping, work {group!r}:")
+            lines.extend(f"    {r}" for r in under_way)
+        raise AssertionError(f"{len(found)} time(s) more than {limit} run(s) of {what} at "
+                             f"once:\n" + "\n".join(lines))
     return runs
 
 
-def assert_no_overlap(source: RunSource) -> list[Run]:
-    """No two runs of one key overlapped (:func:`assert_at_most_once` with limit 1)."""
-    return assert_at_most_once(source, limit=1)
+def assert_no_overlap(source: RunSource, *, by: Optional[Callable[..., Any]] = None,
+                      task: Optional[str] = None,
+                      expect_runs: Optional[int] = None) -> list[Run]:
+    """No two runs of one key (or of the same work, ``by``) overlapped:
+    :func:`assert_at_most_once` with limit 1."""
+    return assert_at_most_once(source, limit=1, by=by, task=task, expect_runs=expect_runs)
 
 
 # -- in the test: faults ----------------------------------------------------------------

@@ -218,7 +218,10 @@ class Heartbeat:
         True when every lock got an answer; False after a Redis error, or when
         the node of some lock did not answer (a Cluster node still rejoining).
         """
-        locks = [lock for lock in self.held() if not lock.handed_off]
+        # a lock handed to a retry is the retry's to renew; one lost is
+        # renewed nowhere (on Redlock, the masters that still have it would
+        # keep it alive for nobody: its holder was told it is lost)
+        locks = [lock for lock in self.held() if not lock.handed_off and not lock.lost]
         if not locks:
             return True
         sent_at = time.monotonic()
@@ -265,10 +268,8 @@ class Heartbeat:
                 mine = self._held.get(id(lock)) is lock
             return mine and lock.held and not lock.handed_off and not lock.lost
 
-        self.engine.refill(
-            lock.keys, task_id=lock.task_id, exec_id=lock.exec_id, token=lock.token,
-            lease_ms=lock.lease.ms, hostname=lock.hostname, retries=lock.retries,
-            task_name=lock.task_name, only=masters, still_held=still_held)
+        self.engine.refill(lock.keys, lock.request, lock.token, only=masters,
+                           still_held=still_held)
 
     def _take_back(self, lock: SingletonLock, sent_at: float) -> None:
         """A renewal found the key of a lock whose local lease is still valid
@@ -277,10 +278,7 @@ class Heartbeat:
         if lock.lost:
             return  # the lease ran out locally: too late to take anything back
         try:
-            answer = self.engine.reclaim(
-                lock.keys, task_id=lock.task_id, exec_id=lock.exec_id, token=lock.token,
-                lease_ms=lock.lease.ms, hostname=lock.hostname,
-                retries=lock.retries, task_name=lock.task_name)
+            answer = self.engine.reclaim(lock.keys, lock.request, lock.token)
         except redis.RedisError as exc:
             logger.warning("Could not take back singleton lock %s: %s", lock.key, describe(exc))
             return

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
 from typing import Any, Optional
 
 import redis
@@ -20,10 +22,11 @@ from celery.worker.request import Request
 
 from ..checks import doctor as checks
 from ..config import get_config
+from ..conflict.outcomes import CLOCK_HEADER
 from ..engine.registry import engine_for
-from ..engine.servers import mode_of
 from ..exceptions import ConfigurationError
 from ..observe import masking, monitor
+from ..urls import mode_of
 from . import signals
 from .revoke import watch_revoke_command
 
@@ -76,10 +79,10 @@ _reading_lock = threading.Lock()
 
 def _read_held(app: Any, hostname: str) -> dict[str, Any]:
     config = get_config(app)
-    client = engine_for(app).client
+    engine = engine_for(app)
     try:
-        locks = monitor.read_held(client, config.key_prefix, hostname)
-        totals = monitor.worker_totals(client, config.key_prefix, hostname)
+        locks = monitor.read_held(engine, config.key_prefix, hostname)
+        totals = monitor.worker_totals(engine, config.key_prefix, hostname)
     except redis.RedisError as exc:
         return {"held": None, "locks": [], "error": f"lock Redis: {type(exc).__name__}"}
     return {"held": len(locks), "locks": locks, **totals}
@@ -116,6 +119,28 @@ def _fill(future: Future[dict[str, Any]], app: Any, hostname: str) -> None:
         future.set_exception(exc)
 
 
+#: how long this process trusts its estimate of the lock Redis's clock offset
+OFFSET_FOR = 60.0
+_offsets: dict[int, tuple[float, Optional[float]]] = {}
+
+
+def clock_offset_of(app: Any) -> Optional[float]:
+    """The lock Redis's clock less this host's (seconds), asked of the app's
+    engine at most every :data:`OFFSET_FOR` seconds (the first time, a
+    connection of the engine reads the server's clock); None when it cannot
+    be had."""
+    now = time.monotonic()
+    cached = _offsets.get(id(app))
+    if cached is not None and now - cached[0] < OFFSET_FOR:
+        return cached[1]
+    try:
+        offset = engine_for(app).clock_offset(ask=True)
+    except redis.RedisError:
+        offset = None
+    _offsets[id(app)] = (now, offset)
+    return offset
+
+
 class SingletonRequest(Request):  # type: ignore[misc]
     """A singleton task's request in the worker's main process
     (``SingletonTask.Request``).
@@ -127,6 +152,25 @@ class SingletonRequest(Request):  # type: ignore[misc]
     Handing a task to the pool, this tells it whether its own task events
     would go out now, so a skip ends as SKIPPED in Flower whenever Celery
     would have sent its ``task-succeeded``."""
+
+    @property
+    def eta(self) -> Any:
+        """Celery's ETA, timed on the lock Redis's clock where the sender said
+        how far its own clock was from it (``singleton_clock``, on every
+        request the library sends again to wait): the ETA moved by the
+        difference of the two offsets. A sender or a worker whose clock is off
+        by 30 s then waits the wait asked for, not 30 s more or none."""
+        eta = super().eta
+        sent = self._request_dict.get(CLOCK_HEADER) if eta is not None else None
+        if sent is None:
+            return eta
+        mine = clock_offset_of(self.task.app)
+        if mine is None:
+            return eta
+        try:
+            return eta + timedelta(seconds=float(sent) - mine)
+        except (TypeError, ValueError, OverflowError):
+            return eta
 
     @property
     def request_dict(self) -> dict[str, Any]:

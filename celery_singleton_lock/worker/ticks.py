@@ -140,8 +140,7 @@ def claim_tick_run(engine: Engine, prefix: str, request: Any, *,
     key, task_id, entry, tick = found
     try:
         if look_only:
-            raw = engine.client.get(key)
-            holder = "" if raw is None else str(raw)
+            holder = engine.read(key) or ""
             first = not holder
         else:
             first, holder = engine.claim(key, task_id, RUN_MARKER_TTL_MS)
@@ -197,7 +196,7 @@ def cancel_requested(task: Any) -> bool:
     """
     lock = task.singleton
     try:
-        value = engine_for(task.app).client.get(cancel_key(lock.keys))
+        value = engine_for(task.app).read(cancel_key(lock.keys))
     except redis.RedisError:
         return False
     return value is not None and bool(lock.task_id) and _text(value) == lock.task_id

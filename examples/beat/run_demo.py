@@ -3,9 +3,9 @@
     python examples/beat/run_demo.py
 
 Starts a redis-server of its own on a free port, a worker, and two beats using
-``celery_singleton_lock.beat:SingletonScheduler``; runs for about ten seconds,
-kills one beat with SIGKILL half-way, and prints each tick with the beat that
-sent it. Exits 0 only when every tick was sent exactly once with none missing.
+``celery_singleton_lock.beat:SingletonScheduler``; once the worker has run five
+ticks, kills one beat with SIGKILL, stops at ten, and prints each tick with the
+beat that sent it. Exits 0 only when every tick was sent exactly once with none missing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ from celery_singleton_lock.testing import RedisServer
 
 HERE = Path(__file__).resolve().parent
 SECONDS = 10
+
+
+def ran(log: redis.Redis, ticks: int, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Wait until the worker has run ``ticks`` ticks (a minute at most)."""
+    deadline = time.monotonic() + 60
+    while log.llen("ticks") < ticks:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs[:1]):
+            raise SystemExit(f"FAILED: {log.llen('ticks')} of {ticks} ticks ran within a minute")
+        time.sleep(0.1)
 
 
 def main() -> int:
@@ -56,12 +65,12 @@ def main() -> int:
                 [*celery, "beat", "-S", "celery_singleton_lock.beat:SingletonScheduler",
                  "-s", f"{workdir}/beat{n}-schedule", "--pidfile=", "--loglevel", "WARNING"],
                 env=env, cwd=workdir, start_new_session=True, **quiet))
-        time.sleep(SECONDS / 2)
+        # counted in ticks the worker ran, however slow the processes are to start
+        ran(log, SECONDS // 2, procs)
         os.killpg(procs[1].pid, signal.SIGKILL)  # beat 1: no goodbye, no lease to wait out
         print("kill -9 beat 1")
-        time.sleep(SECONDS / 2)
+        ran(log, SECONDS, procs)
         os.killpg(procs[2].pid, signal.SIGKILL)
-        time.sleep(1.5)  # the worker runs what was sent last
         events = [json.loads(x) for x in log.lrange("ticks", 0, -1)]
     finally:
         for proc in procs:

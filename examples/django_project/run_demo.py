@@ -14,8 +14,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
+
+import redis
 
 from celery_singleton_lock.testing import CeleryWorker, RedisServer
 
@@ -37,7 +40,7 @@ def main() -> int:
 
         django.setup()
         from orders.models import Order
-        from orders.tasks import ship_order
+        from orders.tasks import COURIER, ship_order
         from shop.celery import app
 
         from celery_singleton_lock import get_config, is_skipped
@@ -51,7 +54,14 @@ def main() -> int:
         worker = CeleryWorker("shop", env["SHOP_QUEUE"], concurrency=3, env=env,
                               cwd=str(HERE)).start()
         try:
-            results = [r.get(timeout=30) for r in [ship_order.delay(1) for _ in range(5)]]
+            sent = [ship_order.delay(1) for _ in range(5)]
+            # the four duplicates are answered while the first books the courier
+            deadline = time.monotonic() + 30
+            while sum(r.ready() for r in sent) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            couriers = redis.Redis.from_url(f"{env['SHOP_REDIS_URL']}/3")
+            couriers.rpush(COURIER.format(order_id=1), "booked")
+            results = [r.get(timeout=30) for r in sent]
         finally:
             worker.stop()
             worker.log.unlink(missing_ok=True)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
+
+import redis
 
 from celery_singleton_lock.testing import CeleryWorker, RedisServer
 
@@ -42,6 +45,12 @@ def main() -> int:
                               cwd=str(HERE)).start()
         try:
             sent = [tasks.recount_stock.delay("SKU-1234", reason=f"scan {i}") for i in range(6)]
+            # the duplicates are answered while the first still counts; then it ends
+            deadline = time.monotonic() + 30
+            while sum(r.ready() for r in sent) < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            shelves = redis.Redis.from_url(f"{env['LOCK_REDIS_URL']}/2")
+            shelves.rpush(tasks.COUNTED.format(sku="SKU-1234"), *["counted"] * 6)
             results = [r.get(timeout=30) for r in sent]
         finally:
             worker.stop()

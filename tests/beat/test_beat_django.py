@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -190,4 +191,11 @@ def test_two_real_beats_over_postgresql_keep_every_rule_of_django_celery_beat(
         assert rows[entry]["total_run_count"] == len(ran(entry)), (entry, rows[entry])
     senders = {e["singleton_beat_id"] for e in ran("every")}
     assert len(senders) >= 2, "more than one beat sent ticks of the row"
-    assert "Traceback" not in logs, logs
+    # no traceback but Celery's own at a stop: its SIGTERM handler raises
+    # SystemExit wherever beat is: inside a collected AsyncResult's __del__
+    # (Python prints it as "Exception ignored"), or inside a send, which beat
+    # logs as "Couldn't apply scheduled task" with the SystemExit chained
+    told = re.split(r"\n(?=\[\d{4}-\d\d-\d\d )", logs)
+    not_at_stop = [t for t in told if "Traceback (most" in t
+                   and not ("in _sync" in t and "raise SystemExit()" in t)]
+    assert not_at_stop == [], not_at_stop

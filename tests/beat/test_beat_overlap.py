@@ -17,6 +17,8 @@ import pytest
 
 import tests.beat.test_beat as beat_tests
 from celery_singleton_lock.beat.ticks import claim_key, queue_key
+from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.worker.ticks import from_ms, tick_name
 from tests.beat.test_beat import Beat, stats, tick_events
 from tests.support import wait_for
@@ -211,8 +213,9 @@ def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
     def waits(task_id: str) -> bool:
         return f"[{task_id}] waits" in beat_worker.logs()
 
-    engine.acquire(keys, task_id="earlier-run", exec_id="earlier-exec", lease_ms=60_000,
-                   hostname="test@host", retries=0, task_name="t.tick_wait")
+    engine.acquire(keys, Request(task_id="earlier-run", exec_id="earlier-exec",
+                                 lease=Lease.of_ms(60_000), hostname="test@host", retries=0,
+                                 task_name="t.tick_wait"))
     waiting = send("t.tick_wait", ticks[0])
     wait_for(lambda: beat_worker.logs().count(f"[{waiting}] waits") >= 2, 30,
              what="the tick's copy refused twice while the lock is held")
@@ -225,8 +228,12 @@ def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
     assert r.get(run_key("singleton:", "marked", ticks[0])) == waiting
 
     # a second copy of that tick: dropped on the marker, the lock untouched
-    engine.acquire(keys, task_id="other-run", exec_id="other-exec", lease_ms=60_000,
-                   hostname="test@host", retries=0, task_name="t.tick_wait")
+    # (taken here once the tick's run has ended and freed it)
+    wait_for(lambda: not engine.owner(keys), 30, what="the tick's run to free the lock")
+    other = engine.acquire(keys, Request(task_id="other-run", exec_id="other-exec",
+                                         lease=Lease.of_ms(60_000), hostname="test@host",
+                                         retries=0, task_name="t.tick_wait"))
+    assert other.status is Acquire.GRANTED, other
     copy = send("t.tick_wait", ticks[0])
     wait_for(lambda: f"Dropped {copy} of beat entry 'marked'" in beat_worker.logs(), 30,
              what="the second copy dropped")
@@ -239,8 +246,9 @@ def test_a_tick_run_marker_appears_only_once_its_run_holds_the_lock(
 
     # refused for good (t.tick_hold skips a duplicate): the tick is decided
     held = app.tasks["t.tick_hold"].singleton_keys(key)
-    engine.acquire(held, task_id="held-run", exec_id="held-exec", lease_ms=60_000,
-                   hostname="test@host", retries=0, task_name="t.tick_hold")
+    engine.acquire(held, Request(task_id="held-run", exec_id="held-exec",
+                                 lease=Lease.of_ms(60_000), hostname="test@host", retries=0,
+                                 task_name="t.tick_hold"))
     skipped = send("t.tick_hold", ticks[1])
     wait_for(lambda: r.get(run_key("singleton:", "marked", ticks[1])), 30,
              what="the skipped tick's marker")

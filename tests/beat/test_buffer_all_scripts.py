@@ -13,8 +13,11 @@ from typing import Any
 
 import redis
 
-from celery_singleton_lock.beat.overlap import _ARRIVE, _TAKE, _script
+from celery_singleton_lock.beat.overlap import _ARRIVE, _TAKE
 from celery_singleton_lock.beat.ticks import last_sent_key, queue_key
+from celery_singleton_lock.config import SingletonConfig
+from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.shapes import text
 
 QUEUE_TTL = 60_000
 LAST_TTL = 30_000
@@ -26,14 +29,18 @@ class Entry:
     def __init__(self, r: redis.Redis, cap: int = 3) -> None:
         name = f"e-{uuid.uuid4().hex[:8]}"
         self.r, self.cap = r, cap
+        kwargs = r.connection_pool.connection_kwargs
+        self.engine = connect(SingletonConfig.defaults(
+            f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"))
         self.queue, self.last = queue_key("singleton:", name), last_sent_key("singleton:", name)
 
     def arrive(self, tick: int, seen: str, ended: bool) -> Any:
-        return _script(self.r, _ARRIVE, [self.queue, self.last], str(tick), seen,
-                       "1" if ended else "0", self.cap, QUEUE_TTL, LAST_TTL)
+        return text(self.engine.run_script(_ARRIVE, [self.queue, self.last],
+                                           [str(tick), seen, "1" if ended else "0",
+                                            self.cap, QUEUE_TTL, LAST_TTL]))
 
     def take(self, seen: str) -> int:
-        return int(_script(self.r, _TAKE, [self.queue, self.last], seen, LAST_TTL))
+        return int(self.engine.run_script(_TAKE, [self.queue, self.last], [seen, LAST_TTL]))
 
     def waiting(self) -> list[int]:
         return [int(t) for t in self.r.zrange(self.queue, 0, -1)]
@@ -62,6 +69,9 @@ def test_the_queue_holds_at_most_the_cap(r):
     r.set(e.last, "1000")
     assert [e.arrive(t, "1000", ended=False) for t in (2000, 3000, 4000)] == [
         "buffered", "buffered", "full"]
+    assert e.waiting() == [2000, 3000]
+    # a tick that already waits, claimed again: it waits, it is not dropped
+    assert e.arrive(3000, "1000", ended=False) == "buffered"
     assert e.waiting() == [2000, 3000]
 
 

@@ -295,9 +295,13 @@ def test_a_host_clock_off_by_more_than_a_tenth_of_the_lease_warns(own_redis, mon
     monkeypatch.setattr(serverchecks, "wall_clock", lambda: real() + 5.0)
     finding = by_code(checks.run_checks(engine.client, engine.config))["clock"]
     assert finding.level == WARNING
-    # the offset it gives: -5 s, give or take the TIME round trip on a busy machine
-    offset = float(re.search(r"clock is ([-+][0-9.]+) s off", finding.message).group(1))  # type: ignore[union-attr]
-    assert abs(offset + 5.0) < 0.5
+    # the offset it gives: +5 s (ahead), give or take the TIME round trip on a busy machine
+    assert " s ahead of the Redis TIME (+" in finding.message, finding.message
+    offset = float(re.search(r"TIME \(([-+][0-9.]+) s\)", finding.message).group(1))  # type: ignore[union-attr]
+    assert abs(offset - 5.0) < 0.5
+    monkeypatch.setattr(serverchecks, "wall_clock", lambda: real() - 5.0)
+    finding = by_code(checks.run_checks(engine.client, engine.config))["clock"]
+    assert " s behind the Redis TIME (-" in finding.message, finding.message
 
 
 def test_no_persistence_warns_and_an_append_only_file_is_ok(own_redis):

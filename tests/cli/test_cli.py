@@ -17,6 +17,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.keys import LockKeys
 from tests.support import (
     ROOT,
@@ -38,11 +39,12 @@ STALE_HOLDER = """
 import os, sys
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.keys import LockKeys
 url, digest, name, task_id = sys.argv[1:5]
 engine = connect(SingletonConfig.defaults(url))
-reply = engine.acquire(LockKeys("singleton:", digest), task_id=task_id, exec_id=task_id + "x",
-                       lease_ms=120000, hostname="gone@host", retries=0, task_name=name)
+reply = engine.acquire(LockKeys("singleton:", digest),
+                       Request(task_id, task_id + "x", Lease(120.0), "gone@host", task_name=name))
 print(os.getpid(), flush=True)
 os._exit(0)  # dies holding the lock, as a killed process would
 """
@@ -95,7 +97,9 @@ def scene() -> Iterator[Scene]:
         app = make_app(server.url(), queue)
         events = server.client(3)
         hold = app.tasks["t.hold"]
-        held = hold.delay(SECRET, 60.0, "held")
+        # held for the whole module (killed with the worker at its end): a
+        # 60 s hold ended before the module did on a loaded machine
+        held = hold.delay(SECRET, 3600.0, "held")
         start = wait_for(lambda: [json.loads(e) for e in events.lrange("events", 0, -1)
                                   if json.loads(e)["tag"] == "held"], 20, what="held start")[0]
         queued = app.tasks["t.queue"].apply_async(kwargs={"key": f"q-{SECRET}"}, countdown=60)
@@ -282,8 +286,9 @@ def hold_on_another_host(scene: Scene, keys: LockKeys, name: str) -> str:
 
     task_id = f"remote-{uuid.uuid4().hex[:8]}"
     engine = connect(SingletonConfig.defaults(scene.server.url(2)))
-    engine.acquire(keys, task_id=task_id, exec_id=f"{task_id}-exec", lease_ms=120_000,
-                   hostname="w1@other-machine", retries=0, task_name=name)
+    engine.acquire(keys, Request(task_id=task_id, exec_id=f"{task_id}-exec",
+                                 lease=Lease.of_ms(120_000), hostname="w1@other-machine",
+                                 retries=0, task_name=name))
     held_on_another_host(scene.locks, keys.lock)
     return task_id
 
@@ -388,6 +393,32 @@ def test_purge_by_task_frees_its_send_time_markers_and_done_windows(scene):
     sent.revoke()
 
 
+def test_purge_frees_a_throttle_window_and_says_so(scene):
+    """An open throttle window is a key of its task: `purge --task` lists it as
+    throttled and would delete it; with --yes it reports it deleted, the window
+    is gone, and the next call runs at once (a 120 s window: open through every
+    command, however slow the machine)."""
+    t = scene.app.tasks["t.throttle_long"]
+    key = f"pt-{uuid.uuid4().hex}"
+    first = t.delay(key, 0.0, "throttle-first")
+    first.get(timeout=20)
+    keys = t.singleton_keys(key)
+    assert scene.locks.exists(keys.throttle)
+    dry = json.loads(cli(scene, "purge", "--task", "t.throttle_long", "--json").stdout)
+    assert (keys.base, "throttled", "would delete") in {
+        (e["key"], e["state"], e["action"]) for e in dry["keys"]}
+    out = cli(scene, "purge", "--task", "t.throttle_long", "--yes", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (keys.base, "throttled", first.id, "deleted") in {
+        (e["key"], e["state"], e["holder"], e["action"]) for e in json.loads(out.stdout)["keys"]}
+    assert not scene.locks.exists(keys.throttle), "the window is gone"
+    assert rows(cli(scene, "list", "--json", "--task", "t.throttle_long",
+                    "--state", "throttled")) == {}
+    table = cli(scene, "purge", "--task", "t.throttle_long", "--yes")
+    assert "no keys of task 't.throttle_long'" in table.stdout, table.stdout
+    assert t.delay(key, 0.0, "after-purge").get(timeout=20)["tag"] == "after-purge"
+
+
 def test_purge_keeps_a_queued_tasks_send_time_key_without_force_as_release_does(scene):
     """A key taken when a task was sent belongs to a task waiting in the queue:
     `release` frees it only with --force, and `purge --yes` keeps it the same way
@@ -430,7 +461,9 @@ def test_purge_keeps_a_live_holders_lock_without_force_as_release_does(scene):
     kept = cli(scene, "purge", "--task", "t.fenced", "--yes")
     assert kept.returncode == 1, kept.stdout + kept.stderr
     assert "kept 1 lock(s) whose holder may still run" in kept.stdout
-    assert alive.base in kept.stdout.splitlines()[-1] and "--force" in kept.stdout
+    [kept_line] = [line for line in kept.stdout.splitlines() if line.startswith("kept 1 ")]
+    assert alive.base in kept_line and "--force" in kept_line
+    assert kept.stdout.splitlines()[-1] == "deleted 1 key(s)"
     assert scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
 
     hold_stale(scene.server, stale, "t.fenced")
@@ -440,6 +473,39 @@ def test_purge_keeps_a_live_holders_lock_without_force_as_release_does(scene):
         (alive.base, "alive", "deleted"), (stale.base, "dead", "deleted")}
     assert not scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
     running.revoke(terminate=True)
+
+
+def test_purge_dry_run_and_yes_agree_on_what_goes_and_on_the_exit_code(scene):
+    """With only a lock whose holder may still run, purge may delete nothing
+    without --force: the dry run and --yes both say so, keep it and exit 1 (a
+    dry run exits as --yes would). With a stale lock beside it, the dry run's
+    "would delete" keys are the keys --yes deletes, and both exit 1 again."""
+    name = "t.hold_short"
+    task = scene.app.tasks[name]
+    live = task.singleton_keys(f"only-{SECRET}")
+    task_id = hold_on_another_host(scene, live, name)
+    record = scene.locks.get(live.lock)
+    dry, yes = cli(scene, "purge", "--task", name), cli(scene, "purge", "--task", name, "--yes")
+    assert (dry.returncode, yes.returncode) == (1, 1), dry.stdout + yes.stdout
+    assert dry.stdout.splitlines()[-1] == "dry run: nothing to delete", dry.stdout
+    assert yes.stdout.splitlines()[-1] == "nothing to delete", yes.stdout
+    assert "would keep 1 lock(s)" in dry.stdout and "kept 1 lock(s)" in yes.stdout
+    assert scene.locks.get(live.lock) == record
+
+    stale = task.singleton_keys(f"gone-{SECRET}")
+    hold_stale(scene.server, stale, name)
+    dry = cli(scene, "purge", "--task", name, "--json")
+    plan = {(e["key"], e["action"]) for e in json.loads(dry.stdout)["keys"]}
+    assert plan == {(live.base, "would keep: may run"), (stale.base, "would delete")}
+    assert "pass --yes to delete these 1 key(s)" in cli(scene, "purge", "--task", name).stdout
+    yes = cli(scene, "purge", "--task", name, "--yes", "--json")
+    done = {(e["key"], e["action"]) for e in json.loads(yes.stdout)["keys"]}
+    assert done == {(live.base, "kept: may run"), (stale.base, "deleted")}
+    assert (dry.returncode, yes.returncode) == (1, 1), dry.stdout + yes.stdout
+    assert not scene.locks.exists(stale.lock) and scene.locks.get(live.lock) == record
+    assert "nothing to delete" in cli(scene, "purge", "--task", name).stdout
+    assert cli(scene, "release", live.base, "--force").returncode == 0
+    assert task_id and not scene.locks.exists(live.lock)
 
 
 def test_doctor_prints_findings_with_what_to_do_and_exits_1_on_warnings(scene):

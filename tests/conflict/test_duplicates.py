@@ -6,6 +6,7 @@ import pytest
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from celery_singleton_lock import DuplicateTaskError, is_skipped
+from celery_singleton_lock.engine.request import Lease, Request
 
 pytestmark = pytest.mark.worker
 
@@ -169,9 +170,11 @@ def test_a_key_held_on_another_host_is_skipped_never_taken_over(client_app, redi
     remote = connect(SingletonConfig.defaults(redis_server.url(2)))
     slots = keys.slots(task.singleton_settings().config.limit)
     for n, slot in enumerate(slots, 1):
-        granted = remote.acquire(keys, task_id=f"remote-{n}", exec_id=f"remote-exec-{n}",
-                                 lease_ms=60_000, hostname="w1@other-machine", retries=0,
-                                 task_name=task_name, slots=len(slots))
+        granted = remote.acquire(keys, Request(task_id=f"remote-{n}", exec_id=f"remote-exec-{n}",
+                                               lease=Lease.of_ms(60_000),
+                                               hostname="w1@other-machine", retries=0,
+                                               task_name=task_name,
+                                               slots=len(slots)))
         assert granted.token > 0 and r.get(slot.lock) is not None
         held_on_another_host(r, slot.lock)
     records = [r.get(slot.lock) for slot in slots]

@@ -15,6 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, is_skipped
+from celery_singleton_lock.engine.request import Lease, Request
 from tests.cli.test_cli import run_cli
 from tests.support import ROOT, Worker, discard, wait_for
 from tests.workerapp import make_app
@@ -43,7 +44,7 @@ def test_at_most_n_run_at_once_each_in_its_own_slot(app, events, key, two_worker
     while three run are skipped naming a holder. While three run, `celery
     singleton key` shows 3/3 slots used."""
     t = app.tasks["t.limit3"]
-    calls = [t.delay(key, 8.0, f"c{i}") for i in range(8)]
+    calls = [t.delay(key, 120.0, f"c{i}") for i in range(8)]  # ended by the test
     wait_for(lambda: len(events.starts()) >= 3, 15, what="three starts")
     out = run_cli(two_workers[0].env, "key", "t.limit3", "--args", json.dumps([key]), "--json")
     assert out.returncode == 0, out.stderr
@@ -73,7 +74,7 @@ def test_at_most_n_run_at_once_each_in_its_own_slot(app, events, key, two_worker
 
     held = wait_for(inspected, 15, what="three held slots in celery inspect")
     assert sorted(lock["slot"] for lock in held) == [1, 2, 3]
-    events.client.set(f"finish:{key}", 1)  # seen while three run: end their 8 s now
+    events.client.set(f"finish:{key}", 1)  # seen while three run: end them (and any after)
     results = [c.get(timeout=30) for c in calls]
     ran = [r for r in results if not is_skipped(r)]
     skipped = [r for r in results if is_skipped(r)]
@@ -174,8 +175,10 @@ def test_slots_on_one_server(redis_server):
     keys = LockKeys("singleton:", uuid.uuid4().hex)
 
     def acquire(task_id: str, exec_id: str, retries: int = 0) -> Any:
-        return engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=30_000,
-                              hostname="h", retries=retries, task_name="t", slots=3)
+        return engine.acquire(keys, Request(task_id=task_id, exec_id=exec_id,
+                                            lease=Lease.of_ms(30_000), hostname="h",
+                                            retries=retries, task_name="t",
+                                            slots=3))
 
     grants = [acquire(f"t{i}", f"e{i}") for i in range(3)]
     assert [g.status for g in grants] == [Acquire.GRANTED] * 3

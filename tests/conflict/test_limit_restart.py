@@ -24,7 +24,8 @@ import pytest
 
 from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine.registry import connect
-from celery_singleton_lock.engine.replies import Acquire, Reclaim
+from celery_singleton_lock.engine.replies import Acquire, Reclaim, Renew
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.keys import LockKeys
 from tests.engine.test_restart_race import OFFSETS, wait_for_renewal
 from tests.support import RedisServer, Worker, discard, owner_record, wait_for
@@ -40,13 +41,15 @@ SOAK_CONF = {"singleton_ttl": 10.0}
 
 
 def grant(engine: Any, keys: LockKeys, n: int) -> Any:
-    return engine.acquire(keys, task_id=f"task-{n}", exec_id=f"exec-{n}", lease_ms=30_000,
-                          hostname="w1@host", retries=0, task_name="t.limit", slots=2)
+    return engine.acquire(keys, Request(task_id=f"task-{n}", exec_id=f"exec-{n}",
+                                        lease=Lease.of_ms(30_000), hostname="w1@host", retries=0,
+                                        task_name="t.limit", slots=2))
 
 
 def reclaim(engine: Any, keys: LockKeys, n: int, token: int) -> Any:
-    return engine.reclaim(keys, task_id=f"task-{n}", exec_id=f"exec-{n}", token=token,
-                          lease_ms=30_000, hostname="w1@host", retries=0, task_name="t.limit")
+    return engine.reclaim(keys, Request(task_id=f"task-{n}", exec_id=f"exec-{n}",
+                                        lease=Lease.of_ms(30_000), hostname="w1@host", retries=0,
+                                        task_name="t.limit"), token)
 
 
 def test_every_slot_is_written_back_after_an_empty_restart_and_none_is_given_away(own_redis):
@@ -77,6 +80,49 @@ def test_every_slot_is_written_back_after_an_empty_restart_and_none_is_given_awa
     fourth = grant(engine, keys, 4)
     assert fourth.status is Acquire.GRANTED and fourth.slot == 2
     assert fourth.token > two.token
+
+
+def test_a_slot_whose_renewer_runs_late_after_an_empty_restart_is_kept_for_it(own_redis):
+    """Two slots held under a 6 s lease, the server restarted empty: slot 1 is
+    written back at once, slot 2's holder writes its slot back only after a
+    third of the lease and a second have passed (a starved process's renewer),
+    its lease still valid. Meanwhile a third execution is refused, not given
+    slot 2, and the late holder gets its slot back (before: the key's note of
+    the write-backs lived a third of the lease and a second, slot 2 went to the
+    third execution, and the late holder was told its slot was released while
+    it still ran: three executions of a key under singleton_limit=2)."""
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    lease = 6_000
+
+    def take(n: int) -> Any:
+        return engine.acquire(keys, Request(task_id=f"task-{n}", exec_id=f"exec-{n}",
+                                            lease=Lease.of_ms(lease), hostname="w1@host",
+                                            retries=0, task_name="t.limit",
+                                            slots=2))
+
+    def back(n: int, token: int) -> Any:
+        return engine.reclaim(keys.slot(n), Request(task_id=f"task-{n}", exec_id=f"exec-{n}",
+                                                    lease=Lease.of_ms(lease), hostname="w1@host",
+                                                    retries=0,
+                                                    task_name="t.limit"), token)
+
+    first, second = take(1), take(2)
+    granted = time.monotonic()
+    own_redis.stop()
+    own_redis.start()  # same port, empty
+    assert back(1, first.token).status is Reclaim.WRITTEN_BACK
+    written = time.monotonic()
+    # past the old note's life (a third of the lease and a second), within the lease
+    wait_for(lambda: time.monotonic() - written > lease / 3000 + 1.5, 10, interval=0.05)
+    assert time.monotonic() - granted < lease / 1000 - 1.0, "the machine took too long"
+    # slot 1's holder renews on time (its lock would look doubtful otherwise)
+    assert engine.renew([(keys.slot(1).lock, "exec-1", lease)]) == [Renew.RENEWED]
+    third = take(3)
+    assert third.status is Acquire.HELD, third
+    late = back(2, second.token)
+    assert late.status is Reclaim.WRITTEN_BACK, late
+    assert owner_record(own_redis.client(), keys.slot(2).lock)["exec"] == "exec-2"
 
 
 def test_without_a_restart_a_released_slot_is_still_lost(own_redis):
@@ -185,6 +231,7 @@ def two_in_a_slot(spans: list[Span]) -> list[tuple[str, str]]:
             if a[4] < b[4] and a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]]
 
 
+@pytest.mark.long
 @pytest.mark.worker
 @pytest.mark.timeout(SOAK_SECONDS + 240)
 def test_limit_soak_killed_children_and_an_empty_restart(redis_server, events):
@@ -243,7 +290,15 @@ def test_limit_soak_killed_children_and_an_empty_restart(redis_server, events):
         # one, every restart cost the second slot's holder).
         lost = {e["id"] for e in events.all() if e["ev"] == "end" and e.get("lost")}
         held = [s for s in spans if s[4] not in lost]
-        assert most_at_once(held) <= 2 and two_in_a_slot(held) == [], (most, doubled, lost)
+        pairs = two_in_a_slot(held)
+        if most_at_once(held) > 2 or pairs:
+            named = {i for pair in pairs for i in pair}
+            history = [e for e in events.all() if e.get("id") in named]
+            logs = "\n".join(w.logs()[-6000:] for w in workers)
+            raise AssertionError(
+                f"most at once {most_at_once(held)}, two in a slot {pairs}; lost {sorted(lost)}; "
+                f"killed {killed_at}; restarts {restarts}\nevents of those executions:\n"
+                + "\n".join(map(str, history)) + f"\nworker logs:\n{logs}")
         assert len(lost) <= restarts, sorted(lost)
     finally:
         for w in workers:

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.rabbit import RabbitNode
+from tests.rateapp import make_rate_app
 from tests.support import CuttableProxy, RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
@@ -46,6 +47,9 @@ DUPLICATES = int(os.environ.get("SLT_QUORUM_DUPLICATES", "6"))
 DELAYS = [float(x) for x in os.environ.get("SLT_QUORUM_DELAYS", "3.2,3.2").split(",")]
 
 QUEUE_TYPES = ["quorum", "classic"]
+#: the longest runs on classic queues (the same waits as a Redis broker's) are
+#: long runs (pytest -m long); on quorum queues they are in the default run
+QUORUM_FIRST = ["quorum", pytest.param("classic", marks=pytest.mark.long)]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +117,7 @@ def delay_queues_drain(rabbit: RabbitNode, timeout: float = LATE * 2) -> bool:
 
 
 @pytest.mark.timeout(HOLD * 6 + DUPLICATES * 20 + 120)
-@pytest.mark.parametrize("queue_type", QUEUE_TYPES)
+@pytest.mark.parametrize("queue_type", QUORUM_FIRST)
 def test_retry_duplicates_behind_a_long_holder_all_run_one_at_a_time(
         rabbit: RabbitNode, redis_server: RedisServer, events: Any, queue_type: str) -> None:
     """A holder runs HOLD seconds; DUPLICATES duplicates under ``retry`` wait for
@@ -156,7 +160,7 @@ def test_retry_duplicates_behind_a_long_holder_all_run_one_at_a_time(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kill", ["child", "worker"])
-@pytest.mark.parametrize("queue_type", QUEUE_TYPES)
+@pytest.mark.parametrize("queue_type", QUORUM_FIRST)
 def test_a_copy_redelivered_while_its_original_runs_runs_once_the_original_dies(
         rabbit: RabbitNode, redis_server: RedisServer, events: Any, queue_type: str,
         kill: str) -> None:
@@ -258,5 +262,36 @@ def test_a_task_waiting_for_the_lock_redis_runs_once_it_is_back(
         assert res.get(timeout=60)["tag"] == "outage"
         assert len(events.starts("outage")) == 1
         check_deliveries(events, rabbit, queue_type, "lock Redis down")
+    finally:
+        discard(w)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("task_name", ["t.throttle_brief", "t.rate_brief"])
+def test_a_window_reopening_in_under_a_second_is_waited_for_on_quorum_queues(
+        rabbit: RabbitNode, redis_server: RedisServer, events: Any, task_name: str) -> None:
+    """A throttle window of 0.8 s, and a rate of one start per 0.8 s, under
+    ``retry``: a call that finds the window open is sent again for when it
+    reopens, always in under a second. On quorum queues such a wait used to
+    fail the call (``ValueError: countdown must be a positive number``, from
+    native delayed delivery); every call runs, one per window."""
+    queue = f"qwin-{uuid.uuid4().hex[:6]}"
+    conf = broker_conf(rabbit.url(), "quorum")
+    w = Worker(redis_server.url(), queue, concurrency=2, conf=conf)
+    if task_name == "t.rate_brief":  # the rate tasks' app (their ACL needs more)
+        w.cmd[w.cmd.index("tests.workerapp:app")] = "tests.rateapp:app"
+    w.start()
+    try:
+        app = make_rate_app(redis_server.url(), queue, conf=conf)
+        task = app.tasks[task_name]
+        key = uuid.uuid4().hex[:10]
+        sent = [task.delay(key, 0.0, f"win-{i}") for i in range(4)]
+        for i, res in enumerate(sent):
+            assert res.get(timeout=60)["tag"] == f"win-{i}", res.state
+        assert sorted(e["tag"] for e in events.starts("win-")) == [f"win-{i}" for i in range(4)]
+        # the case at hand came up: calls found the window open and waited
+        assert [e for e in received(events) if e["waits"]], received(events)
+        assert "countdown must be a positive number" not in w.logs()
+        check_deliveries(events, rabbit, "quorum", f"{task_name} windows")
     finally:
         discard(w)

@@ -34,6 +34,19 @@ def app(redis_server: Any, two_workers: tuple[Worker, Worker]) -> Any:
     return make_app(redis_server.url(), two_workers[0].queue)
 
 
+def parked() -> str:
+    """A queue of its own that no worker consumes until :func:`unpark`: its
+    calls stay queued however long the CLI commands of a loaded machine take."""
+    return f"parked-{uuid.uuid4().hex[:8]}"
+
+
+def unpark(app: Any, workers: tuple[Worker, Worker], queue: str) -> None:
+    """Both workers consume ``queue`` from now on."""
+    names = [w.name if "@" in w.name else f"celery@{w.name}" for w in workers]
+    replies = app.control.add_consumer(queue, destination=names, reply=True, timeout=10)
+    assert len(replies) == len(names), replies
+
+
 def skipped_by_workers(workers: tuple[Worker, Worker], task_id: str, successor: str) -> bool:
     line = f"[{task_id}] skipped: replaced by {successor} (queued)"
     return any(line in w.logs() for w in workers)
@@ -47,9 +60,10 @@ def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers,
     took each one's place, and their messages are skipped as "replaced" when
     they reach a worker."""
     t = app.tasks[f"t.{scope}_replace"]
-    first = t.apply_async((key, 0.0, "first"), countdown=1.5)
-    second = t.apply_async((key, 0.0, "second"), countdown=1.5)
-    third = t.delay(key, 0.0, "third")
+    queue = parked()
+    first = t.apply_async((key, 0.0, "first"), queue=queue)
+    second = t.apply_async((key, 0.0, "second"), queue=queue)
+    third = t.apply_async((key, 0.0, "third"), queue=queue)
     assert not any(is_deduplicated(x) for x in (first, second, third))
     # stored by the send that replaced them: no worker has had their messages yet
     assert first.ready() and second.ready()
@@ -59,6 +73,7 @@ def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers,
         assert (result["reason"], result["holder"], result["state"]) == (
             "replaced", successor.id, "queued")
         assert result["key"] == t.singleton_keys(key).base
+    unpark(app, two_workers, queue)
     assert third.get(timeout=10)["tag"] == "third"
     wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id)
              and skipped_by_workers(two_workers, second.id, third.id), 15,
@@ -68,8 +83,9 @@ def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers,
 
 def test_the_cli_lists_the_queued_marker_s_new_holder(app, two_workers, events, key):
     t = app.tasks["t.queue_replace"]
-    first = t.apply_async((key, 0.0, "first"), countdown=1.5)
-    second = t.apply_async((key, 0.0, "second"), countdown=1.5)
+    queue = parked()
+    first = t.apply_async((key, 0.0, "first"), queue=queue)
+    second = t.apply_async((key, 0.0, "second"), queue=queue)
     out = run_cli(two_workers[0].env, "list", "--state", "queued", "--json")
     assert out.returncode == 0, out.stderr
     base = t.singleton_keys(key).base
@@ -87,6 +103,7 @@ def test_the_cli_lists_the_queued_marker_s_new_holder(app, two_workers, events, 
     assert any(base in line and second.id in line and "1 superseded" in line
                for line in table.splitlines()), table
     assert first.get(timeout=1)["holder"] == second.id
+    unpark(app, two_workers, queue)
     assert second.get(timeout=10)["tag"] == "second"
     wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,
              what="the worker to skip the first")
@@ -98,9 +115,9 @@ def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key
     replaced call's message, reaching a worker after the purge, is still
     skipped, not run with the old arguments."""
     t = app.tasks["t.queue_replace"]
-    # queued long enough for two CLI commands on a loaded machine to find it queued
-    first = t.apply_async((key, 0.0, "first"), countdown=8)
-    second = t.apply_async((key, 0.0, "second"), countdown=8)
+    queue = parked()  # queued until the CLI commands are done
+    first = t.apply_async((key, 0.0, "first"), queue=queue)
+    second = t.apply_async((key, 0.0, "second"), queue=queue)
     assert first.get(timeout=1)["holder"] == second.id
     out = run_cli(two_workers[0].env, "purge", "--task", "t.queue_replace", "--yes", "--json")
     assert out.returncode == 1, out.stdout + out.stderr  # the queued call's key was kept
@@ -110,6 +127,7 @@ def test_purge_keeps_the_record_of_a_replaced_call(app, two_workers, events, key
     freed = run_cli(two_workers[0].env, "release", base, "--force")
     assert freed.returncode == 0, freed.stdout + freed.stderr
     assert r.exists(t.singleton_keys(key).replaced)
+    unpark(app, two_workers, queue)
     assert second.get(timeout=30)["tag"] == "second"
     wait_for(lambda: skipped_by_workers(two_workers, first.id, second.id), 15,
              what="the worker to skip the replaced call after the purge")

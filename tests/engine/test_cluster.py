@@ -1,8 +1,7 @@
-"""Redis Cluster: the core promises against a real three-primary cluster.
-
-The lock Redis here is a cluster of three primaries of the module's own
-(``redis-cli --cluster create``); the broker and the test events stay on the
-session's standalone server. Workers get ``singleton_redis_url = cluster://...``.
+"""Redis Cluster: the engine against a real three-primary cluster of the
+module's own (``redis-cli --cluster create``): slots, nodes, migrations, a
+primary restarted empty. The core promises through real workers on a cluster
+are the contract suite's (``tests/contract/test_contract.py``).
 """
 
 from __future__ import annotations
@@ -18,26 +17,21 @@ from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.cluster import ClusterWire, slot_of
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Release, Renew
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.engine.watch import ClusterWatch
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.worker.heartbeat import Heartbeat
 from celery_singleton_lock.worker.ticks import ENTRY_HEADER, TICK_HEADER, claim_tick_run
-from tests.contract import promises
 from tests.deployments import Cluster
 from tests.support import (
     RedisServer,
-    Worker,
-    discard,
     owner_field,
     owner_record,
     wait_for,
     write_owner,
 )
-from tests.workerapp import make_app
-
-CONF = {"singleton_ttl": 30.0}
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +54,9 @@ def new_keys() -> LockKeys:
 
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str = "") -> Any:
-    return engine.acquire(keys, task_id=task_id, exec_id=exec_id or uuid.uuid4().hex,
-                          lease_ms=5000, hostname="w1@host", retries=0, task_name="t.x")
+    return engine.acquire(keys, Request(task_id=task_id, exec_id=exec_id or uuid.uuid4().hex,
+                                        lease=Lease.of_ms(5000), hostname="w1@host", retries=0,
+                                        task_name="t.x"))
 
 
 def test_each_lock_lives_in_one_slot_and_locks_spread_over_every_primary(cluster, engine):
@@ -162,63 +157,6 @@ def test_a_beats_permission_probes_run_on_one_node_and_leave_nothing(cluster, en
     assert beat_denied(engine.client, "singleton:", list(BEAT_COMMANDS)) == []
     for node in cluster.nodes:
         assert not node.client().keys("singleton:probe:*"), node.port
-
-
-# -- through real workers ---------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def worker(cluster: Cluster, redis_server: RedisServer) -> Iterator[Worker]:
-    w = Worker(redis_server.url(), f"cl-{uuid.uuid4().hex[:8]}", concurrency=3,
-               lock_url=cluster.url(), conf=CONF).start()
-    yield w
-    discard(w)
-
-
-@pytest.fixture(scope="module")
-def app(cluster: Cluster, redis_server: RedisServer, worker: Worker) -> Any:
-    return make_app(redis_server.url(), worker.queue, lock_url=cluster.url(), conf=CONF)
-
-
-def lock_exists(cluster: Cluster, app: Any) -> promises.LockExists:
-    def exists(task: str, key: str) -> bool:
-        lock = app.tasks[task].singleton_keys(key).lock
-        return bool(cluster.node_of(lock).client().exists(lock))
-    return exists
-
-
-@pytest.mark.worker
-def test_duplicate_storm_on_a_cluster_runs_one_at_a_time(app, events, key):
-    promises.duplicate_storm_runs_one_at_a_time(app, events, key)
-
-
-@pytest.mark.worker
-def test_child_killed_on_a_cluster_is_freed_by_the_main_process(cluster, app, events, key):
-    promises.killed_child_is_freed_by_the_main_process(app, events, key,
-                                                       lock_exists(cluster, app))
-
-
-@pytest.mark.worker
-def test_redelivery_on_a_cluster_runs_once_more_with_a_higher_token(cluster, app, events, key):
-    promises.redelivery_runs_once_more_with_a_higher_token(app, events, key,
-                                                           lock_exists(cluster, app))
-
-
-@pytest.mark.worker
-def test_queue_scopes_on_a_cluster_refuse_while_queued_and_while_running(app, events, key):
-    promises.queue_scopes_refuse_while_queued_and_while_running(app, events, key)
-
-
-@pytest.mark.worker
-def test_throttle_on_a_cluster_gives_one_start_per_window(cluster, app, events, key):
-    def window(task: str, key: str) -> bool:
-        name = app.tasks[task].singleton_keys(key).throttle
-        return bool(cluster.node_of(name).client().exists(name))
-    promises.one_start_per_throttle_window(app, events, key, window)
-
-
-@pytest.mark.worker
-def test_replace_on_a_cluster_runs_the_newest_queued_call(app, events, key):
-    promises.the_newest_queued_call_wins(app, events, key)
 
 
 def test_a_primary_restarted_empty_gets_its_held_locks_back_at_once(cluster, engine):

@@ -21,11 +21,12 @@ from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine.cluster import ClusterWire, slot_of
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Renew
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.exceptions import TooFewReplicasError
 from celery_singleton_lock.keys import LockKeys
 from tests.deployments import Cluster
-from tests.support import RedisServer, Worker, discard, wait_for
+from tests.support import HoldLoad, RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
 
@@ -46,24 +47,14 @@ def new_keys() -> LockKeys:
 
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str) -> Any:
-    return engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=30_000,
-                          hostname="w1@host", retries=0, task_name="t.x")
+    return engine.acquire(keys, Request(task_id=task_id, exec_id=exec_id,
+                                        lease=Lease.of_ms(30_000), hostname="w1@host", retries=0,
+                                        task_name="t.x"))
 
 
 def primary_of(cluster: Cluster, slot: int) -> Optional[RedisServer]:
     """The node serving ``slot`` now, as any running node sees the map."""
-    for node in cluster.nodes:
-        if not node.running:
-            continue
-        try:
-            shards = node.client().execute_command("CLUSTER", "SLOTS")
-        except redis.RedisError:
-            continue
-        for first, last, owner, *_ in shards:
-            if int(first) <= slot <= int(last):
-                port = int(owner[1])
-                return next((n for n in cluster.nodes if n.port == port and n.running), None)
-    return None
+    return cluster.primary_of(slot)
 
 
 def on_replica(cluster: Cluster, key: str) -> bool:
@@ -269,61 +260,167 @@ def test_a_release_sent_to_a_killed_primary_reaches_the_promoted_replica(
         discard(worker)
 
 
-class Load:
-    """Calls of ``t.hold`` over some keys, one every 50 ms, each result's
-    ready time noted (wall clock, as the workers' events): run by :meth:`step`
-    from the test's own loop."""
+def _replica_of(cluster: Cluster, primary: RedisServer) -> Optional[RedisServer]:
+    for node in cluster.nodes:
+        if node is primary or not node.running:
+            continue
+        info = node.client().info("replication")
+        if info.get("role") == "slave" and int(info.get("master_port", 0)) == primary.port:
+            return node
+    return None
 
-    def __init__(self, hold: Any, keys: list[str], seed: int) -> None:
-        import random
 
-        self.hold, self.keys, self.rng = hold, keys, random.Random(seed)
-        self.pending: list[Any] = []
-        self.ready: list[tuple[Any, float]] = []
-        self._next = 0.0
+def _cluster_down(node: RedisServer) -> bool:
+    text = str(node.client().execute_command("CLUSTER", "INFO"))
+    return "cluster_state:fail" in text
 
-    def step(self, sending: bool = True) -> None:
-        now = time.monotonic()
-        if sending and now >= self._next:
-            self._next = now + 0.05
-            self.pending.append(self.hold.delay(self.rng.choice(self.keys),
-                                                self.rng.uniform(0.1, 0.5), "load"))
-        still = []
-        for res in self.pending:
-            if res.ready():
-                self.ready.append((res, time.time()))
+
+def test_clusterdown_leaves_every_connection_in_step_and_a_release_owed(cluster):
+    """WAIT 1 on a Cluster (a grant is one write: the WAIT marker's SET, the
+    script, WAIT). A shard's primary and its replica are killed: the healthy
+    primaries answer CLUSTERDOWN to every command until that shard is back.
+    Grants meanwhile fail as Redis errors, never as a reply read off another
+    call; a release answered CLUSTERDOWN is kept and sent again once the
+    cluster serves the slot, so its key is free long before its 60 s lease;
+    afterwards every grant and release on the same connections gets its own
+    reply, and nothing is left held (before: the next grants read the earlier
+    script's and WAIT's replies as their own, 'script acquire gave a reply it
+    never gives: OK', and the release was dropped)."""
+    from celery_singleton_lock.exceptions import UnexpectedReplyError
+
+    engine = engine_on(cluster, wait_replicas=1, wait_timeout=500)
+    victim = primary_of(cluster, 0)
+    assert victim is not None
+    replica = _replica_of(cluster, victim)
+    assert replica is not None
+    healthy: list[LockKeys] = []
+    while len(healthy) < 40:
+        keys = new_keys()
+        node = primary_of(cluster, slot_of(keys.lock))
+        if node is not None and node.port != victim.port:
+            healthy.append(keys)
+    held, fresh, after = healthy[0], healthy[1:20], healthy[20:]
+    assert take(engine, held, "held", "e-held").status is Acquire.GRANTED
+    released: list[Any] = []
+    try:
+        replica.stop()  # kill -9, then the primary: no one to promote
+        victim.stop()
+        watcher = primary_of(cluster, slot_of(held.lock))
+        assert watcher is not None
+        wait_for(lambda: _cluster_down(watcher), 30, interval=0.05, what="CLUSTERDOWN")
+        errors = []
+        for i, keys in enumerate(fresh):
+            try:
+                got = take(engine, keys, f"down{i}", f"e-down{i}")
+            except UnexpectedReplyError:
+                raise
+            except redis.RedisError as exc:
+                errors.append(exc)
             else:
-                still.append(res)
-        self.pending = still
-        time.sleep(0.01)
+                # the cluster may be back for this slot already: a grant of its own
+                assert got.status is Acquire.GRANTED
+                assert engine.release(keys, f"e-down{i}", f"down{i}") is True
+        assert errors, "no grant met CLUSTERDOWN"
+        engine.release_later(held, "e-held", "held", lambda r, e: released.append((r, e)),
+                             finished=True)
+        engine.settle()
+        assert released == [], released  # refused for the failover: kept, not dropped
+    finally:
+        victim.start()
+        replica.start()
+        wait_for(cluster.ok, 60, interval=0.2, what="the cluster whole again")
 
-    def drain(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.pending and time.monotonic() < deadline:
-            self.step(sending=False)
-        assert not self.pending, f"{len(self.pending)} calls not final"
+    def freed() -> bool:
+        node = primary_of(cluster, slot_of(held.lock))
+        return node is not None and not node.client().exists(held.lock)
 
-    def late_skips(self, ends: dict[str, float], promoted: float) -> list[float]:
-        """Seconds past the holder's end of every skip that came more than 1 s
-        after both the holder ended and the promotion."""
-        late = []
-        for res, at in self.ready:
-            result = res.result
-            if is_skipped(result) and result["holder"] in ends:
-                ended = ends[result["holder"]]
-                if at > ended + 1.0 and at > promoted + 1.0:
-                    late.append(at - ended)
-        return late
+    wait_for(freed, 30, interval=0.05, what="the owed release to free the key (lease 60 s)")
+    wait_for(lambda: bool(released), 10, what="the release's answer")
+    assert released[0][1] is None, released
+    tokens = []
+    for i, keys in enumerate(after):
+        got = wait_for(lambda k=keys, n=i: _granted(engine, k, f"after{n}"), 30,
+                       interval=0.1, what="a grant WAIT 1 confirms")
+        tokens.append(got.token)
+        assert engine.release(keys, f"e-after{i}", f"after{i}") is True
+    for node in cluster.nodes:
+        if node.running and node.client().info("replication").get("role") == "master":
+            left = [k for k in node.client().scan_iter(match="singleton:*:lock")
+                    if any(k == h.lock for h in healthy)]
+            assert left == [], f"left held on {node.port}: {left}"
+    assert isinstance(engine.wire, ClusterWire)
+    engine.wire.close()
+
+
+def _primaries_ok(cluster: Cluster) -> bool:
+    """Every running primary answers ``cluster_state:ok`` (takes writes)."""
+    for node in cluster.nodes:
+        if not node.running:
+            continue
+        try:
+            client = node.client()
+            if client.info("replication").get("role") != "master":
+                continue
+            if "cluster_state:ok" not in str(client.execute_command("CLUSTER", "INFO")):
+                return False
+        except redis.RedisError:
+            return False
+    return True
+
+
+def _history(load: HoldLoad, starts: list[dict[str, Any]], ends: list[dict[str, Any]],
+             shard: list[str], promoted: float, whole: Optional[float]) -> str:
+    """Each call's run or skip from a second before the promotion on, by key,
+    for a failure's message: times from the promotion."""
+    began = {e["id"]: e["t"] for e in starts}
+    ended = {e["id"]: e["t"] for e in ends}
+    lines = [f"promoted at 0.00, every primary ok at "
+             f"{'never' if whole is None else f'{whole - promoted:.2f}'}"]
+    for res, at in sorted(load.ready, key=lambda r: r[1]):
+        if at < promoted - 1:
+            continue
+        key = load.key_of.get(res.id, "?")
+        where = "victim's shard" if key in shard else "other shard"
+        if is_skipped(res.result):
+            holder = res.result.get("holder", "?")
+            lines.append(f"{at - promoted:6.2f} skip {res.id[:8]} {key} ({where}) held by "
+                         f"{str(holder)[:8]} ran {began.get(holder, 0) - promoted:.2f}.."
+                         f"{ended.get(holder, 0) - promoted:.2f}")
+        elif res.id in began:
+            lines.append(f"{at - promoted:6.2f} ran  {res.id[:8]} {key} ({where}) "
+                         f"{began[res.id] - promoted:.2f}..{ended.get(res.id, 0) - promoted:.2f}")
+        else:
+            lines.append(f"{at - promoted:6.2f} {res.state} {res.id[:8]} {key} ({where})")
+    return "\n".join(lines)
+
+
+def _granted(engine: LockEngine, keys: LockKeys, task_id: str) -> Any:
+    try:
+        got = take(engine, keys, task_id, f"e-{task_id}")
+    except TooFewReplicasError:
+        return None  # a replica back but not yet acknowledging: a task would retry
+    assert got.status is Acquire.GRANTED, got
+    return got
 
 
 @pytest.mark.worker
+@pytest.mark.parametrize("wait", [0, 1], ids=["no-wait", "wait-1"])
 def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
-        cluster, redis_server, events):
-    """Two workers, calls of four keys of one shard sent every 50 ms (0.1-0.5 s
-    each, the default 30 s lease), that shard's primary killed mid-run: after
-    the promotion no call is skipped against a holder that had finished more
-    than a second before (before: 1-9 such skips per run, up to 25.5 s late)."""
-    conf = {"singleton_ttl": 30.0}
+        cluster, redis_server, events, wait):
+    """Two workers, calls of four keys of one shard and four of the others sent
+    every 50 ms (0.1-0.5 s each, the default 30 s lease), that shard's primary
+    killed mid-run, then started again (it rejoins as a replica): the other
+    primaries answer CLUSTERDOWN until the promotion, to calls pipelined with
+    a WAIT marker and WAIT too (``singleton_wait_replicas=1``). No call fails
+    with a reply read off another call, none is skipped against a holder that
+    never ran, nor after the promotion against one that had finished more than
+    a second before, and no key is left held after the drain. (Before: 1-9
+    late skips per run, up to 25.5 s late; with WAIT, 11 and 18 calls FAILED
+    with "script 'acquire' gave a reply it never gives: 'OK'" and two keys
+    stayed held on the healthy primaries.)"""
+    conf: dict[str, Any] = {"singleton_ttl": 30.0}
+    if wait:
+        conf.update(singleton_wait_replicas=1, singleton_wait_timeout=500)
     queue = f"cll-{uuid.uuid4().hex[:8]}"
     workers = [Worker(redis_server.url(), queue, concurrency=3, lock_url=cluster.url(),
                       conf=conf, name=n).start() for n in ("a", "b")]
@@ -332,13 +429,15 @@ def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
         app = make_app(redis_server.url(), queue, lock_url=cluster.url(), conf=conf)
         hold = app.tasks["t.hold"]
         assert victim is not None
-        keys: list[str] = []
-        while len(keys) < 4:
+        shard: list[str] = []
+        others: list[str] = []
+        while len(shard) < 4 or len(others) < 4:
             name = uuid.uuid4().hex[:8]
             node = primary_of(cluster, slot_of(hold.singleton_keys(name).lock))
-            if node is not None and node.port == victim.port:
-                keys.append(name)
-        load = Load(hold, keys, 45)
+            if node is not None:
+                (shard if node.port == victim.port else others).append(name)
+        keys = shard[:4] + others[:4]
+        load = HoldLoad(hold, keys, 45 + wait)
         started = time.monotonic()
         while time.monotonic() - started < 3:
             load.step()
@@ -350,17 +449,36 @@ def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
                 promoted = time.time()
                 break
             assert time.monotonic() - started < 40, "no promotion"
+        victim.start()  # rejoins as the promoted one's replica
         after = time.monotonic()
+        whole: Optional[float] = None  # every primary says cluster_state:ok
         while time.monotonic() - after < 6:
             load.step()
-        load.drain(60)
-        ends = {e["id"]: e["t"] for e in events.ends("load")}
-        late = load.late_skips(ends, promoted)
+            if whole is None and _primaries_ok(cluster):
+                whole = time.time()
+        load.drain(90)
+        failed = [res.result for res, _ in load.ready if res.state == "FAILURE"]
+        assert failed == [], failed[:5]
+        starts, ends = events.starts("load"), events.ends("load")
+        never = load.never_ran({e["id"] for e in starts})
+        assert never == [], never
+        # owed releases go out once their node takes writes: every primary
+        # says so (the promoted one knows it first, the others a moment later)
+        late = load.late_skips({e["id"]: e["t"] for e in ends}, max(promoted, whole or 0.0))
         skips = sum(1 for res, _ in load.ready if is_skipped(res.result))
-        print(f"\nCluster under load: {len(load.ready)} calls, {skips} skipped, "
-              f"{len(late)} skipped against a holder finished over 1 s before (after the "
-              "promotion)" + (f", up to {max(late):.1f} s" if late else ""))
-        assert late == []
+        print(f"\nCluster under load{' with WAIT 1' if wait else ''}: {len(load.ready)} calls, "
+              f"{skips} skipped, {len(late)} skipped against a holder finished over 1 s "
+              "before (after every primary took writes again)"
+              + (f", up to {max(late):.1f} s" if late else ""))
+        assert late == [], _history(load, starts, ends, shard, promoted, whole)
+        wait_for(cluster.ok, 30, interval=0.2, what="the cluster whole again")
+        locks = {hold.singleton_keys(k).lock for k in keys}
+        client = cluster.client()
+        try:
+            wait_for(lambda: not any(client.exists(lock) for lock in locks), 10,
+                     what="every key free after the drain")
+        finally:
+            client.close()
     finally:
         for w in workers:
             discard(w)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import redis
 from celery_singleton_lock import LockLostError, SingletonConfig
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Enqueue, Reclaim, Release, Released
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
@@ -44,9 +46,9 @@ def new_keys() -> LockKeys:
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str = "", exec_id: str = "",
          lease_ms: int = 5000, retries: int = 0, **kw: Any) -> Any:
-    return engine.acquire(keys, task_id=task_id or uuid.uuid4().hex,
-                          exec_id=exec_id or uuid.uuid4().hex, lease_ms=lease_ms,
-                          hostname="w1@host", retries=retries, task_name="t.x", **kw)
+    return engine.acquire(keys, Request(task_id or uuid.uuid4().hex,
+                                        exec_id or uuid.uuid4().hex, Lease.of_ms(lease_ms),
+                                        "w1@host", retries, "t.x", **kw))
 
 
 def evalsha_calls(client: redis.Redis) -> int:
@@ -124,6 +126,46 @@ def test_under_a_limit_the_same_task_id_finds_its_own_slot(engine, r):
     done = take(engine, keys, "task-e", slots=2)
     assert (done.status, done.holder.task_id) == (Acquire.DONE, "task-d")
     assert take(engine, keys, "task-d", slots=2).status is Acquire.FINISHED
+
+
+def test_under_a_limit_a_copy_of_a_finished_task_is_dropped_by_its_finish_marker(engine, r):
+    """acquire_slots.lua reads the finish marker (``fin``), not the done
+    marker or the counter, before it grants a free slot: a redelivered copy
+    that waited while its task ran is dropped once the task finished, with no
+    done window to name it."""
+    keys = new_keys()
+    assert take(engine, keys, "task-a", "exec-a", slots=2).status is Acquire.GRANTED
+    copy = take(engine, keys, "task-a", "exec-copy", slots=2)
+    assert copy.status is Acquire.SAME_TASK
+    assert engine.release(keys, "exec-a", "task-a") is True
+    assert r.get(keys.fin) == "task-a" and not r.exists(keys.done)
+    assert take(engine, keys, "task-a", "exec-copy", slots=2).status is Acquire.FINISHED
+    assert not r.exists(keys.lock) and not r.exists(keys.slot(2).lock)
+    assert take(engine, keys, "task-b", "exec-b", slots=2).status is Acquire.GRANTED
+
+
+def test_under_a_limit_a_request_past_its_deadline_does_nothing_before_its_grant_bound(
+        engine, r):
+    """acquire_slots.lua refuses a request that arrives past its deadline
+    (its caller gave up waiting), though the bound a grant would live to
+    unconfirmed, one wait later, is still ahead: nothing is written. One in
+    time is granted a slot that lives, unconfirmed, until that bound (not
+    the deadline: a reply that came in time has until then to be confirmed)."""
+    from celery_singleton_lock.engine.calls import acquire_slots_call
+
+    keys = new_keys()
+    now_ms = server_micros(r) // 1000
+    request = Request("task-a", "exec-a", Lease.of_ms(60_000), "w1@host", 0, "t.x", slots=2)
+    keys_, args = acquire_slots_call(keys, request, 60_000, keep_ms=300_000,
+                                     deadline_ms=now_ms - 1_000, confirm_by_ms=now_ms + 60_000)
+    reply = engine.run_script(engine._acquire_slots, keys_, args)
+    assert int(reply[0]) == 8 and int(reply[1]) >= now_ms
+    assert r.keys("*") == []
+    keys_, args = acquire_slots_call(keys, request, 60_000, keep_ms=300_000,
+                                     deadline_ms=now_ms + 20_000, confirm_by_ms=now_ms + 40_000)
+    reply = engine.run_script(engine._acquire_slots, keys_, args)
+    assert int(reply[0]) == 1 and int(reply[2]) == 1
+    assert 30_000 < r.pttl(keys.lock) <= 40_000
 
 
 def test_finish_is_recorded_without_a_copy_only_when_asked(engine, r):
@@ -261,6 +303,42 @@ def test_a_full_rate_window_refuses_new_task_ids_but_not_a_retry(engine, r, slot
         is Acquire.GRANTED
 
 
+def test_a_starts_throttle_and_rate_windows_live_the_window(engine, r):
+    """acquire.lua's TTLs: a start leaves the throttle key its window and the
+    rate set its window (docs/redis-keys.md), no longer; under
+    ``singleton_limit`` too (acquire_slots.lua)."""
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a", throttle_ms=20_000, rate=(5, 40_000))
+    assert got.status is Acquire.GRANTED
+    assert 10_000 < r.pttl(keys.throttle) <= 20_000
+    assert 30_000 < r.pttl(keys.rate) <= 40_000
+    keys = new_keys()
+    assert take(engine, keys, "task-b", "exec-b", slots=2,
+                rate=(5, 40_000)).status is Acquire.GRANTED
+    assert 30_000 < r.pttl(keys.rate) <= 40_000
+
+
+def test_without_a_socket_timeout_a_repeated_grant_renews_the_lease_it_asks_for(
+        redis_server, r):
+    """``socket_timeout`` None: no grant is confirmed by a renewal after it,
+    so the TTL the script gives is the lease: the same execution asking again
+    (a repeat after a lost reply) keeps its token with the lease it asks for,
+    no longer, on its lock and on its slot of a ``singleton_limit``."""
+    config = dataclasses.replace(SingletonConfig.defaults(redis_server.url(2)), native="off",
+                                 redis_options={"socket_timeout": None})
+    engine = connect(config)
+    try:
+        for slots in (1, 2):
+            keys = new_keys()
+            first = take(engine, keys, "task-a", "exec-a", lease_ms=30_000, slots=slots)
+            assert first.status is Acquire.GRANTED and 20_000 < r.pttl(keys.lock) <= 30_000
+            again = take(engine, keys, "task-a", "exec-a", lease_ms=9_000, slots=slots)
+            assert (again.status, again.token) == (Acquire.GRANTED, first.token)
+            assert 8_000 < r.pttl(keys.lock) <= 9_000
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("path", [{}, {"scope": "queue"}, {"scope": "queue_and_run"},
                                   {"throttle_ms": 60_000}, {"scope": "queue", "replace": True},
                                   {"slots": 2}],
@@ -299,8 +377,10 @@ def test_an_expired_lease_lets_another_task_in(engine, r):
 
 def test_hand_off_keeps_the_key_for_the_retry_only(engine, r):
     keys = new_keys()
-    first = take(engine, keys, "task-a", "exec-a", retries=0)
-    assert engine.hand_off(keys, "exec-a", 1, 3000) is True
+    first = take(engine, keys, "task-a", "exec-a", retries=0, lease_ms=10_000)
+    assert engine.hand_off(keys, "exec-a", 1, 60_000) is True
+    # the hand-off's own lease, not the attempt's (nor a longer one)
+    assert 10_000 < r.pttl(keys.lock) <= 60_000
     assert engine.hand_off(keys, "exec-nope", 1, 3000) is False
     assert engine.renew([(keys.lock, "exec-a", 5000)]) == [2]
     assert take(engine, keys, "task-b").status is Acquire.HELD
@@ -325,7 +405,8 @@ def test_renewal_of_n_locks_is_one_round_trip_of_short_calls(engine, r, n):
     held = []
     for i in range(n):
         keys = new_keys()
-        take(engine, keys, f"t{i}", f"e{i}", lease_ms=1000)
+        # leases that outlive taking them all on a loaded machine
+        take(engine, keys, f"t{i}", f"e{i}", lease_ms=30_000)
         held.append((keys.lock, f"e{i}", 60_000))
     stranger = new_keys()
     take(engine, stranger, "other", "e-other", lease_ms=1000)
@@ -454,10 +535,10 @@ def test_dead_holder_is_cleared_live_one_is_not(engine, r, redis_server):
         "import sys; from celery_singleton_lock import SingletonConfig;"
         "from celery_singleton_lock.keys import LockKeys;"
         "from celery_singleton_lock.engine.registry import connect;"
+        "from celery_singleton_lock.engine.request import Lease, Request;"
         f"e = connect(SingletonConfig.defaults({redis_server.url(2)!r}));"
         f"k = LockKeys('singleton:', {keys.base.split('{')[1][:-1]!r});"
-        "o = e.acquire(k, task_id='dead', exec_id='x', lease_ms=60000, hostname='h',"
-        " retries=0, task_name='t');"
+        "o = e.acquire(k, Request('dead', 'x', Lease(60.0), 'h', task_name='t'));"
         "sys.exit(0 if o.status == 1 else 3)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=30)
@@ -504,6 +585,72 @@ def test_a_holder_on_another_host_is_never_declared_dead_here(engine, r):
     mine = take(engine, keys, "dup-3").holder
     assert mine.pid == pid and engine.clear_dead_holder(keys, mine) is True
     assert take(engine, keys, "dup-4").status is Acquire.GRANTED
+
+
+def _pid_given_to_a_new_process() -> tuple[subprocess.Popen[bytes], str, bool]:
+    """A process that died, and a new process with its pid: (the new process,
+    the dead one's start time, whether the pid was really reused). As root the
+    kernel is asked to hand the pid out again (``ns_last_pid``); where that
+    cannot be done, the new process has a pid of its own, and the record
+    names it with the dead one's start time, as a reused pid would read."""
+    from celery_singleton_lock.process import start_ticks
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def ticks_now() -> int:  # clock ticks since boot, as /proc/<pid>/stat counts them
+        with open("/proc/uptime") as fh:
+            return int(float(fh.read().split()[0]) * tick)
+
+    for _ in range(50):
+        dead = subprocess.Popen(sleep)
+        started = start_ticks(dead.pid)
+        # a process that takes its pid starts at a later tick (a reuse takes
+        # the pid counter's wrap-around, seconds at the very least)
+        wait_for(lambda s=started: ticks_now() > int(s or 0) + 1, 5, interval=0.005)
+        dead.kill()
+        dead.wait()
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
+                fh.write(str(dead.pid - 1))
+        except OSError:
+            break
+        new = subprocess.Popen(sleep)
+        if new.pid == dead.pid:
+            return new, started, True
+        new.kill()
+        new.wait()
+    return subprocess.Popen(sleep), started, False
+
+
+def test_a_dead_holders_pid_taken_by_a_new_process_reads_as_dead(engine, r):
+    """A holder's process died and the kernel gave its pid to a new process:
+    its record (pid, host key with the holder's start time) reads as dead, so
+    a redelivered copy of its task frees the lock and runs at once instead of
+    waiting out the lease behind a process that is not the holder. A record
+    naming the live process as it is reads as alive."""
+    from celery_singleton_lock.process import HOST_KEY, start_ticks
+
+    new, started, reused = _pid_given_to_a_new_process()
+    try:
+        keys = new_keys()
+        take(engine, keys, "orig", "e-orig", lease_ms=60_000)
+        write_owner(r, keys.lock, pid=new.pid, hostkey=f"{HOST_KEY}:{started}")
+        copy = take(engine, keys, "orig", "e-copy")
+        assert copy.status is Acquire.SAME_TASK and copy.holder.pid == new.pid
+        assert engine.clear_dead_holder(keys, copy.holder) is True, (
+            f"pid {new.pid} {'reused' if reused else 'named'}, holder started at {started}, "
+            f"this process at {start_ticks(new.pid)}")
+        assert take(engine, keys, "orig", "e-copy").status is Acquire.GRANTED
+        # control: the same pid with its own start time is its live process
+        alive = new_keys()
+        take(engine, alive, "other", "e-other", lease_ms=60_000)
+        write_owner(r, alive.lock, pid=new.pid, hostkey=f"{HOST_KEY}:{start_ticks(new.pid)}")
+        again = take(engine, alive, "other", "e-again")
+        assert engine.clear_dead_holder(alive, again.holder) is False
+    finally:
+        new.kill()
+        new.wait()
 
 
 def test_a_holder_seen_alive_is_asked_again_only_after_a_short_interval(engine, r,
@@ -598,6 +745,27 @@ def test_replace_supersedes_a_queued_task_only_while_it_has_not_started(engine, 
     assert r.hget(keys.replaced, "y") is None
 
 
+def test_a_replacing_send_leaves_its_marker_and_the_hash_the_markers_ttl(engine, r):
+    """enqueue.lua's TTLs under ``replace``: the send-time marker lives the
+    TTL given (countdown and ``singleton_queue_ttl``), and the hash of
+    superseded ids as long as the longest marker it has seen, no longer; the
+    hash names the superseded task's successor with its task's name."""
+    keys = new_keys()
+    assert engine.enqueue(keys, "x", "queue", 20_000, "t.x", replace=(0, 0)).status \
+        == Enqueue.TAKEN
+    assert 10_000 < r.pttl(keys.queued) <= 20_000
+    assert engine.enqueue(keys, "y", "queue", 30_000, "t.x", replace=(0, 0)).status \
+        == Enqueue.REPLACED
+    assert marker(r, keys.queued) == ("t.x", "y") and 20_000 < r.pttl(keys.queued) <= 30_000
+    assert r.hget(keys.replaced, "x") == "t.x\ny"
+    assert 20_000 < r.pttl(keys.replaced) <= 30_000
+    keys = new_keys()
+    assert engine.enqueue(keys, "x", "queue", 20_000, "t.x",
+                          replace=(1_000, 0)).countdown_ms == 1_000
+    assert 10_000 < r.pttl(keys.queued) <= 20_000
+    assert 10_000 < r.pttl(keys.replaced) <= 20_000
+
+
 def test_a_debounced_burst_waits_the_debounce_until_debounce_max_from_its_first_send(
         engine, r):
     """``singleton_debounce`` 1 s: each send of a burst is sent with a countdown
@@ -639,7 +807,7 @@ def test_done_marker_counts_success_only(engine, r):
     engine.release(keys, "ea", "a")  # failed: no done_ttl
     assert r.get(keys.done) is None
     take(engine, keys, "b", "eb")
-    engine.release(keys, "eb", "b", done_ttl=5, task_name="t.b")
+    engine.release(keys, "eb", "b", done_ms=5000, task_name="t.b")
     assert marker(r, keys.done) == ("t.b", "b") and 4000 < r.pttl(keys.done) <= 5000
     done = take(engine, keys, "c")
     assert done.status is Acquire.DONE and done.holder.task_id == "b"
@@ -741,13 +909,15 @@ def test_a_release_sent_without_waiting_frees_the_key_and_is_answered_later(engi
     keys = new_keys()
     take(engine, keys, "a", "ea")
     answers = Answers()
-    engine.release_later(keys, "ea", "a", answers, done_ttl=60)
-    assert engine.unsettled == 1 and answers.got == []  # nothing read yet
+    engine.release_later(keys, "ea", "a", answers, done_ms=60000)
+    # nothing read yet: neither the grant's confirmation nor the release
+    assert engine.unsettled == 2 and answers.got == []
     wait_for(lambda: not r.exists(keys.lock), timeout=2)
     assert marker(r, keys.done) == ("", "a")  # the success record went with it
     # the next call on the connection reads the owed reply first
     assert take(engine, new_keys(), "b").status is Acquire.GRANTED
-    assert answers.got == [(Released(Release.RELEASED), None)] and engine.unsettled == 0
+    assert answers.got == [(Released(Release.RELEASED), None)]
+    assert engine.unsettled == 1  # what is owed now: the new grant's confirmation
 
 
 def test_a_release_that_finds_the_lock_gone_is_reported_when_read(engine, r):
@@ -777,7 +947,7 @@ def test_a_release_whose_script_was_flushed_is_sent_again(engine, r):
     take(engine, keys, "a", "ea")
     r.script_flush()
     answers = Answers()
-    engine.release_later(keys, "ea", "a", answers, done_ttl=60)
+    engine.release_later(keys, "ea", "a", answers, done_ms=60000)
     engine.settle()
     assert answers.got == [(Released(Release.RELEASED), None)]  # it had not run: no repeat
     assert not r.exists(keys.lock) and marker(r, keys.done) == ("", "a")
@@ -792,9 +962,10 @@ def test_a_release_whose_reply_was_lost_is_repeated(redis_server, r):
         take(engine, new_keys())  # connected, scripts loaded
         keys = new_keys()
         take(engine, keys, "a", "ea")
+        engine.settle()  # the grant's confirmation answered: the release is next
         answers = Answers()
         proxy.drop_after = b"EVALSHA"
-        engine.release_later(keys, "ea", "a", answers, done_ttl=60)
+        engine.release_later(keys, "ea", "a", answers, done_ms=60000)
         wait_for(lambda: proxy.dropped == 1, timeout=2)  # it ran; its reply is gone
         engine.settle()
         # the repeat found its own work done (the key free), says it was a
@@ -885,7 +1056,9 @@ def test_a_release_repeated_after_a_lost_reply_is_not_called_a_lost_lock(lock_ta
     caplog.set_level("INFO", logger="celery_singleton_lock")
     run("warm")  # connected, scripts loaded
     engine.settle()
-    # the next command after the body is the release
+    # the next command after the body is the release (the grant's
+    # confirmation, sent before the body, answered first)
+    body.append(lambda task: engine.settle())
     body.append(lambda task: setattr(proxy, "drop_after", b"EVALSHA"))
     run(uuid.uuid4().hex)
     assert engine.unsettled == 1
@@ -932,7 +1105,7 @@ def test_the_first_release_on_a_fresh_redis_frees_the_key_at_once(own_redis):
     assert got.status is Acquire.GRANTED
     engine.release_later(keys, "ea", "a", lambda reply, error: None)
     assert own_redis.client().exists(keys.lock) == 0  # before any reply was read
-    assert engine.unsettled == 1
+    assert engine.unsettled == 2  # the grant's confirmation and the release
 
 
 def held_lock(engine: LockEngine, keys: LockKeys, lease: float) -> SingletonLock:
@@ -1000,20 +1173,18 @@ def test_a_write_back_and_a_renewal_of_the_same_lock_agree(own_redis):
     lock = held_lock(engine, keys, lease=30.0)
     own_redis.stop()
     own_redis.start()
-    args = {"task_id": "task-a", "exec_id": "exec-a", "token": lock.token, "lease_ms": 30_000,
-            "hostname": "w1@host", "retries": 0, "task_name": "t.x"}
+    request = Request("task-a", "exec-a", Lease(30.0), "w1@host", task_name="t.x")
     before = server_micros(own_redis.client())
-    first = engine.reclaim(keys, **args)
-    second = engine.reclaim(keys, **args)
+    first = engine.reclaim(keys, request, lock.token)
+    second = engine.reclaim(keys, request, lock.token)
     assert first.status is Reclaim.WRITTEN_BACK and first.token > lock.token
     # the clock, now past the holder's token (docs/fencing.md#retention)
     assert before <= first.token <= server_micros(own_redis.client())
     assert second.status is Reclaim.OURS and second.token == first.token
 
 
-def reclaim_args(task_id: str, exec_id: str, token: int) -> dict[str, Any]:
-    return {"task_id": task_id, "exec_id": exec_id, "token": token, "lease_ms": 30_000,
-            "hostname": "w1@host", "retries": 0, "task_name": "t.x"}
+def reclaim_args(task_id: str, exec_id: str, token: int) -> tuple[Request, int]:
+    return Request(task_id, exec_id, Lease(30.0), "w1@host", task_name="t.x"), token
 
 
 def test_a_lock_granted_ahead_of_the_clock_is_written_back_above_its_token(engine, r):
@@ -1027,7 +1198,7 @@ def test_a_lock_granted_ahead_of_the_clock_is_written_back_above_its_token(engin
     held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000).token
     assert held == ahead + 1
     r.delete(keys.lock, keys.fence)  # forgotten, as by a replica that never had them
-    back = engine.reclaim(keys, **reclaim_args("task-a", "exec-a", held))
+    back = engine.reclaim(keys, *reclaim_args("task-a", "exec-a", held))
     assert back.status is Reclaim.WRITTEN_BACK and back.token == held + 1
     assert int(r.get(keys.fence)) == held + 1
     assert int(owner_field(r, keys.lock, "token")) == held + 1
@@ -1045,8 +1216,8 @@ def test_slots_written_back_ahead_of_the_clock_each_come_above_the_counter(engin
     second = take(engine, keys, "task-b", "exec-b", lease_ms=30_000, slots=2)
     assert (first.token, second.token) == (ahead + 1, ahead + 2)
     r.delete(keys.slot(first.slot).lock, keys.slot(second.slot).lock, keys.fence, keys.back)
-    b = engine.reclaim(keys.slot(second.slot), **reclaim_args("task-b", "exec-b", second.token))
-    a = engine.reclaim(keys.slot(first.slot), **reclaim_args("task-a", "exec-a", first.token))
+    b = engine.reclaim(keys.slot(second.slot), *reclaim_args("task-b", "exec-b", second.token))
+    a = engine.reclaim(keys.slot(first.slot), *reclaim_args("task-a", "exec-a", first.token))
     assert b.status is Reclaim.WRITTEN_BACK and b.token == ahead + 3
     assert a.status is Reclaim.WRITTEN_BACK and a.token == ahead + 4
     assert int(r.get(keys.fence)) == ahead + 4
@@ -1176,10 +1347,49 @@ def test_a_grant_that_arrives_after_its_lease_is_no_grant(redis_server):
         threading.Timer(1.5, proxy.resume).start()  # longer than the 1 s lease
         late = run(1)
         assert ran == []
-        with pytest.raises(LockBackendError, match="after its lease ran out"):
+        # given back: the reply took longer than the lease, and than half of
+        # the caller's wait (socket_timeout, 2 s), whichever is found first
+        with pytest.raises(LockBackendError,
+                           match=r"after its lease ran out|over half of its caller's wait"):
             late.get(timeout=10)
         engine_for(app).settle()
         assert not redis_server.client(2).exists(t.singleton_keys(1).lock)
     finally:
         proxy.resume()
         proxy.close()
+
+
+def test_the_markers_a_release_leaves_live_the_finish_ttl(engine, r):
+    """The finish marker lives ``singleton_finished_ttl`` (60 s here), not
+    longer: recorded always (``acks_late``), and recorded because a copy was
+    seen (the TTL read from the owner record)."""
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    engine.release(keys, "exec-a", "task-a", always_record=True)
+    assert r.get(keys.fin) == "task-a" and 30_000 < r.pttl(keys.fin) <= 60_000
+    keys = new_keys()
+    take(engine, keys, "task-b", "exec-b")
+    assert take(engine, keys, "task-b", "exec-copy").status is Acquire.SAME_TASK
+    engine.release(keys, "exec-b", "task-b")
+    assert r.get(keys.fin) == "task-b" and 30_000 < r.pttl(keys.fin) <= 60_000
+
+
+def test_a_write_back_leaves_the_lease_the_counters_retention_and_the_back_hash(engine, r):
+    """reclaim.lua's TTLs: a lock written back lives its lease; its counter the
+    lease and the retention (``singleton_fence_ttl``, 300 s by default); the
+    ``back`` hash a lease and a second. A holder's key found still its own has
+    its lease renewed to the lease asked for, no longer."""
+    from celery_singleton_lock.engine.calls import back_ms, fence_ttl_ms
+
+    keys = new_keys()
+    held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000).token
+    r.delete(keys.lock, keys.fence)  # forgotten, as by a server restarted empty
+    back = engine.reclaim(keys, *reclaim_args("task-a", "exec-a", held))
+    assert back.status is Reclaim.WRITTEN_BACK
+    assert 20_000 < r.pttl(keys.lock) <= 30_000
+    counter = fence_ttl_ms(30_000, 300_000)
+    assert counter - 10_000 < r.pttl(keys.fence) <= counter
+    assert back_ms(30_000) - 10_000 < r.pttl(keys.back) <= back_ms(30_000)
+    r.pexpire(keys.lock, 5_000)
+    again = engine.reclaim(keys, *reclaim_args("task-a", "exec-a", held))
+    assert again.status is Reclaim.OURS and 20_000 < r.pttl(keys.lock) <= 30_000

@@ -19,6 +19,7 @@ from celery import Celery
 from celery_singleton_lock import SingletonConfig, SingletonTask
 from celery_singleton_lock.engine.registry import connect, engine_for
 from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.process import ForkSafeLock
@@ -26,8 +27,9 @@ from tests.support import RedisServer, wait_for
 
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str) -> Any:
-    return engine.acquire(keys, task_id=task_id, exec_id=uuid.uuid4().hex, lease_ms=5000,
-                          hostname="h", retries=0, task_name="t.x")
+    return engine.acquire(keys, Request(task_id=task_id, exec_id=uuid.uuid4().hex,
+                                        lease=Lease.of_ms(5000), hostname="h", retries=0,
+                                        task_name="t.x"))
 
 
 def fork_and_run(work: Any, timeout: int = 5) -> int:

@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 from celery_singleton_lock.config import SingletonConfig
 from celery_singleton_lock.engine.link import Link
 from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.scripts import pack
 from celery_singleton_lock.keys import LockKeys
 from tests.support import RedisServer, missing
@@ -145,7 +146,7 @@ def test_replies_cut_by_the_network_anywhere_are_read_whole(own_redis: RedisServ
     link = Link(_connection(own_redis, protocol, True))
     try:
         link.send(b"".join(pack(("GET", "small")) for _ in range(2000))
-                  + pack(("GET", "big")) + pack(("INCR", "n")))
+                  + pack(("GET", "big")) + pack(("INCR", "n")), 2002)
         replies = [link.read() for _ in range(2002)]
         assert replies[:2000] == ["y" * 97] * 2000
         assert replies[2000] == "x" * 300_000
@@ -316,8 +317,9 @@ def test_the_lock_engines_calls_are_read_here(own_redis: RedisServer, protocol: 
     engine = connect(SingletonConfig.defaults(own_redis.url(), redis_options=options))
     keys = LockKeys("singleton:", "link-test")
     try:
-        answer = engine.acquire(keys, task_id="t", exec_id="e", lease_ms=60_000,
-                                hostname="h", retries=0, task_name="n")
+        answer = engine.acquire(keys, Request(task_id="t", exec_id="e", lease=Lease.of_ms(60_000),
+                                              hostname="h", retries=0,
+                                              task_name="n"))
         assert answer.token
         assert engine.release(keys, "e", "t")
         links = engine.wire._idle  # type: ignore[union-attr]

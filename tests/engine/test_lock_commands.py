@@ -16,17 +16,21 @@ import redis
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import RECORD_FIELDS, Acquire
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from tests.support import ROOT, RedisServer, owner_record
 
 ROUNDS = 50
 
-#: per task: one acquire and one release, each one EVALSHA (a task with the
-#: default settings: no done window, so no done marker is looked for)
-TASK_COMMANDS = {"evalsha": 2, "get": 3, "set": 2, "time": 1, "del": 1}
-#: per skipped duplicate: one acquire that finds the key held
-SKIP_COMMANDS = {"evalsha": 1, "get": 1}
+#: per task: one acquire, its confirmation (renew.lua: the grant lives until
+#: its request's deadline until its holder confirms it) and one release, each
+#: one EVALSHA (a task with the default settings: no done window, so no done
+#: marker is looked for)
+TASK_COMMANDS = {"evalsha": 3, "get": 4, "set": 2, "time": 1, "del": 1, "pexpire": 2}
+#: per skipped duplicate: one acquire that finds the key held, and how long it
+#: has left (a grant not confirmed yet is waited for, not skipped against)
+SKIP_COMMANDS = {"evalsha": 1, "get": 1, "pttl": 1}
 #: with ``singleton_done_ttl``, the acquire also reads the done marker
 DONE_WINDOW_EXTRA = {"get": 1}
 
@@ -56,12 +60,14 @@ def counted(client: redis.Redis, run) -> Counter[str]:
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str, done: bool = False) -> object:
     """An acquire as SingletonTask makes it (``done``: the task has a done window)."""
-    return engine.acquire(keys, task_id=task_id, exec_id=f"e-{task_id}", lease_ms=30_000,
-                          hostname="w1@host", retries=0, task_name="t.count", done=done)
+    return engine.acquire(keys, Request(task_id=task_id, exec_id=f"e-{task_id}",
+                                        lease=Lease.of_ms(30_000), hostname="w1@host", retries=0,
+                                        task_name="t.count",
+                                        done=done))
 
 
 @pytest.mark.parametrize("done", [False, True], ids=["default", "done_window"])
-def test_a_task_costs_two_script_calls_and_nine_commands_inside_redis(server, done):
+def test_a_task_costs_three_script_calls_and_thirteen_commands_inside_redis(server, done):
     """The fencing counter is written and read back in one SET ... GET; the
     done marker is read only by a task that keeps a done window."""
     engine = engine_on(server)
@@ -98,8 +104,11 @@ def test_a_skipped_duplicate_costs_one_script_call_and_one_read(server):
 
 def test_the_usual_calls_pass_few_strings(server):
     """Redis pays for each string passed about as much as for a command run: the
-    usual acquire passes three keys and five strings (the last, the fencing
-    counter's TTL), the usual release two and one."""
+    usual acquire passes three keys and seven strings (the last three, the
+    fencing counter's TTL, the request's deadline and when the grant expires
+    unless confirmed), its confirmation two and three
+    (renew.lua: the counter's retention, the execution id, the lease), the
+    usual release two and one."""
     engine = engine_on(server)
     keys = LockKeys("singleton:", uuid.uuid4().hex)
     client = server.client()
@@ -111,14 +120,15 @@ def test_the_usual_calls_pass_few_strings(server):
              if str(e["command"]).upper().startswith(("EVALSHA", "B'EVALSHA"))]
     lengths = sorted(len(str(c).split(" ")) for c in calls)
     # EVALSHA sha numkeys + keys + args
-    assert lengths == [3 + 2 + 1, 3 + 3 + 5], calls
+    assert lengths == [3 + 2 + 1, 3 + 2 + 3, 3 + 3 + 7], calls
 
 
 def test_the_owner_record_is_one_string_in_the_documented_order(server):
     engine = engine_on(server)
     keys = LockKeys("singleton:", uuid.uuid4().hex)
-    token = engine.acquire(keys, task_id="a\nb", exec_id="e-1", lease_ms=30_000,
-                           hostname="w1@host", retries=0, task_name="t.count").token
+    token = engine.acquire(keys, Request(task_id="a\nb", exec_id="e-1", lease=Lease.of_ms(30_000),
+                                         hostname="w1@host", retries=0,
+                                         task_name="t.count")).token
     client = server.client()
     assert client.type(keys.lock) == "string"
     record = owner_record(client, keys.lock)

@@ -21,7 +21,8 @@ import redis
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine import paths
 from celery_singleton_lock.engine.registry import connect
-from celery_singleton_lock.engine.replies import Acquire, Reclaim, Renew
+from celery_singleton_lock.engine.replies import Acquire, Reclaim, Release, Renew
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from tests.engine.conftest import PATHS
@@ -56,9 +57,8 @@ def new_keys() -> LockKeys:
 
 def take(engine: Any, keys: LockKeys, task_id: str, exec_id: str = "", lease_ms: int = 5000,
          retries: int = 0, **kw: Any) -> Any:
-    return engine.acquire(keys, task_id=task_id, exec_id=exec_id or uuid.uuid4().hex,
-                          lease_ms=lease_ms, hostname="w1@host", retries=retries,
-                          task_name="t.x", **kw)
+    return engine.acquire(keys, Request(task_id, exec_id or uuid.uuid4().hex,
+                                        Lease.of_ms(lease_ms), "w1@host", retries, "t.x", **kw))
 
 
 def scripts_run(client: redis.Redis) -> int:
@@ -116,6 +116,25 @@ def test_release_and_renewal_are_owner_checked(engine, vr):
     assert engine.release(keys, "exec-a", "task-a") is False
 
 
+def test_a_renewal_of_a_lock_no_longer_held_leaves_the_fencing_counter_alone(engine, vr):
+    """An execution whose lease ran out renews late (ABSENT), and again once
+    another holds the key (NOT_OURS): the key's fencing counter keeps the TTL
+    the last grant gave it, as renew.lua keeps it (the native path's renewal
+    extended it in the same write as its compare, whatever the compare found)."""
+    keys = new_keys()
+    assert take(engine, keys, "task-a", "exec-a", lease_ms=20_000).status is Acquire.GRANTED
+    assert engine.renew([(keys.lock, "exec-a", 25)]) == [Renew.RENEWED]
+    wait_for(lambda: not vr.exists(keys.lock), 10, interval=0.01, what="the lease to run out")
+    kept = vr.pttl(keys.fence)
+    assert engine.renew([(keys.lock, "exec-a", 60_000)]) == [Renew.ABSENT]
+    assert vr.pttl(keys.fence) <= kept
+    assert take(engine, keys, "task-b", "exec-b", lease_ms=5000).status is Acquire.GRANTED
+    granted = vr.pttl(keys.fence)
+    assert engine.renew([(keys.lock, "exec-a", 60_000)]) == [Renew.NOT_OURS]
+    assert vr.pttl(keys.fence) <= granted < 60_000 + 300_000
+    assert engine.release(keys, "exec-b", "task-b") is True
+
+
 def test_a_redelivered_copy_is_found_and_dropped_once_the_holder_finished(engine, vr):
     """The copy (same task id, another execution) is told SAME_TASK and marks
     the record; the holder's release, renewed past the mark, leaves the finish
@@ -159,7 +178,7 @@ def test_a_retry_takes_back_the_key_its_attempt_handed_off(engine, vr):
 def test_a_done_window_is_kept(engine, vr):
     keys = new_keys()
     take(engine, keys, "task-a", "exec-a", done=True)
-    assert engine.release(keys, "exec-a", "task-a", done_ttl=30.0, task_name="t.x") is True
+    assert engine.release(keys, "exec-a", "task-a", done_ms=30000, task_name="t.x") is True
     assert vr.get(keys.done) == "t.x\ntask-a"
     done = take(engine, keys, "task-b", done=True)
     assert (done.status, done.holder.task_id) == (Acquire.DONE, "task-a")
@@ -215,9 +234,10 @@ def test_a_lock_the_server_forgot_is_written_back_one_released_is_not(valkey):
 
         def written_back() -> Any:
             try:
-                return engine.reclaim(keys, task_id="task-a", exec_id="exec-a",
-                                      token=held.token, lease_ms=30_000, hostname="w1@host",
-                                      retries=0, task_name="t.x")
+                return engine.reclaim(keys, Request(task_id="task-a", exec_id="exec-a",
+                                                    lease=Lease.of_ms(30_000), hostname="w1@host",
+                                                    retries=0,
+                                                    task_name="t.x"), held.token)
             except redis.RedisError:
                 return None
 
@@ -228,8 +248,10 @@ def test_a_lock_the_server_forgot_is_written_back_one_released_is_not(valkey):
         assert engine.release(keys, "exec-a", "task-a") is True
         taken = take(engine, other, "task-c", "exec-c")
         assert engine.release(other, "exec-c", "task-c") is True
-        gone = engine.reclaim(other, task_id="task-c", exec_id="exec-c", token=taken.token,
-                              lease_ms=30_000, hostname="w1@host", retries=0, task_name="t.x")
+        gone = engine.reclaim(other, Request(task_id="task-c", exec_id="exec-c",
+                                             lease=Lease.of_ms(30_000), hostname="w1@host",
+                                             retries=0,
+                                             task_name="t.x"), taken.token)
         assert gone.status is Reclaim.RELEASED and not server.client().exists(other.lock)
     finally:
         server.cleanup()
@@ -354,9 +376,9 @@ def test_where_the_server_runs_no_script_the_native_path_is_the_only_one(no_scri
     assert retried.status is Acquire.GRANTED and retried.token > first.token
     assert other.release(keys, "exec-a2", "task-a", finished=False) is True
     assert engine.renew([(keys.lock, "exec-a2", 5000)]) == [Renew.ABSENT]
-    assert engine.reclaim(keys, task_id="task-a", exec_id="exec-a2", token=retried.token,
-                          lease_ms=5000, hostname="w1@host", retries=1,
-                          task_name="t.x").status is Reclaim.RELEASED
+    assert engine.reclaim(keys, Request(task_id="task-a", exec_id="exec-a2",
+                                        lease=Lease.of_ms(5000), hostname="w1@host", retries=1,
+                                        task_name="t.x"), retried.token).status is Reclaim.RELEASED
     assert engine.claim("singleton:{tick}:claim", "beat-1", 5000) == (True, "beat-1")
     assert engine.unclaim("singleton:{tick}:claim", "beat-1") is True
     config = SingletonConfig.defaults(no_scripts_url, limit=3, throttle=2.0)
@@ -417,3 +439,198 @@ def test_the_counter_lives_the_lease_and_the_retention_on_both_paths(valkey, vr)
         assert engine.renew([(keys.lock, "e", 60_000)]) == [Renew.RENEWED]
         assert 65_000 < vr.pttl(keys.fence) <= 66_000, path
         assert engine.release(keys, "e", "t") is True
+
+
+def test_a_late_release_by_a_holder_whose_lease_ran_out_leaves_the_next_holders_lock(valkey, vr):
+    """A holder's lease runs out and another execution takes the key; the
+    first holder's release comes late: from the process that was granted the
+    lock (it still remembers the record it wrote), from another process (a
+    worker's main process freeing its child's lock), and sent without waiting.
+    None of them frees anything: the other execution's lock stays, its record
+    and its lease untouched. Each path and each engine on its own key."""
+    for path in PATHS:
+        engine, reaper = engine_on(valkey.url(2), path), engine_on(valkey.url(2), path)
+        for how in ("granted here", "another process", "without waiting"):
+            keys = new_keys()
+            assert take(engine, keys, "task-a", "exec-a", lease_ms=50).status is Acquire.GRANTED
+            wait_for(lambda k=keys: not vr.exists(k.lock), 10, what="the first lease to run out")
+            second = take(reaper, keys, "task-b", "exec-b", lease_ms=60_000)
+            assert second.status is Acquire.GRANTED, (path, how)
+            record = vr.get(keys.lock)
+            if how == "granted here":
+                assert engine.release(keys, "exec-a", "task-a") is False, (path, how)
+            elif how == "another process":
+                assert reaper.release(keys, "exec-a", "task-a", finished=False) is False
+            else:
+                answers: list[Any] = []
+                engine.release_later(keys, "exec-a", "task-a",
+                                     lambda reply, error, out=answers: out.append((reply, error)))
+                engine.settle()
+                assert answers and answers[0][1] is None, (path, answers)
+                assert answers[0][0].status is Release.TAKEN, (path, answers)
+            assert vr.get(keys.lock) == record, (path, how)
+            assert owner_field(vr, keys.lock, "exec") == "exec-b"
+            assert 50_000 < vr.pttl(keys.lock) <= 60_000, (path, how)
+            assert reaper.renew([(keys.lock, "exec-b", 60_000)]) == [Renew.RENEWED]
+            assert reaper.release(keys, "exec-b", "task-b") is True
+        engine.close()
+        reaper.close()
+
+
+def test_a_write_back_finds_the_lock_still_its_own_or_another_holders(engine, vr):
+    """A write-back (the renewer, on ABSENT) that finds the key after all: its
+    own lock keeps its token and gets its lease anew; once its lease ran out
+    and another execution took the key, HELD, naming that holder, whose lock
+    is left as it is."""
+    keys = new_keys()
+    held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000)
+    vr.pexpire(keys.lock, 5000)
+    request = Request("task-a", "exec-a", Lease.of_ms(30_000), "w1@host", task_name="t.x")
+    mine = engine.reclaim(keys, request, held.token)
+    assert (mine.status, mine.token) == (Reclaim.OURS, held.token)
+    assert 20_000 < vr.pttl(keys.lock) <= 30_000
+    # its lease runs out, another execution takes the key: the first's
+    # write-back finds it HELD and leaves it
+    assert engine.renew([(keys.lock, "exec-a", 25)]) == [Renew.RENEWED]
+    wait_for(lambda: not vr.exists(keys.lock), 10, interval=0.01, what="the lease to run out")
+    later = take(engine, keys, "task-b", "exec-b", lease_ms=30_000)
+    theirs = engine.reclaim(keys, request, held.token)
+    assert theirs.status is Reclaim.HELD
+    assert (theirs.holder.task_id, theirs.holder.exec_id) == ("task-b", "exec-b")
+    assert owner_field(vr, keys.lock, "exec") == "exec-b"
+    assert int(owner_field(vr, keys.lock, "token")) == later.token
+    assert engine.release(keys, "exec-b", "task-b") is True
+
+
+def test_a_lock_granted_ahead_of_the_clock_is_written_back_above_its_token_on_both_paths(
+        engine, vr):
+    """A counter ahead of the clock gives a token ahead of it; the lock and
+    its counter forgotten, the write-back comes above that token (the clock
+    alone is below it), and the counter with it."""
+    keys = new_keys()
+    ahead = int(vr.time()[0]) * 1_000_000 + 3_600_000_000
+    vr.set(keys.fence, str(ahead), px=60_000)
+    held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000).token
+    assert held == ahead + 1
+    engine.settle()
+    vr.delete(keys.lock, keys.fence, keys.back)
+    request = Request("task-a", "exec-a", Lease.of_ms(30_000), "w1@host", task_name="t.x")
+    back = engine.reclaim(keys, request, held)
+    assert (back.status, back.token) == (Reclaim.WRITTEN_BACK, held + 1)
+    assert int(owner_field(vr, keys.lock, "token")) == held + 1
+    assert owner_field(vr, keys.lock, "exec") == "exec-a"
+    assert int(vr.get(keys.fence)) == held + 1
+    assert engine.release(keys, "exec-a", "task-a") is True
+
+
+def test_only_the_retry_an_attempt_handed_off_to_takes_the_key_back(engine, vr):
+    """A hand-off keeps the key for retry 1: a redelivered copy of the attempt
+    (retry 0) and a later retry (2) are copies of a running task, not granted."""
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    assert engine.hand_off(keys, "exec-a", 1, 5000) is True
+    for retries in (0, 2):
+        copy = take(engine, keys, "task-a", f"exec-r{retries}", retries=retries)
+        assert copy.status is Acquire.SAME_TASK, retries
+        assert owner_field(vr, keys.lock, "exec") == "exec-a"
+    retried = take(engine, keys, "task-a", "exec-r1", retries=1)
+    assert retried.status is Acquire.GRANTED
+    assert owner_field(vr, keys.lock, "exec") == "exec-r1"
+    assert engine.release(keys, "exec-r1", "task-a") is True
+
+
+def test_a_finished_task_is_named_as_its_own_holder(engine, vr):
+    """FINISHED, from the finish marker or from the done window, names the
+    task that finished (the skip's log line and result name it)."""
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    assert take(engine, keys, "task-a", "exec-copy").status is Acquire.SAME_TASK
+    assert engine.release(keys, "exec-a", "task-a") is True
+    fin = take(engine, keys, "task-a", "exec-copy")
+    assert (fin.status, fin.holder.task_id) == (Acquire.FINISHED, "task-a")
+    done_keys = new_keys()
+    take(engine, done_keys, "task-d", "exec-d", done=True)
+    assert engine.release(done_keys, "exec-d", "task-d", done_ms=30_000, task_name="t.x")
+    again = take(engine, done_keys, "task-d", "exec-d2", done=True)
+    assert (again.status, again.holder.task_id) == (Acquire.FINISHED, "task-d")
+    assert not vr.exists(keys.lock) and not vr.exists(done_keys.lock)
+
+
+def test_a_grant_raises_a_counter_it_finds_below_its_token(engine, vr):
+    """A counter left low (a key granted long ago, within the retention): the
+    grant's token is the clock, and the counter is raised to it (on the native
+    path right behind the grant, without waiting), with the lease and the
+    retention as its TTL; the next grant comes above it."""
+    from celery_singleton_lock.engine.calls import fence_ttl_ms
+
+    keys = new_keys()
+    vr.set(keys.fence, "5", px=10_000)
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=30_000)
+    assert got.status is Acquire.GRANTED and got.token > 5
+    engine.settle()
+    wait_for(lambda: int(vr.get(keys.fence)) == got.token, 10,
+             what="the counter to be raised to the grant's token")
+    counter = fence_ttl_ms(30_000, 300_000)
+    assert counter - 10_000 < vr.pttl(keys.fence) <= counter
+    if engine.path.native:
+        # the holder asking again (its reply lost on the way) finds the
+        # counter below its token (its grant's raise, sent without waiting,
+        # not there yet): it raises it too. (A script's grant writes both in
+        # one step: no script finds them apart.)
+        vr.set(keys.fence, "5", px=10_000)
+        again = take(engine, keys, "task-a", "exec-a", lease_ms=30_000)
+        assert (again.status, again.token) == (Acquire.GRANTED, got.token)
+        engine.settle()
+        wait_for(lambda: int(vr.get(keys.fence)) == got.token, 10,
+                 what="the counter to be raised to the holder's token")
+    assert engine.release(keys, "exec-a", "task-a") is True
+    assert take(engine, keys, "task-b", "exec-b").token > got.token
+
+
+def test_a_release_sent_without_waiting_answers_what_it_found(engine, no_scripts_url, valkey,
+                                                               vr):
+    """``release_later``, as a task's end sends it: the holder's own grant is
+    freed (RELEASED); a lock granted in another process, by its execution id,
+    too (on the native path by a process whose server runs no script); a
+    late one after the lease ran out and another took the key is TAKEN
+    and leaves that lock; a released key asked again is FREE. A copy seen
+    leaves the finish marker."""
+    answers: list[Any] = []
+
+    def answered(reply: Any, error: Any) -> None:
+        answers.append(error if error is not None else reply.status)
+
+    def release_later(e: Any, keys: LockKeys, exec_id: str, task_id: str) -> Any:
+        e.release_later(keys, exec_id, task_id, answered)
+        e.settle()
+        wait_for(lambda: answers, 10, what="the release's reply")
+        return answers.pop()
+
+    keys = new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    assert take(engine, keys, "task-a", "exec-copy").status is Acquire.SAME_TASK
+    assert engine.renew([(keys.lock, "exec-a", 5000)]) == [Renew.RENEWED]
+    assert release_later(engine, keys, "exec-a", "task-a") is Release.RELEASED
+    assert not vr.exists(keys.lock) and vr.get(keys.fin) == "task-a"
+    assert release_later(engine, keys, "exec-a", "task-a") is Release.FREE
+
+    # another process: on the native path, one whose server runs no script
+    # (every release there is the native path's, granted here or not)
+    paths.forget()
+    other = (engine_on(no_scripts_url) if engine.path.native
+             else engine_on(valkey.url(2), "scripts"))
+    try:
+        keys = new_keys()
+        take(engine, keys, "task-b", "exec-b")
+        assert release_later(other, keys, "exec-b", "task-b") is Release.RELEASED
+        assert not vr.exists(keys.lock)
+        take(engine, keys, "task-c", "exec-c")
+        assert engine.renew([(keys.lock, "exec-c", 25)]) == [Renew.RENEWED]
+        wait_for(lambda: not vr.exists(keys.lock), 10, interval=0.01,
+                 what="the lease to run out")
+        take(other, keys, "task-d", "exec-d")
+        assert release_later(engine, keys, "exec-c", "task-c") is Release.TAKEN
+        assert owner_field(vr, keys.lock, "exec") == "exec-d"
+        assert other.release(keys, "exec-d", "task-d") is True
+    finally:
+        other.close()

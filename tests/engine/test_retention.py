@@ -20,6 +20,7 @@ import pytest
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Reclaim, Renew
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.testing.processes import redis_server_binary
 from tests.support import RedisServer, wait_for
@@ -30,8 +31,9 @@ def new_keys() -> LockKeys:
 
 
 def take(engine: Any, keys: LockKeys, task_id: str, exec_id: str, lease_ms: int = 5000) -> Any:
-    return engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
-                          hostname="w1@host", retries=0, task_name="t.x", done=False)
+    return engine.acquire(keys, Request(task_id=task_id, exec_id=exec_id,
+                                        lease=Lease.of_ms(lease_ms), hostname="w1@host", retries=0,
+                                        task_name="t.x", done=False))
 
 
 def test_a_finished_key_leaves_nothing_past_the_lease_and_the_retention(redis_server, r):
@@ -77,8 +79,9 @@ def test_a_renewal_keeps_the_counter_as_long_as_the_lock(redis_server, r):
     assert lease_ms < r.pttl(keys.fence) <= lease_ms + 300
     r.delete(keys.lock)  # released by hand while the task runs
     assert engine.renew([(keys.lock, "e", lease_ms)]) == [Renew.ABSENT]
-    back = engine.reclaim(keys, task_id="t", exec_id="e", token=token, lease_ms=lease_ms,
-                          hostname="w1@host", retries=0, task_name="t.x")
+    back = engine.reclaim(keys, Request(task_id="t", exec_id="e", lease=Lease.of_ms(lease_ms),
+                                        hostname="w1@host", retries=0,
+                                        task_name="t.x"), token)
     assert back.status is Reclaim.RELEASED and not r.exists(keys.lock)
     # the counter outlives the lock by singleton_fence_ttl, then goes
     wait_for(lambda: not r.exists(keys.fence), 5, what="the counter to expire")
@@ -172,3 +175,49 @@ def test_the_counter_outlives_a_long_lease_by_at_least_a_tenth_of_it(redis_serve
     r.pexpire(keys.fence, 1_000)
     assert engine.renew([(keys.lock, "e", 60_000)]) == [Renew.RENEWED]
     assert 65_000 < r.pttl(keys.fence) <= 66_000
+
+
+#: the deployments a renewal is checked on: (server fixture, ``singleton_native``, slots)
+RENEWALS = {
+    "scripts": ("redis_server", "off", 1),
+    "slots": ("redis_server", "off", 3),
+    "native": ("valkey", "auto", 1),
+}
+
+
+@pytest.mark.parametrize("where", list(RENEWALS))
+def test_a_renewal_gives_the_lock_its_lease_and_the_counter_the_lease_and_the_retention(
+        where, request):
+    """After a renewal the lock key lives the lease the renewal asked for (not
+    the grant's, not a fixed five minutes), and its fencing counter the lease
+    and ``singleton_fence_ttl`` (300 s by default; docs/redis-keys.md), though
+    it had less left: on the scripts path, on the native path (Valkey 9), and
+    for a slot under ``singleton_limit`` (every slot shares the key's counter)."""
+    fixture, native, slots = RENEWALS[where]
+    server = request.getfixturevalue(fixture)
+    client = server.client(2)
+    engine = connect(SingletonConfig.defaults(server.url(2), native=native))
+    assert (engine.path.native is not None) == (native == "auto"), where
+    keys = new_keys()
+    if slots > 1:  # two slots taken first: the renewed lock is the third
+        for i in range(slots - 1):
+            assert engine.acquire(keys, Request(task_id=f"o{i}", exec_id=f"eo{i}",
+                                                lease=Lease.of_ms(20_000), hostname="w1@host",
+                                                retries=0, task_name="t.x",
+                                                slots=slots)).status is Acquire.GRANTED
+    got = engine.acquire(keys, Request(task_id="t", exec_id="e", lease=Lease.of_ms(20_000),
+                                       hostname="w1@host", retries=0, task_name="t.x",
+                                       done=False, slots=slots))
+    assert got.status is Acquire.GRANTED and got.slot == slots, (where, got)
+    lock = keys.slot(got.slot).lock
+    assert 0 < client.pttl(lock) <= 20_000
+    client.pexpire(keys.fence, 1_000)  # less left than any renewal gives it
+    lease_ms = 45_000
+    assert engine.renew([(lock, "e", lease_ms)]) == [Renew.RENEWED]
+    lock_ttl, fence_ttl = client.pttl(lock), client.pttl(keys.fence)
+    # the lease asked for, counted from the renewal (the grant gave 20 s); the
+    # bounds' 20 s slack is for a loaded machine, not a measure of speed
+    assert lease_ms - 20_000 < lock_ttl <= lease_ms, (where, lock_ttl)
+    retention = lease_ms + 300_000  # the lease and singleton_fence_ttl's default
+    assert retention - 20_000 < fence_ttl <= retention, (where, fence_ttl)
+    assert engine.release(keys.slot(got.slot), "e", "t") is True

@@ -16,6 +16,7 @@ import redis
 from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.testing import assert_skipped
@@ -35,8 +36,9 @@ def group() -> Iterator[SentinelGroup]:
 
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str) -> Any:
-    return engine.acquire(keys, task_id=task_id, exec_id=uuid.uuid4().hex, lease_ms=10_000,
-                          hostname="w1@host", retries=0, task_name="t.x")
+    return engine.acquire(keys, Request(task_id=task_id, exec_id=uuid.uuid4().hex,
+                                        lease=Lease.of_ms(10_000), hostname="w1@host", retries=0,
+                                        task_name="t.x"))
 
 
 def test_engine_follows_the_primary_through_a_failover_and_tokens_go_up(group):
@@ -190,7 +192,7 @@ def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
     a second before (before: 54 such skips, up to 7.8 s late). (A frozen
     primary under this load showed none before either: each busy process
     reads its releases' replies, and owed the timed-out ones, at once.)"""
-    from tests.engine.test_cluster_failover import Load
+    from tests.support import HoldLoad
 
     group = SentinelGroup(replicas=2).start()
     queue = f"q-{uuid.uuid4().hex[:8]}"
@@ -199,7 +201,7 @@ def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
                       conf=conf, name=n).start() for n in ("a", "b")]
     try:
         app = make_app(redis_server.url(), queue, lock_url=group.url(2), conf=conf)
-        load = Load(app.tasks["t.hold"], [uuid.uuid4().hex[:8] for _ in range(4)], 45)
+        load = HoldLoad(app.tasks["t.hold"], [uuid.uuid4().hex[:8] for _ in range(4)], 45)
         started = time.monotonic()
         while time.monotonic() - started < 3:
             load.step()

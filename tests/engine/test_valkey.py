@@ -22,6 +22,7 @@ from celery_singleton_lock.checks.doctor import run_checks
 from celery_singleton_lock.checks.findings import OK
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Release, Renew
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from tests.conftest import Events
@@ -65,12 +66,15 @@ def test_grant_renew_release_and_tokens_that_only_go_up(engine):
     keys, exec_id = LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex
     tokens = []
     for i in range(3):
-        grant = engine.acquire(keys, task_id=f"t{i}", exec_id=exec_id, lease_ms=5000,
-                               hostname="w1@host", retries=0, task_name="t.x")
+        grant = engine.acquire(keys, Request(task_id=f"t{i}", exec_id=exec_id,
+                                             lease=Lease.of_ms(5000), hostname="w1@host",
+                                             retries=0,
+                                             task_name="t.x"))
         assert grant.status is Acquire.GRANTED
         tokens.append(grant.token)
-        held = engine.acquire(keys, task_id="other", exec_id=uuid.uuid4().hex, lease_ms=5000,
-                              hostname="w2@host", retries=0, task_name="t.x")
+        held = engine.acquire(keys, Request(task_id="other", exec_id=uuid.uuid4().hex,
+                                            lease=Lease.of_ms(5000), hostname="w2@host", retries=0,
+                                            task_name="t.x"))
         assert held.status is Acquire.HELD
         assert engine.release(keys, "someone-else", "other") is False
         assert engine.release(keys, exec_id, f"t{i}") is True
@@ -78,14 +82,16 @@ def test_grant_renew_release_and_tokens_that_only_go_up(engine):
     entries = []
     for i in range(600):
         k, e = LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex
-        engine.acquire(k, task_id=f"r{i}", exec_id=e, lease_ms=2000, hostname="w1@host",
-                       retries=0, task_name="t.x")
+        engine.acquire(k, Request(task_id=f"r{i}", exec_id=e, lease=Lease.of_ms(2000),
+                                  hostname="w1@host", retries=0,
+                                  task_name="t.x"))
         entries.append((k.lock, e, 60_000))
     assert engine.renew(entries) == [Renew.RENEWED] * 600
     answers: list[Any] = []
     k0 = LockKeys("singleton:", uuid.uuid4().hex)
-    engine.acquire(k0, task_id="late", exec_id="x", lease_ms=5000, hostname="w1@host",
-                   retries=0, task_name="t.x")
+    engine.acquire(k0, Request(task_id="late", exec_id="x", lease=Lease.of_ms(5000),
+                               hostname="w1@host", retries=0,
+                               task_name="t.x"))
     engine.release_later(k0, "x", "late", lambda reply, error: answers.append(reply))
     engine.settle()
     assert answers[0].status is Release.RELEASED

@@ -13,6 +13,7 @@ import pytest
 from celery_singleton_lock import SingletonConfig, is_skipped
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Renew
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.exceptions import TooFewReplicasError
 from celery_singleton_lock.keys import LockKeys
@@ -38,8 +39,9 @@ def engine_for(primary: RedisServer, **conf: Any) -> LockEngine:
 
 
 def take(engine: LockEngine, keys: LockKeys) -> Any:
-    return engine.acquire(keys, task_id="t1", exec_id=uuid.uuid4().hex, lease_ms=10_000,
-                          hostname="w1@host", retries=0, task_name="t.x")
+    return engine.acquire(keys, Request(task_id="t1", exec_id=uuid.uuid4().hex,
+                                        lease=Lease.of_ms(10_000), hostname="w1@host", retries=0,
+                                        task_name="t.x"))
 
 
 def calls(primary: RedisServer, command: str) -> int:
@@ -86,8 +88,9 @@ def test_too_few_replicas_with_policy_proceed_keeps_the_lock_and_warns(pair, cap
     keys = LockKeys("singleton:", "proceed")
     exec_id = uuid.uuid4().hex
     with caplog.at_level(logging.WARNING, "celery_singleton_lock"):
-        got = engine.acquire(keys, task_id="t1", exec_id=exec_id, lease_ms=10_000,
-                             hostname="h", retries=0, task_name="t.x")
+        got = engine.acquire(keys, Request(task_id="t1", exec_id=exec_id,
+                                           lease=Lease.of_ms(10_000), hostname="h", retries=0,
+                                           task_name="t.x"))
         assert got.status is Acquire.GRANTED
         assert engine.renew([(keys.lock, exec_id, 10_000)]) == [Renew.RENEWED]
     assert owner_field(primary.client(2), keys.lock, "exec") == exec_id

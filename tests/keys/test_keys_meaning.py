@@ -119,6 +119,31 @@ def test_an_order_that_does_not_validate_is_refused_at_send_with_pydantics_reaso
     assert broker.llen(queue) == before  # nothing was sent
 
 
+def test_none_for_a_required_order_is_refused_at_send_not_at_run(
+        two_workers: tuple[str, list[CeleryWorker]], fresh: RedisServer) -> None:
+    """``None`` for ``order: Order`` (required, not ``Optional``) could never
+    run: Celery's wrapper refuses it before the body. It is refused at send,
+    by ``delay`` and ``apply_async``, positional or named, under the run and
+    the queue scopes: nothing sent, no send-time key taken, nothing run."""
+    queue, _ = two_workers
+    app = make_app(fresh.url(), queue)
+    broker, locks = fresh.client(0), fresh.client(2)
+    before, keys_before = broker.llen(queue), set(locks.scan_iter("singleton:*"))
+    for name in ("k.charge", "k.charge_queued"):
+        task = app.tasks[name]
+        for args, kwargs in (((None,), {}), ((), {"order": None})):
+            for send in (task.delay, None):
+                with pytest.raises(InvalidArgumentsError) as err:
+                    if send is None:
+                        task.apply_async(args, kwargs)
+                    else:
+                        send(*args, **kwargs)
+                assert "'order'" in str(err.value) and "Order" in str(err.value), err.value
+    assert broker.llen(queue) == before  # nothing was sent
+    assert set(locks.scan_iter("singleton:*")) == keys_before  # no send-time key taken
+    assert not [e for e in recorder(fresh.url()).lrange("events", 0, -1)]
+
+
 def test_singleton_keys_and_the_cli_key_command_agree_for_every_form(
         two_workers: tuple[str, list[CeleryWorker]], fresh: RedisServer) -> None:
     queue, _ = two_workers
@@ -214,6 +239,87 @@ def test_a_rollout_beside_the_old_library_runs_no_call_twice_at_once(
     # without the mode, the same fleet runs calls twice at once: the window it closes
     off = roll(redis_server, old, None)
     assert off["overlaps"] > 0, off["by"]
+
+
+@pytest.mark.parametrize("old", ["celery_singleton", "celery_once"])
+def test_a_rollout_under_queue_and_run_runs_every_call_sent_while_nothing_runs(
+        redis_server: RedisServer, old: str) -> None:
+    """The migration guide's own setup: the old library's tasks become
+    ``singleton_scope="queue_and_run"`` with ``singleton_also_lock``. An old
+    worker and a new one, calls of one account sent one at a time (each after
+    the last one ended) by an old caller and a new one to either worker, in
+    turn through every pairing, after a burst: every call runs. (Before: a
+    new caller's message run by an old worker left our send-time key for
+    ``singleton_queue_ttl``, so later new sends were turned away as
+    duplicates of a finished call and old senders' messages skipped as
+    "queued": 13 of 16 ran on a fresh Redis, 3 of 16 after a 200-call burst.)"""
+    base = redis_server.url().rsplit("/", 1)[0]
+    also = {"library": old, "url": f"{base}/4"}
+    rec = recorder(redis_server.url())
+    rec.delete("events")
+    redis_server.client(4).flushdb()
+    tag = uuid.uuid4().hex[:8]
+    queues = {"old": f"rollq-old-{tag}", "new": f"rollq-new-{tag}"}
+    workers = [keys_worker(redis_server, queues["old"], lib=old, concurrency=1),
+               keys_worker(redis_server, queues["new"], also=also, concurrency=1,
+                           extra={"KEYS_SCOPE": "queue_and_run"})]
+    for w in workers:
+        w.start()
+    try:
+        senders = {"old": make_app(redis_server.url(), queues["old"], lib=old).tasks["r.work"],
+                   "new": make_app(redis_server.url(), queues["old"], also=also,
+                                   scope="queue_and_run").tasks["r.work"]}
+        pairings = [(sender, worker) for sender in ("new", "old") for worker in ("old", "new")]
+        lock_key = senders["new"].singleton_keys(7).lock
+        burst = [senders[s].apply_async((7,), {"seconds": 0.0, "tag": f"b{n}"}, queue=queues[w])
+                 for n, (s, w) in enumerate(pairings * 10)]
+        for res in burst:
+            if getattr(res, "state", None) != "REJECTED" and not is_deduplicated(res):
+                res.get(timeout=60, propagate=False)
+        # drained: no message left, no body running, and both libraries' keys freed
+        wait_for(lambda: all(redis_server.client(0).llen(q) == 0 for q in queues.values())
+                 and int(rec.get("active:7") or 0) == 0
+                 and redis_server.client(4).dbsize() == 0
+                 and not redis_server.client(2).exists(lock_key), 30, what="the burst drained")
+        for n, (s, w) in enumerate(pairings * 4):
+            sent = senders[s].apply_async((7,), {"seconds": 0.0, "tag": f"one{n}"},
+                                          queue=queues[w])
+            try:
+                wait_for(lambda t=f"one{n}": any(e["tag"] == t and e["ev"] == "end"
+                                                 for e in runs(redis_server, "7")), 30,
+                         what=f"call {n}, sent by the {s} caller to the {w} worker, to run")
+                # ended: its body returned and both libraries freed their keys (a
+                # call sent while a worker still frees them is a duplicate of a
+                # running one, refused under queue_and_run as it should be)
+                wait_for(lambda: redis_server.client(4).dbsize() == 0
+                         and not redis_server.client(2).exists(lock_key), 30,
+                         what=f"call {n}'s keys freed")
+            except AssertionError:
+                _say_where_the_call_went(redis_server, sent, workers, queues)
+                raise
+        ran = {e["tag"] for e in runs(redis_server, "7") if e["ev"] == "start"}
+        assert {f"one{n}" for n in range(16)} <= ran
+    finally:
+        for w in workers:
+            w.stop(timeout=0)
+
+
+def _say_where_the_call_went(server: RedisServer, sent: Any, workers: list[CeleryWorker],
+                             queues: dict[str, str]) -> None:
+    """The history a lost call leaves: its send's answer, the keys of both
+    libraries, the queues, the last runs and each worker's log."""
+    print("send:", type(sent).__name__, getattr(sent, "state", None),
+          getattr(sent, "id", None), is_deduplicated(sent))
+    for db in (2, 4):
+        client = server.client(db)
+        for key in client.keys("*"):
+            kind = client.type(key)
+            value = client.get(key) if kind == "string" else kind
+            print(f"db{db} {key!r} = {value!r} pttl={client.pttl(key)}")
+    print("queues:", {q: server.client(0).llen(q) for q in queues.values()})
+    print("last runs:", runs(server, "7")[-8:])
+    for w in workers:
+        print(f"--- {w.name}\n{w.logs()[-6000:]}")
 
 
 def test_during_a_rollout_the_old_key_lives_as_long_as_the_run_and_frees_after_a_kill(

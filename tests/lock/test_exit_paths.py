@@ -14,7 +14,7 @@ import uuid
 from typing import Any, Iterator, Optional
 
 import pytest
-from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from tests.support import RedisServer, Worker, discard, wait_for, write_owner
 from tests.workerapp import make_app
@@ -98,6 +98,38 @@ def test_hard_time_limit_releases(app, r, events, key):
     with pytest.raises(TimeLimitExceeded):
         res.get(timeout=10)
     wait_for(lambda: not lock_exists(app, r, "t.hold_hard", key), 8, what="key freed")
+
+
+def test_hard_time_limit_of_a_body_deaf_to_sigterm_released_by_main_process(app, r, events,
+                                                                              key):
+    """A hard time limit whose body runs no Python code when the pool's SIGTERM
+    comes (stuck in a C call): the pool kills the child with SIGKILL, no code of
+    the child runs, and the main process frees the key, long before the lease."""
+    res = app.tasks["t.hold_hard_deaf"].delay(key, 20.0, "deaf")
+    started(events, "deaf")
+    assert lock_exists(app, r, "t.hold_hard_deaf", key)
+    t0 = time.monotonic()
+    with pytest.raises(TimeLimitExceeded):
+        res.get(timeout=10)
+    wait_for(lambda: not lock_exists(app, r, "t.hold_hard_deaf", key), 10, what="key freed")
+    assert time.monotonic() - t0 < 15  # the lease is 30 s
+    assert not events.ends("deaf")  # the body never ended: the child was killed
+    assert app.tasks["t.hold_hard_deaf"].delay(key, 0.0, "next").get(timeout=10)["tag"] == "next"
+
+
+def test_a_retry_past_max_retries_releases_at_once(app, r, events, key):
+    """``self.retry()`` once ``max_retries`` are spent sends no retry (Celery
+    raises MaxRetriesExceededError): the key it was about to keep for the
+    retry is freed at once, not when the lease kept for it runs out."""
+    t = app.tasks["t.retrier"]
+    res = t.delay(key, 10, 0.1, 0.0, "spent")  # 10 attempts asked, 5 retries allowed
+    with pytest.raises(MaxRetriesExceededError):
+        res.get(timeout=20)
+    assert [e["tag"] for e in events.starts()] == [f"spent#{i}" for i in range(6)]
+    t0 = time.monotonic()
+    wait_for(lambda: not lock_exists(app, r, "t.retrier", key), 10, what="key freed")
+    assert time.monotonic() - t0 < 5  # the lease kept for a retry is 30 s
+    assert t.delay(key, 0, 0.1, 0.0, "next").get(timeout=10)["tag"] == "next#0"
 
 
 def test_child_killed_with_sigkill_released_by_main_process(app, r, events, key):

@@ -353,6 +353,67 @@ def test_worker_shows_its_held_locks_in_inspect_stats_flower_and_inspect_singlet
     wait_for(released, 10, what="the released lock gone from the stats")
 
 
+def test_each_workers_view_lists_its_own_locks_only(redis_server, setup, events, key):
+    """Two workers, each running a task that holds its lock: each worker's
+    stats (``celery inspect stats``, and Flower's /api/workers, its worker
+    page's data) and its answer to ``celery inspect singleton_locks`` list its
+    own lock and not the other's, though both publish to one lock Redis."""
+    worker, flower, app, hostname = setup
+    other = Worker(redis_server.url(), f"fl2-{uuid.uuid4().hex[:8]}", concurrency=2,
+                   extra_args=["-E"]).start()
+    try:
+        other_host = other.name.replace("%h", socket.gethostname())
+        other_app = make_app(redis_server.url(), other.queue)
+        # not t.hold: its holds would reach the counts of t.hold the metrics
+        # test reads, published after it began
+        mine = app.tasks["t.hold_late"].delay(key, 120.0, "own-a")  # ended below
+        theirs = other_app.tasks["t.hold_late"].delay(key + "-b", 120.0, "own-b")
+        starts = {tag: wait_for(lambda t=tag: events.starts(t), 15, what=f"{tag} start")[0]
+                  for tag in ("own-a", "own-b")}
+        assert starts["own-a"]["lockkey"] != starts["own-b"]["lockkey"]
+        labels = {tag: f"{start['lockkey']} slot 1" for tag, start in starts.items()}
+        ids = {"own-a": mine.id, "own-b": theirs.id}
+        own = {hostname: "own-a", other_host: "own-b"}
+
+        def both_in_flower() -> Any:
+            workers = flower.try_get("/api/workers?refresh=1") or {}
+            views = {host: workers.get(host, {}).get("stats", {}) for host in own}
+            return views if all(ids[tag] in views[host].get(labels[tag], "")
+                                for host, tag in own.items()) else None
+
+        views = wait_for(both_in_flower, 20, what="each held lock in its worker's stats")
+        for host, tag in own.items():
+            theirs_tag = "own-b" if tag == "own-a" else "own-a"
+            rows = {k: v for k, v in views[host].items() if k.startswith("singleton:")}
+            assert list(rows) == [labels[tag]], (host, rows)
+            assert ids[theirs_tag] not in json.dumps(views[host]), (host, views[host])
+
+        def inspect(command: str) -> dict[str, Any]:
+            out = subprocess.run(
+                [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "inspect",
+                 command, "-d", f"{hostname},{other_host}", "--json", "--timeout", "5"],
+                env=worker.env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stdout + out.stderr
+            replies = json.loads(out.stdout)
+            assert set(replies) == set(own), replies
+            return dict(replies)
+
+        for host, reply in inspect("stats").items():
+            rows = {k: v for k, v in reply.items() if k.startswith("singleton:")}
+            assert list(rows) == [labels[own[host]]], (host, rows)
+        for host, reply in inspect("singleton_locks").items():
+            listed = [(lock["id"], lock["hostname"]) for lock in reply["locks"]]
+            assert listed == [(ids[own[host]], host)], (host, reply)
+            assert reply["held"] == 1, (host, reply)
+        for k, res in ((key, mine), (key + "-b", theirs)):
+            events.client.set(f"finish:{k}", 1)
+            res.get(timeout=15)
+    finally:
+        events.client.set(f"finish:{key}", 1)
+        events.client.set(f"finish:{key}-b", 1)
+        discard(other)
+
+
 def scrape(flower: Flower) -> dict[str, float]:
     text = flower.get("/metrics")
     out: dict[str, float] = {}
@@ -575,9 +636,12 @@ def test_held_locks_of_a_process_that_stopped_publishing_are_ignored_and_removed
     than HELD_MAX_AGE it is neither shown nor kept."""
     import time as clock
 
+    from celery_singleton_lock.config import SingletonConfig
+    from celery_singleton_lock.engine.registry import connect
     from celery_singleton_lock.observe import monitor
 
     client = redis_server.client(4)
+    engine = connect(SingletonConfig.defaults(redis_server.url(4)))
     client.delete(monitor.held_key("singleton:"))
     lock = {"task": "t.hold", "id": "x", "key": "singleton:{ab}", "token": 7, "since": 0.0}
     now = clock.time()
@@ -586,7 +650,7 @@ def test_held_locks_of_a_process_that_stopped_publishing_are_ignored_and_removed
         "w1@h|2": json.dumps({"ts": now - monitor.HELD_MAX_AGE - 1, "pid": 2,
                               "locks": [dict(lock, id="dead")]}),
     })
-    rows = monitor.read_held(client, "singleton:", "w1@h")
+    rows = monitor.read_held(engine, "singleton:", "w1@h")
     assert [(r["id"], r["pid"], r["token"]) for r in rows] == [("x", 1, 7)]
     assert 2.5 < rows[0]["age"] < 10
     assert client.hkeys(monitor.held_key("singleton:")) == ["w1@h|1"]

@@ -15,6 +15,7 @@ import pytest
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.worker.heartbeat import Heartbeat
@@ -127,8 +128,9 @@ def test_losing_the_lock_redis_is_a_warning_only_while_a_lock_is_held(
         engine = connect(SingletonConfig.defaults(server.url(0)))
         hb = Heartbeat(engine)
         keys = LockKeys("singleton:", uuid.uuid4().hex)
-        got = engine.acquire(keys, task_id="t", exec_id="e", lease_ms=1500, hostname="h",
-                             retries=0, task_name="t.x")
+        got = engine.acquire(keys, Request(task_id="t", exec_id="e", lease=Lease.of_ms(1500),
+                                           hostname="h", retries=0,
+                                           task_name="t.x"))
         lock = SingletonLock(keys, task_id="t", exec_id="e", token=got.token, lease=1.5,
                              started=time.monotonic(), held=True)
         hb.add(lock)

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from celery_singleton_lock.keys import digest, encode_value
 from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 from tests.workerapp import make_app
 
@@ -65,7 +66,10 @@ def test_each_run_span_carries_the_locks_facts(traced, redis_server, events, key
     ran = span_of(redis_server, first.id)["attributes"]
     keys = app.tasks["t.hold"].singleton_keys(key)
     assert ran["singleton.outcome"] == "ran"
-    assert ran["singleton.key"] == keys.base and ran["singleton.key_digest"] in keys.base
+    assert ran["singleton.key"] == keys.base
+    # the digest alone, as the key is made of it (not the key, nor its braces)
+    assert ran["singleton.key_digest"] == digest(["t.hold", f"key={encode_value(key)}"])
+    assert keys.base == f"singleton:{{{ran['singleton.key_digest']}}}"
     assert ran["singleton.token"] == result["token"] and ran["singleton.slot"] == 1
     assert ran["singleton.wait_ms"] >= 0
 
@@ -78,9 +82,17 @@ def test_each_run_span_carries_the_locks_facts(traced, redis_server, events, key
 
     # the waiting call: first sent again, then it ran (same task id, two spans)
     assert waiting.get(timeout=30)["tag"] == "wait"
-    runs = [s["attributes"] for s in spans(redis_server)
-            if s["attributes"].get("messaging.message.id") == waiting.id
-            and "singleton.outcome" in s["attributes"]]
+
+    def runs_of_waiting() -> list[dict]:
+        return [s["attributes"] for s in spans(redis_server)
+                if s["attributes"].get("messaging.message.id") == waiting.id
+                and "singleton.outcome" in s["attributes"]]
+
+    # a span is exported when it ends, which may come after the result is stored
+    wait_for(lambda: [r["singleton.outcome"] for r in runs_of_waiting()][-1:] == ["ran"], 20,
+             what="the span of the waiting call's run")
+    runs = runs_of_waiting()
+    assert {r["singleton.outcome"] for r in runs[:-1]} == {"retried"}, runs
     assert runs[0]["singleton.outcome"] == "retried" and runs[-1]["singleton.outcome"] == "ran"
     assert runs[0]["singleton.holder"] == holder.id
     assert runs[0]["singleton.reason"] == "duplicate"

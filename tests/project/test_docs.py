@@ -18,6 +18,7 @@ Task ids and key hashes are compared as shapes, everything else exactly.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import uuid
+import venv
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -98,13 +100,71 @@ def rabbitmq_reachable() -> bool:
         return False
 
 
-def test_the_site_builds_strictly(tmp_path):
-    """`mkdocs build --strict`: a broken link, a missing page or image, a nav entry
-    without its file or a docstring mkdocstrings cannot render fails the suite."""
-    out = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+#: the README's docs command, as the test below runs it: no ``-q`` nor ``-v``, which
+#: keep mkdocs's warnings from the count ``--strict`` fails on (mkdocs 1.6 sets
+#: its logger's level to ERROR for ``-q``: a warning is then never counted)
+DOCS_COMMAND = ("mkdocs", "build", "--strict")
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without what points into this suite's own venv."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env["NO_MKDOCS_2_WARNING"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def docs_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv holding this checkout installed with exactly its ``[docs]`` extra
+    (``pip install -e '.[docs]'``, as the README says), none of the test
+    dependencies. Made once and kept in pytest's cache (``.pytest_cache/d/``);
+    made again when the package's dependencies, the extra, this checkout's
+    place or the Python change."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = json.dumps({"root": str(ROOT), "python": sys.version,
+                         "dependencies": project["dependencies"],
+                         "docs": project["optional-dependencies"]["docs"]}, sort_keys=True)
+    cache = getattr(request.config, "cache", None)
+    base = cache.mkdir("docs-extra-venv") if cache else tmp_path_factory.mktemp("docs-extra")
+    env_dir, stamp = base / "venv", base / "made-for.json"
+    with open(base / "lock", "w") as lock:  # two runs of one checkout make it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (stamp.exists() and stamp.read_text() == wanted):
+            stamp.unlink(missing_ok=True)
+            venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
+            out = subprocess.run(
+                [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "-e",
+                 f"{ROOT}[docs]"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                timeout=600)
+            assert out.returncode == 0, out.stdout + out.stderr
+            stamp.write_text(wanted)
+    return env_dir
+
+
+@pytest.mark.long
+def test_the_readme_docs_command_builds_the_site_with_only_the_docs_extra(
+        docs_env: Path, tmp_path: Path) -> None:
+    """`pip install -e '.[docs]' && mkdocs build --strict`, in a venv holding
+    that extra and nothing of the tests': a broken link or anchor, a missing page
+    or image, a nav entry without its file, a docstring mkdocstrings cannot
+    render, or a plugin or extension the extra leaves out fails the suite."""
+    readme = (ROOT / "README.md").read_text()
+    assert "`pip install -e '.[docs]' && " + " ".join(DOCS_COMMAND) + "`" in readme
+    env = clean_env()
+    installed = subprocess.run([str(docs_env / "bin" / "python"), "-m", "pip", "list",
+                                "--format=freeze"], env=env, capture_output=True, text=True,
+                               timeout=60, check=True).stdout.lower()
+    assert "celery-singleton-lock" in installed or "celery_singleton_lock" in installed
+    assert "pytest" not in installed, "the docs venv holds a test dependency"
+    out = subprocess.run([str(docs_env / "bin" / DOCS_COMMAND[0]), *DOCS_COMMAND[1:],
+                          "-d", str(tmp_path / "site")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert "requires either Black or Ruff" not in log, "the reference's signatures unformatted"
     site = tmp_path / "site"
     for page in ("getting-started", "concepts", "migration", "redis-keys", "reference"):
         assert (site / page / "index.html").exists(), page

@@ -97,6 +97,12 @@ def test_the_docs_example_passes_with_only_the_package_pytest_and_redis_server(t
     assert "1 passed" in out.stdout
 
 
+def this_checkout(app_dir: Path) -> dict[str, str]:
+    """The worker's environment: the app's directory, then this checkout's
+    package (not the one installed in the environment)."""
+    return {"PYTHONPATH": os.pathsep.join([str(app_dir), str(ROOT)])}
+
+
 APP = textwrap.dedent('''
     import os
     import time
@@ -129,7 +135,8 @@ def test_overlapping_runs_fail_the_assertion_and_are_listed(tmp_path, monkeypatc
         queue = f"kit-{uuid.uuid4().hex[:8]}"
         unlocked.app.conf.task_default_queue = queue
         locks.stop()
-        worker = FaultWorker("unlocked:app", queue, concurrency=3, cwd=str(tmp_path)).start()
+        worker = FaultWorker("unlocked:app", queue, concurrency=3, cwd=str(tmp_path),
+                             env=this_checkout(tmp_path)).start()
         try:
             for _ in range(3):
                 unlocked.work.delay(1, 3.0)
@@ -150,3 +157,81 @@ def test_overlapping_runs_fail_the_assertion_and_are_listed(tmp_path, monkeypatc
     assert all(r.task_id in message for r in runs)
     # three at once fit a limit of three
     assert len(assert_at_most_once(worker, limit=3)) == 3
+
+
+INVOICES = textwrap.dedent('''
+    import os
+    import time
+
+    from celery import Celery
+
+    from celery_singleton_lock import SingletonTask
+
+    app = Celery("invoices", broker=os.environ["KIT_BROKER_URL"],
+                 backend=os.environ["KIT_BROKER_URL"])
+    app.conf.singleton_redis_url = os.environ["KIT_LOCK_URL"]
+
+
+    @app.task  # base=SingletonTask left out: nothing of it is recorded
+    def unlocked_invoice(invoice_id):
+        return invoice_id
+
+
+    # the key names the webhook's request, where the user meant the invoice
+    @app.task(base=SingletonTask, singleton_key=["request_id"])
+    def send_invoice(invoice_id, request_id, seconds):
+        time.sleep(seconds)
+''')
+
+
+def test_no_run_and_runs_of_one_invoice_under_a_wrong_key_fail_the_assertion(
+        tmp_path, monkeypatch):
+    """A task without base=SingletonTask ran three times and nothing was
+    recorded: the assertion fails rather than check nothing. Three webhooks of
+    one invoice, keyed on the request id, run at once under three locks: by
+    lock key that is no overlap; grouped by the invoice (``by=``) it fails.
+    What it says is what docs/testing.md shows."""
+    (tmp_path / "invoices.py").write_text(INVOICES)
+    page = (ROOT / "docs" / "testing.md").read_text()
+    with RedisServer() as broker, RedisServer() as locks:
+        monkeypatch.setenv("KIT_BROKER_URL", broker.url())
+        monkeypatch.setenv("KIT_LOCK_URL", locks.url())
+        monkeypatch.syspath_prepend(str(tmp_path))
+        import invoices  # type: ignore[import-not-found]
+
+        queue = f"kit-{uuid.uuid4().hex[:8]}"
+        invoices.app.conf.task_default_queue = queue
+        worker = FaultWorker("invoices:app", queue, concurrency=3, cwd=str(tmp_path),
+                             env=this_checkout(tmp_path)).start()
+        try:
+            sent = [invoices.unlocked_invoice.delay(f"INV-{n}") for n in range(3)]
+            assert [r.get(timeout=30) for r in sent] == ["INV-0", "INV-1", "INV-2"]
+            with pytest.raises(AssertionError) as none_seen:
+                assert_at_most_once(worker)
+            assert assert_at_most_once(worker, expect_runs=0) == []
+
+            for request in ("req-a", "req-b", "req-c"):
+                invoices.send_invoice.delay("INV-7", request_id=request, seconds=2.0)
+            wait_for(lambda: len(worker.running()) == 3, 30, what="three runs at once")
+            runs = wait_for(lambda: worker.runs() if all(r.end for r in worker.runs())
+                            else None, 30, what="the three runs to end")
+        finally:
+            worker.stop()
+    first_line = str(none_seen.value).splitlines()[0]
+    assert first_line.startswith("no run was recorded, so nothing was checked")
+    assert first_line in page, "docs/testing.md shows the message"
+
+    assert len({r.key for r in runs}) == 3 and all(r.token > 0 for r in runs)
+    assert all(r.kwargs["request_id"].startswith("req-") and r.args == ("INV-7",)
+               for r in runs)
+    assert assert_at_most_once(worker) == runs  # one run per key: nothing overlapped
+    with pytest.raises(AssertionError) as caught:
+        assert_at_most_once(worker, by=lambda invoice_id, **_: invoice_id)
+    message = str(caught.value)
+    assert message.splitlines()[0] == "2 time(s) more than 1 run(s) of the same work at once:"
+    assert "overlapping, work 'INV-7':" in message
+    assert all(r.task_id in message for r in runs)
+    assert "more than 1 run(s) of the same work at once:" in page
+    assert "overlapping, work 'INV-7':" in page
+    assert len(assert_at_most_once(worker, by=lambda invoice_id, **_: invoice_id,
+                                   limit=3)) == 3

@@ -22,6 +22,26 @@ MAX_TOP_MODULES = 12
 MIN_SUBPACKAGES = 6
 #: the engine kinds: only the engine asks which one it has
 ENGINE_KINDS = {"LockEngine", "RedlockEngine", "ClusterWire", "LazyCluster", "Wire"}
+#: 0.1's paths, kept until 0.3 with a warning: no rooms, on the roof
+SHIMS = {"overlap", "metrics", "masking", "replies"}
+#: the rooms from the ground up: a room imports only rooms before it (the
+#: package's face, ``""``, is the roof); rooms on one floor import neither
+FLOORS = [
+    {"exceptions", "process", "urls"},
+    {"models"},
+    {"keys"},
+    {"config"},
+    {"engine"},
+    {"rollout", "observe"},
+    {"lock"},
+    {"checks", "conflict", "fencing"},
+    {"worker"},
+    {"beat", "task"},
+    {"testing", "cli"},
+    {"", *SHIMS},
+]
+#: the longest import chain, imports inside functions counted
+MAX_CHAIN = 13
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -118,15 +138,67 @@ def test_the_package_has_no_import_circle_anywhere() -> None:
     assert circles(graph) == []
 
 
+def room(module: str) -> str:
+    return module.split(".")[0]
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a room on the same floor or above: ``config -> engine.servers``."""
+    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if room(m) != room(d) and floor[room(d)] >= floor[room(m)])
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest path of imports (the graph has no circle: tested above)."""
+    best: dict[str, list[str]] = {}
+
+    def down(m: str) -> list[str]:
+        if m not in best:
+            best[m] = [m, *max((down(d) for d in graph[m]), key=len, default=[])]
+        return best[m]
+
+    return max((down(m) for m in graph), key=len)
+
+
+def test_the_graph_reader_sees_an_arrow_up_and_measures_a_chain() -> None:
+    graph = {"config": {"engine.servers"}, "engine.servers": {"urls"}, "urls": set()}
+    assert arrows_up(graph) == ["config -> engine.servers"]
+    assert longest_chain(graph) == ["config", "engine.servers", "urls"]
+
+
+def test_every_room_is_on_a_floor_and_imports_only_rooms_below() -> None:
+    graph = import_graph()
+    assert {room(m) for m in graph} == set().union(*FLOORS), "a room with no floor"
+    assert arrows_up(graph) == []
+
+
+def test_the_longest_import_chain_is_short() -> None:
+    chain = longest_chain(import_graph())
+    assert len(chain) <= MAX_CHAIN, " -> ".join(chain)
+
+
 def test_the_tree_says_where_each_idea_lives() -> None:
     """A few core modules at the top, every other room in a subpackage named for
     its idea, each saying in its docstring what it holds."""
-    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in {"__init__", *SHIMS})
     assert len(top) <= MAX_TOP_MODULES, top
     subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
     assert len(subpackages) >= MIN_SUBPACKAGES, subpackages
     for sub in PACKAGE.rglob("__init__.py"):
         assert ast.get_docstring(ast.parse(sub.read_text())), sub
+
+
+def test_a_shim_only_points_at_where_its_names_moved() -> None:
+    """An old import path's module names where its names went, warns, and holds
+    nothing else: a few lines, one import of the package, no definition, so no
+    idea hides in one."""
+    for stem in sorted(SHIMS):
+        path = PACKAGE / f"{stem}.py"
+        assert len(path.read_text().splitlines()) <= 15, path
+        assert len(imports_of(path, stem, set(modules()))) == 1, path
+        tree = ast.parse(path.read_text())
+        assert not [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
 
 
 def test_no_module_is_over_500_lines_without_a_reason() -> None:
@@ -156,6 +228,23 @@ def test_only_the_engine_asks_which_kind_of_engine_it_has() -> None:
                     or getattr(node.value, "attr", "") == "engine"
                     or ast.unparse(node.value).startswith("engine_for(")):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
+    assert found == []
+
+
+def test_no_room_above_the_engine_reaches_redis_through_an_engines_client() -> None:
+    """Beat's keys, the statistics and the CLI's reads go through the engine's
+    named operations (a quorum call on Redlock), not ``engine.client``, which
+    is one server's connection."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "engine" in path.relative_to(PACKAGE).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "client":
+                owner = ast.unparse(node.value)
+                if owner.split(".")[-1] in ("engine", "_engine") or owner.startswith(
+                        ("engine_for(", "connect(")):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {owner}.client")
     assert found == []
 
 
@@ -212,8 +301,11 @@ def test_the_readme_is_a_front_page() -> None:
 
 
 def test_the_tests_follow_the_packages_ideas() -> None:
-    """Each idea's tests are in a folder named for it, beside the pure unit
-    tests and the cross-deployment contract suite."""
+    """Each idea's tests are in a folder named for it (its pure tests too,
+    marked ``unit``), beside the cross-deployment contract suite: every
+    subpackage, and the top modules with tests of their own, has one."""
     folders = {p.parent.name for p in (ROOT / "tests").glob("*/test_*.py")}
-    assert {"unit", "contract", "engine", "worker", "beat", "conflict", "cli"} <= folders
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {"testing"}
+    assert subpackages | {"contract", "config", "keys", "lock", "project"} <= folders, folders
+    assert "unit" not in folders, "pure tests go beside the others of their idea"
     assert not list((ROOT / "tests").glob("test_*.py")), "every test file is in a folder"

@@ -38,8 +38,8 @@ def test_the_compose_stack_names_only_what_exists():
     assert {"redis", "worker", "beat-1", "beat-2", "flower", "sender"} <= set(services)
     beats = [s for s in services.values() if "beat" in s.get("command", [])]
     assert len(beats) == 2
-    for name, service in services.items():
-        if name == "redis":
+    for service in services.values():
+        if "image" in service:  # redis; Prometheus and Grafana: tests/observe/test_dashboard.py
             continue
         build = service["build"]
         assert (ROOT / build["context"] / build["dockerfile"]).exists()
@@ -79,6 +79,28 @@ def docs_extra() -> dict[str, Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return {canonical(r.name): r for r in map(Requirement,
                                               project["optional-dependencies"]["docs"])}
+
+
+def test_the_test_extra_brings_every_extra_a_test_skips_without():
+    """`pip install -e '.[test]'`, the README's command, leaves no test skipped
+    for a missing package: every extra a test's skip names ("extra 'green'")
+    is one the test extra installs, and the README says so."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    brought: set[str] = set()
+    for text in extras["test"]:
+        req = Requirement(text)
+        if canonical(req.name) == canonical(project["name"]):
+            brought |= req.extras
+    named = {m for path in sorted((ROOT / "tests").rglob("*.py"))
+             for m in re.findall(r"extra '(\w+)'", path.read_text())}
+    assert named, "no skip names an extra: this check looks for the wrong words"
+    assert named <= set(extras), named - set(extras)
+    assert named - brought == set(), "skipped with the test extra alone"
+    readme = (ROOT / "README.md").read_text()
+    for extra in sorted(brought):
+        assert f"`[{extra}]`" in readme, f"the README does not say [test] brings [{extra}]"
 
 
 class _MkdocsLoader(yaml.SafeLoader):
@@ -131,12 +153,12 @@ def defaulted(text: str) -> str:
 
 
 def test_every_published_compose_port_is_on_the_loopback_unless_told_and_movable():
-    """Redis (no password here) and Flower are published on 127.0.0.1 only,
+    """Redis (no password here), Flower and Grafana are published on 127.0.0.1 only,
     unless BIND_ADDRESS says otherwise; a Redis of one's own on 6379 does not
     stop the stack: REDIS_PORT=6380."""
     published = [(name, str(port)) for name, service in compose().items()
                  for port in service.get("ports", [])]
-    assert {name for name, _ in published} == {"redis", "flower"}
+    assert {name for name, _ in published} == {"redis", "flower", "grafana"}
     assert ("redis", "${BIND_ADDRESS:-127.0.0.1}:${REDIS_PORT:-6379}:6379") in published
     for name, port in published:
         parsed = re.fullmatch(r"(\$\{[^}]+\}|[^:]+):(\$\{[^}]+\}|\d+):(\d+)", port)

@@ -167,3 +167,28 @@ def test_worker_children_leave_out_a_killed_child_not_reaped_yet():
         parent.wait()
         with contextlib.suppress(ProcessLookupError):
             os.kill(alive, signal.SIGKILL)
+
+
+def test_a_precise_relay_forwards_each_way_no_sooner_than_its_delay(singleton_redis_url):
+    """DelayRelay(precise=True) times its waits with select, to the microsecond
+    (epoll's whole milliseconds add up to one to each chunk): every request and
+    reply still goes through, each way no sooner than the relay's delay."""
+    import time
+
+    import redis
+
+    server = redis.Redis.from_url(singleton_redis_url)
+    port = server.connection_pool.connection_kwargs["port"]
+    relay = testing.DelayRelay(port, delay=0.005, precise=True).start()
+    client = redis.Redis(port=relay.port, db=15, socket_timeout=5)
+    try:
+        assert client.ping()
+        began = time.monotonic()
+        assert client.set("through-the-relay", "v")
+        assert client.get("through-the-relay") == b"v"
+        assert time.monotonic() - began >= 4 * relay.delay  # two round trips
+        assert server.get("through-the-relay") == b"v"
+        assert relay.sent_up >= 3 and relay.bytes_down > 0
+    finally:
+        client.close()
+        relay.stop()

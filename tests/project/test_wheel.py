@@ -139,6 +139,7 @@ def test_sdist_and_wheel_pass_twine_check_and_carry_scripts_and_types(dist: Path
     assert not [n for n in names if n.startswith(("tests/", "examples/", "benchmarks/"))]
 
 
+@pytest.mark.long
 def test_the_installed_wheel_runs_the_payment_demo(dist: Path, tmp_path: Path) -> None:
     """A fresh venv gets the wheel and its dependencies from the index; the demo
     is copied out and run from a temporary directory, so nothing of the
@@ -160,6 +161,7 @@ def test_the_installed_wheel_runs_the_payment_demo(dist: Path, tmp_path: Path) -
     assert "Every order was paid exactly once." in output, output
 
 
+@pytest.mark.long
 def test_the_testing_pages_example_runs_green_with_only_the_package_and_pytest(
         dist: Path, tmp_path: Path) -> None:
     """docs/testing.md's test suite, written out as its blocks say, in a fresh

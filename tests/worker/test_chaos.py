@@ -294,6 +294,7 @@ def overlaps(events_list: list[dict[str, Any]], killed_at: dict[int, float]) -> 
     return found
 
 
+@pytest.mark.long
 @pytest.mark.timeout(SOAK_SECONDS + 240)
 def test_soak_duplicate_storms_killed_children_and_a_worker_restart(
         redis_server: RedisServer, events: Any) -> None:

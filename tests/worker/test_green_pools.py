@@ -11,6 +11,7 @@ the lease), the lock Redis restarted mid-run (the lock is written back).
 from __future__ import annotations
 
 import importlib.util
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -43,16 +44,21 @@ def green(request: Any, redis_server: RedisServer) -> Iterator[tuple[Worker, Any
 
 
 def test_duplicates_skip_and_a_task_longer_than_its_lease_keeps_it(green, r, events, key):
-    """A 4 s task on a 1 s lease, 20 duplicates of it and 20 other calls
-    running at the same time on one process: one run of the key at a time,
-    every duplicate skipped, the long task never lost its lock."""
+    """A task on a 1 s lease running past four of them, 20 duplicates of it
+    and 20 other calls running at the same time on one process: one run of
+    the key at a time, every duplicate skipped, the long task never lost its
+    lock. (It runs until the test has seen all that and four leases passed:
+    ``finish:<key>``.)"""
     _, app = green
-    long = app.tasks["t.hold_short"].delay(key, 4.0, "long")
-    wait_for(lambda: events.starts("long"), 20, what="the long task to start")
+    long = app.tasks["t.hold_short"].delay(key, 120.0, "long")
+    started = wait_for(lambda: events.starts("long"), 20, what="the long task to start")[0]
     others = [app.tasks["t.hold"].delay(f"{key}-{i}", 1.0, f"other{i}") for i in range(20)]
     dups = [app.tasks["t.hold_short"].delay(key, 0.0, f"dup{i}") for i in range(20)]
     assert all(is_skipped(d.get(timeout=30)) for d in dups)
     assert all(o.get(timeout=30)["tag"].startswith("other") for o in others)
+    wait_for(lambda: time.time() - started["t"] > 4.0, 10, what="four leases to pass")
+    assert not long.ready()
+    events.client.set(f"finish:{key}", 1)
     result = long.get(timeout=30)
     assert result["lost"] is False
     starts = events.starts()

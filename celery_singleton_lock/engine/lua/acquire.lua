@@ -26,9 +26,13 @@
 --                 allowed in a window, ARGV[9] the window in ms (KEYS[5] to
 --                 KEYS[7] and ARGV[5] to ARGV[7] are then passed too, KEYS[7]
 --                 the lock's own key when not replacing)
--- ARGV[#ARGV] (last, after whichever of the above are passed) how long the
+-- ARGV[#ARGV - 2] (after whichever of the above are passed) how long the
 --                 fencing counter lives from this grant, ms: the lease and
 --                 singleton_fence_ttl (docs/fencing.md#retention)
+-- ARGV[#ARGV - 1] the request's deadline, server ms ('0': none): past it, its
+--                 caller gave up waiting, and the request does nothing
+-- ARGV[#ARGV] (last) when a grant not confirmed by then expires, server ms
+--                 ('0': it lives its lease; grant_ttl in the prelude)
 --
 -- The owner record is one string, fields joined by newlines (docs/redis-keys.md):
 --   exec, handoff, copies, token, at, lease, fin, retries, pid, hostkey, host, name, task
@@ -36,7 +40,9 @@
 --
 -- Returns
 --   token                       granted (a string of digits)
---   {0, record, accepted}       held by another task (running or queued)
+--   {0, record, accepted, ttl}  held by another task (running or queued); ttl: the
+--                               lock's remaining ms (a grant not confirmed yet
+--                               lives until its deadline: grant_ttl in the prelude)
 --   {2, record}                 held by another execution of this task id
 --   {3, task}                   this task id already finished
 --   {4, task}                   done: another task succeeded within done_ttl
@@ -47,6 +53,8 @@
 --   {7, task, ms}               rate limited: as many starts as allowed are within
 --                               the window ('task': the oldest), which admits
 --                               another in ms
+--   {8, ms}                     too late: the request arrived after its deadline
+--                               (the server clock then, ms); nothing was done
 -- accepted = 1: the refused execution took the key when it was sent; it keeps
 -- that marker, because a send that was accepted must run (it waits its turn).
 local lock, fence, fin, done, queued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -57,7 +65,8 @@ local replaced = KEYS[7]
 if replaced == lock then replaced = nil end
 local rate = KEYS[8]
 local task_id, exec_id = ARGV[1], ARGV[2]
-local fence_ms = ARGV[#ARGV]
+local fence_ms = ARGV[#ARGV - 2]
+local deadline, confirm_by = ARGV[#ARGV - 1], ARGV[#ARGV]
 
 -- The marker this task left when it was sent: the key passes from it to the
 -- execution in this same script, so no duplicate slips in between.
@@ -86,6 +95,8 @@ if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
       -- the retried execution takes back the key its earlier attempt kept for it
       handed = true
     elseif exec == exec_id then
+      local t = redis.call('TIME')
+      if too_late(deadline, t) then return {8, clock_ms(t)} end
       redis.call('PEXPIRE', lock, ARGV[3])
       return string.match(record, RECORD_TOKEN)
     else
@@ -115,8 +126,7 @@ if not handed then
       -- another task started within the window: whatever its outcome, this
       -- one does not start before the window reopens (the key's own expiry
       -- may lag its end by a millisecond: at the end, it is open)
-      local t = redis.call('TIME')
-      local left = tonumber(ends) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+      local left = tonumber(ends) - clock_ms(redis.call('TIME'))
       if left > 0 then
         if own_queued then redis.call('DEL', queued) end
         return {5, by, left}
@@ -125,24 +135,15 @@ if not handed then
   end
 
   if rate then
-    -- the starts of the last window, oldest first; this task id's own retry
-    -- is the start it already made
-    local t = redis.call('TIME')
-    local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    local window = tonumber(ARGV[9])
-    redis.call('ZREMRANGEBYSCORE', rate, '-inf', now_ms - window)
-    local count = redis.call('ZCARD', rate)
-    if count >= tonumber(ARGV[8]) and not redis.call('ZSCORE', rate, task_id) then
+    local full = rate_full(rate, task_id, tonumber(ARGV[8]), tonumber(ARGV[9]))
+    if full then
       if own_queued then redis.call('DEL', queued) end
-      -- the window admits one more once the start that makes it full leaves
-      local oldest = redis.call('ZRANGE', rate, count - tonumber(ARGV[8]),
-        count - tonumber(ARGV[8]), 'WITHSCORES')
-      return {7, oldest[1], tonumber(oldest[2]) + window - now_ms}
+      return full
     end
   end
 
   if record then
-    return {0, record, own_queued and 1 or 0}
+    return {0, record, own_queued and 1 or 0, redis.call('PTTL', lock)}
   end
   if redis.call('GET', fin) == task_id then
     if own_queued then redis.call('DEL', queued) end
@@ -156,32 +157,18 @@ if not handed then
       return {0, holder_record(string.match(other, '\n(.*)$') or other), 0}
     end
   end
-  if own_queued then
-    redis.call('DEL', queued)
-  end
 end
 
 -- Granted: a token, the owner record, and the throttle window if there is one.
 local t = redis.call('TIME')
-local us = t[2]
--- the server clock in microseconds, as digits: seconds and six places
-local now = t[1] .. string.sub('00000', #us) .. us
--- Tokens never go down, even when the counter is gone (expired, evicted,
--- a failover): the server clock is their floor. One grant takes longer than
--- a microsecond, so the counter cannot run ahead of the clock and a lost
--- counter restarts above every token already given. The counter only
--- guards against the clock stepping back; it expires (by the server clock)
--- fence_ms after the last grant or renewal, so it guards a step back of up
--- to that long. Equal lengths of digits compare as numbers.
--- The clock is written first and read back in one call: a counter at or
--- above it (a grant in this microsecond, a clock set back) is rare.
-local token = now
-local last = redis.call('SET', fence, now, 'PX', fence_ms, 'GET')
-if last and (#last > #now or (#last == #now and last >= now)) then
-  token = string.format('%.0f', tonumber(last) + 1)
-  redis.call('SET', fence, token, 'PX', fence_ms)
+if too_late(deadline, t) then return {8, clock_ms(t)} end
+if own_queued and not handed then
+  redis.call('DEL', queued)  -- the key passes from the send-time marker to this execution
 end
-redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
+local now = clock_us(t)
+local token = grant_token(fence, now, fence_ms)
+redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX',
+  grant_ttl(ARGV[3], confirm_by, t))
 if throttle then
   -- a start opens the window; a retry of the task that opened it keeps it
   local ends = string.format('%.0f', math.floor(tonumber(now) / 1000) + tonumber(ARGV[6]))

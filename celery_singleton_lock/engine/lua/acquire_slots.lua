@@ -11,42 +11,42 @@
 --                 is not granted (its holder may be about to write it back)
 -- KEYS[5..]       the slots' owner records, slot 1 first (slot 1 is the key's
 --                 lock of singleton_limit = 1)
--- KEYS[#KEYS]     with ARGV[6]: singleton_rate's sorted set of starts (acquire.lua),
---                 ARGV[6] the starts allowed in a window, ARGV[7] the window in ms
+-- KEYS[#KEYS]     with ARGV[8]: singleton_rate's sorted set of starts (acquire.lua),
+--                 ARGV[8] the starts allowed in a window, ARGV[9] the window in ms
 -- ARGV[1] task id          ARGV[2] execution id (unique to this attempt)
 -- ARGV[3] lease ms         ARGV[4] the record's fields from 'lease' on
 -- ARGV[5] how long the fencing counter lives from this grant, ms (acquire.lua)
+-- ARGV[6] the request's deadline, server ms ('0': none; acquire.lua)
+-- ARGV[7] when a grant not confirmed by then expires, server ms (acquire.lua)
 -- (the owner record's layout is acquire.lua's: docs/redis-keys.md)
 --
 -- Returns
 --   {1, token, slot}            granted slot number 'slot'
---   {0, record, 0, slot}        every slot held by other tasks ('slot': the first),
---                               or kept for a holder writing it back
+--   {0, record, 0, slot, ttl}   every slot held by other tasks ('slot': the first),
+--                               or kept for a holder writing it back; ttl: the
+--                               shortest remaining ms of the slots held (acquire.lua)
 --   {2, record, slot}           held by another execution of this task id
 --   {3, task}                   this task id already finished
 --   {4, task}                   done: another task succeeded within done_ttl
 --   {7, task, ms}               rate limited (acquire.lua)
+--   {8, ms}                     too late (acquire.lua): nothing was done
 local fence, fin, done, back = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if done == fence then done = nil end  -- no done window: no marker to look for
 local task_id, exec_id = ARGV[1], ARGV[2]
-local rate = ARGV[6] and KEYS[#KEYS]
+local rate = ARGV[8] and KEYS[#KEYS]
 local nslots = #KEYS - 4 - (rate and 1 or 0)
+local deadline, confirm_by = ARGV[6], ARGV[7]
 
 local function grant(slot)
   local t = redis.call('TIME')
-  local us = t[2]
-  local now = t[1] .. string.sub('00000', #us) .. us
-  -- the server clock is the tokens' floor (acquire.lua says why)
-  local token = now
-  local last = redis.call('SET', fence, now, 'PX', ARGV[5], 'GET')
-  if last and (#last > #now or (#last == #now and last >= now)) then
-    token = string.format('%.0f', tonumber(last) + 1)
-    redis.call('SET', fence, token, 'PX', ARGV[5])
-  end
-  redis.call('SET', KEYS[4 + slot], new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[3])
+  if too_late(deadline, t) then return {8, clock_ms(t)} end
+  local now = clock_us(t)
+  local token = grant_token(fence, now, ARGV[5])
+  redis.call('SET', KEYS[4 + slot], new_record(exec_id, token, now, ARGV[4]), 'PX',
+    grant_ttl(ARGV[3], confirm_by, t))
   if rate then
     redis.call('ZADD', rate, 'NX', math.floor(tonumber(now) / 1000), task_id)
-    redis.call('PEXPIRE', rate, ARGV[7])
+    redis.call('PEXPIRE', rate, ARGV[9])
   end
   return {1, token, slot}
 end
@@ -64,6 +64,8 @@ for slot = 1, nslots do
         return grant(slot)  -- the retry takes back the slot its attempt kept for it
       end
       if exec == exec_id then
+        local t = redis.call('TIME')
+        if too_late(deadline, t) then return {8, clock_ms(t)} end
         redis.call('PEXPIRE', KEYS[4 + slot], ARGV[3])
         return {1, string.match(record, RECORD_TOKEN), slot}
       end
@@ -83,16 +85,8 @@ if done_by then
   return {4, done_by}
 end
 if free and rate then
-  local t = redis.call('TIME')
-  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local window = tonumber(ARGV[7])
-  redis.call('ZREMRANGEBYSCORE', rate, '-inf', now_ms - window)
-  local count = redis.call('ZCARD', rate)
-  if count >= tonumber(ARGV[6]) and not redis.call('ZSCORE', rate, task_id) then
-    local oldest = redis.call('ZRANGE', rate, count - tonumber(ARGV[6]),
-      count - tonumber(ARGV[6]), 'WITHSCORES')
-    return {7, oldest[1], tonumber(oldest[2]) + window - now_ms}
-  end
+  local full = rate_full(rate, task_id, tonumber(ARGV[8]), tonumber(ARGV[9]))
+  if full then return full end
 end
 if free and redis.call('HGET', back, '') then
   -- the server forgot the key and some of its slots are written back: the
@@ -107,10 +101,16 @@ if free and redis.call('HGET', back, '') then
   end
 end
 if not free then
+  local first, ttl = nil, -1
   for slot = 1, nslots do
-    if records[slot] then return {0, records[slot], 0, slot} end
+    if records[slot] then
+      first = first or slot
+      local left = redis.call('PTTL', KEYS[4 + slot])
+      if ttl < 0 or (left >= 0 and left < ttl) then ttl = left end
+    end
   end
-  return {0, holder_record(''), 0, 1}
+  if first then return {0, records[first], 0, first, ttl} end
+  return {0, holder_record(''), 0, 1, -1}
 end
 if redis.call('GET', fin) == task_id then
   return {3, task_id}

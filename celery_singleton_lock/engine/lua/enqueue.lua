@@ -8,6 +8,7 @@
 --                   the id of the one that replaced it;
 --                   field '' -> when the burst's first send took the key (ms)
 -- ARGV[5] debounce ms (0: off)   ARGV[6] debounce_max ms (0: off)
+-- ARGV[#ARGV] (last) the request's deadline, server ms ('0': none; acquire.lua)
 --
 -- The send-time and done markers hold the task's name, a newline, its id
 -- (names have no newline; an id may hold any character).
@@ -25,13 +26,14 @@
 --   {2, task, ms, task}  replaced: that task was queued and had not started;
 --                the key is this send's now (send it with countdown ms when
 --                debounced); that task is superseded by this send
+--   {8, ms}      too late (acquire.lua): nothing was done
 local queued, lock, done, replaced = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if done == lock then done = nil end
 local task_id = ARGV[1]
 
+local deadline = ARGV[#ARGV]
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return clock_ms(redis.call('TIME'))
 end
 
 local done_by = done and redis.call('GET', done)
@@ -45,7 +47,9 @@ if other then
   local record = replaced and holder ~= task_id and redis.call('GET', lock)
   if replaced and holder ~= task_id and not (
       record and string.sub(record, -#holder - 1) == '\n' .. holder) then
-    local now = now_ms()
+    local t = redis.call('TIME')
+    if too_late(deadline, t) then return {8, clock_ms(t)} end
+    local now = clock_ms(t)
     -- the superseded call names this one, the call that took its place (the
     -- ones it had replaced keep naming it: each send costs the same however
     -- long the burst)
@@ -71,6 +75,10 @@ if ARGV[2] == 'queue_and_run' then
     -- the owner record's last field, after twelve others (docs/redis-keys.md)
     return {0, string.match(record, RECORD_TASK), 1}
   end
+end
+if tonumber(deadline) > 0 then
+  local t = redis.call('TIME')
+  if too_late(deadline, t) then return {8, clock_ms(t)} end
 end
 redis.call('SET', queued, ARGV[4] .. '\n' .. task_id, 'PX', ARGV[3])
 if replaced and tonumber(ARGV[5]) > 0 then

@@ -17,10 +17,6 @@ if exec ~= ARGV[1] then
   return 0
 end
 local want = ARGV[2]
--- tokens are digits: a shorter one is smaller, equal lengths compare as text
-local function below(a, b)
-  return #a < #b or (#a == #b and a < b)
-end
 local last = redis.call('GET', KEYS[2])
 if not last or below(last, want) then
   -- it lives as long as the lock, and singleton_fence_ttl after

@@ -7,6 +7,7 @@
 -- ARGV[4] the record's fields from 'lease' on, as acquire.lua's ARGV[4]
 -- ARGV[5] how long 'back' is kept after a write-back, ms
 -- ARGV[6] how long the fencing counter lives from the write-back, ms (acquire.lua)
+-- ARGV[7] the request's deadline, server ms ('0': none; acquire.lua)
 --
 -- The key's fencing counter tells the two apart: every grant and renewal
 -- keeps it singleton_fence_ttl past the lease and nothing deletes it, so a
@@ -29,6 +30,7 @@
 --   {1, token}    the key is this execution's already (written back meanwhile): renewed
 --   {0, record}   another execution holds the key
 --   -1            released or expired (the counter is still there): not written back
+--   {8, ms}       too late (acquire.lua): nothing was done
 local lock, fence, back = KEYS[1], KEYS[2], KEYS[3]
 local exec_id, holder_token = ARGV[1], ARGV[3]
 local record = redis.call('GET', lock)
@@ -45,20 +47,10 @@ if last and not (back and redis.call('HGET', back, '') and not redis.call('HGET'
   return -1
 end
 local t = redis.call('TIME')
-local us = t[2]
-local now = t[1] .. string.sub('00000', #us) .. us
--- tokens are digits: a shorter one is smaller, equal lengths compare as text
-local function below(a, b)
-  return #a < #b or (#a == #b and a < b)
-end
+if too_late(ARGV[7], t) then return {8, clock_ms(t)} end
+local now = clock_us(t)
 -- above the token the holder was granted, the counter and whatever the clock says now
-local token = now
-if not below(holder_token, token) then
-  token = string.format('%.0f', tonumber(holder_token) + 1)
-end
-if last and not below(last, token) then
-  token = string.format('%.0f', tonumber(last) + 1)
-end
+local token = past(past(now, holder_token), last)
 redis.call('SET', fence, token, 'PX', ARGV[6])
 redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX', ARGV[2])
 if back then

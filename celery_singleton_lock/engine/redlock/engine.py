@@ -46,11 +46,12 @@ import redis
 from ...config import SingletonConfig
 from ...exceptions import ConfigurationError, QuorumError
 from ...keys import LockKeys
-from ..base import Engine, Entry
+from ..base import Engine, Entry, Watch
 from ..replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
+from ..request import Request
 from ..server import LockEngine
 from ..servers import CLIENT_DEFAULTS, make_clients
-from ..watch import MastersWatch, Watch
+from ..watch import MastersWatch
 from ..wire import Wire
 from .claims import Claims, no_replace
 from .quorum import MISSING, Master, Masters, _settled_by
@@ -84,7 +85,10 @@ class RedlockEngine(Engine):
         if len(masters) < 3 or len(masters) % 2 == 0:
             raise ValueError(f"Redlock needs an odd number of masters, at least 3: "
                              f"got {len(masters)}")
-        self.masters = [Master(name, LockEngine(client, config)) for name, client in masters]
+        #: one plain engine per master, and each as the quorum reaches it
+        self._engines = [LockEngine(client, config) for _, client in masters]
+        self.masters = [Master(name, engine)
+                        for (name, _), engine in zip(masters, self._engines)]
         first = self.masters[0].engine
         self.config = config
         #: stats, held-lock listings and beat tick claims live on the first master
@@ -121,11 +125,23 @@ class RedlockEngine(Engine):
 
     def watch(self) -> Watch:
         wires = []
-        for master in self.masters:
-            wire = master.engine.wire
+        for master, engine in zip(self.masters, self._engines):
+            wire = engine.wire
             assert isinstance(wire, Wire)  # a redlock:// URL names plain servers
             wires.append((master.name, wire))
         return MastersWatch(wires)
+
+    def clock_offset(self, ask: bool = False) -> Optional[float]:
+        """The first master's that answers (their clocks are apart by far less
+        than a wait is long: the lease's drift allowance says so)."""
+        for master in self.masters:
+            try:
+                offset = master.engine.clock_offset(ask)
+            except redis.RedisError:
+                continue
+            if offset is not None:
+                return offset
+        return None
 
     def lease_margin(self, lease: float) -> float:
         """The clock drift allowed (1 % of the lease plus 2 ms): the masters'
@@ -141,31 +157,16 @@ class RedlockEngine(Engine):
 
     # -- the lock operations -------------------------------------------------------
 
-    def acquire(
-        self,
-        keys: LockKeys,
-        *,
-        task_id: str,
-        exec_id: str,
-        lease_ms: int,
-        hostname: str,
-        retries: int,
-        task_name: str,
-        scope: str = "run",
-        throttle_ms: int = 0,
-        slots: int = 1,
-        replace: bool = False,
-        done: bool = True,
-        rate: tuple[int, int] = (0, 0),
-    ) -> Acquired:
+    def acquire(self, keys: LockKeys, request: Request) -> Acquired:
         """Take the lock on a majority of the masters within the validity time
-        (``rate``: refused by the settings' check, one Redis decides it)."""
-        if slots > 1:
+        (``rate`` is refused by the settings' check: :func:`refusals`)."""
+        if request.slots > 1:
             # each master could grant a different slot: no majority would hold one
-            raise ConfigurationError("singleton_limit", f"{slots} slots per key: not on "
-                                     "Redlock (one server, Sentinel or Cluster only)")
-        if replace:
+            raise ConfigurationError("singleton_limit", f"{request.slots} slots per key: not "
+                                     "on Redlock (one server, Sentinel or Cluster only)")
+        if request.replace:
             raise no_replace()
+        exec_id, task_id, lease_ms = request.exec_id, request.task_id, request.lease.ms
         started = time.monotonic()
         validity = lease_ms / 1000.0 - self.lease_margin(lease_ms / 1000.0)
         quorum, total = self.quorum, len(self.masters)
@@ -175,9 +176,7 @@ class RedlockEngine(Engine):
 
         decided = _settled_by(quorum, Acquired, granted)
         results = self.majority.each(
-            lambda e: e.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
-                                hostname=hostname, retries=retries, task_name=task_name,
-                                scope=scope, throttle_ms=throttle_ms, done=done),
+            lambda e: e.acquire(keys, request),
             decided=decided, timeout=min(self.call_timeout, max(validity, 0.0)))
         grants = [i for i, r in enumerate(results) if granted(r)]
         if len(grants) >= quorum:
@@ -243,13 +242,13 @@ class RedlockEngine(Engine):
         return next(a for a in refusals if counts[name(a)] == best)
 
     def release(self, keys: LockKeys, exec_id: str, task_id: str, *, finished: bool = True,
-                always_record: bool = False, done_ttl: float = 0.0, task_name: str = ""
+                always_record: bool = False, done_ms: int = 0, task_name: str = ""
                 ) -> bool:
         """Release on every master; True when it freed the lock on any (a
         master that does not answer keeps it until its TTL)."""
         results = self.majority.each(
             lambda e: e.release(keys, exec_id, task_id, finished=finished,
-                                always_record=always_record, done_ttl=done_ttl,
+                                always_record=always_record, done_ms=done_ms,
                                 task_name=task_name),
             decided=lambda rs: sum(r is True for r in rs) >= self.quorum, skip_stale=False)
         if all(isinstance(r, Exception) or r is MISSING for r in results):
@@ -265,7 +264,7 @@ class RedlockEngine(Engine):
         answered: Callable[[Optional[Released], Optional[Exception]], None],
         *,
         always_record: bool = False,
-        done_ttl: float = 0.0,
+        done_ms: int = 0,
         task_name: str = "",
         finished: bool = True,
     ) -> None:
@@ -313,7 +312,7 @@ class RedlockEngine(Engine):
                 try:
                     self.masters[i].engine.release_later(
                         keys, exec_id, task_id, one(i), always_record=always_record,
-                        done_ttl=done_ttl, task_name=task_name, finished=finished)
+                        done_ms=done_ms, task_name=task_name, finished=finished)
                 except Exception as exc:
                     one(i)(None, exc)
             return run
@@ -354,18 +353,12 @@ class RedlockEngine(Engine):
                     ) -> tuple[list[Renew], list[list[int]]]:
         return self.renewal.renew_round(entries, every=every)
 
-    def refill(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int,
-               lease_ms: int, hostname: str, retries: int, task_name: str,
+    def refill(self, keys: LockKeys, request: Request, token: int, *,
                only: Sequence[int], still_held: Callable[[], bool]) -> None:
-        self.renewal.refill(keys, task_id=task_id, exec_id=exec_id, token=token,
-                            lease_ms=lease_ms, hostname=hostname, retries=retries,
-                            task_name=task_name, only=only, still_held=still_held)
+        self.renewal.refill(keys, request, token, only=only, still_held=still_held)
 
-    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
-                hostname: str, retries: int, task_name: str) -> Reclaimed:
-        return self.renewal.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
-                                    lease_ms=lease_ms, hostname=hostname, retries=retries,
-                                    task_name=task_name)
+    def reclaim(self, keys: LockKeys, request: Request, token: int) -> Reclaimed:
+        return self.renewal.reclaim(keys, request, token)
 
     def enqueue(self, keys: LockKeys, task_id: str, scope: str, ttl_ms: int,
                 task_name: str = "", replace: Optional[tuple[int, int]] = None,
@@ -374,6 +367,60 @@ class RedlockEngine(Engine):
 
     def unqueue(self, keys: LockKeys, task_id: str) -> bool:
         return self.claims.unqueue(keys, task_id)
+
+    def _as_most_say(self, results: list[Any], what: str) -> Any:
+        """What most masters answered (a majority answered at all), the
+        answer of each master being a value or None; else QuorumError."""
+        answered = [r for r in results if r is not MISSING and not isinstance(r, Exception)]
+        if len(answered) < self.quorum:
+            raise QuorumError(what, self.majority.failed(
+                results, lambda r: r is not MISSING and not isinstance(r, Exception)),
+                len(answered), self.quorum)
+        said = Counter(repr(r) for r in answered).most_common(1)[0][0]
+        return next(r for r in answered if repr(r) == said)
+
+    def read(self, key: str) -> Optional[str]:
+        said: Optional[str] = self._as_most_say(self.majority.each(lambda e: e.read(key)),
+                                                f"reading {key}")
+        return said
+
+    def write(self, key: str, value: str, ttl_ms: int, *, previous: bool = False
+              ) -> Optional[str]:
+        results = self.majority.each(lambda e: e.write(key, value, ttl_ms, previous=previous))
+        said: Optional[str] = self._as_most_say(results, f"writing {key}")
+        return said
+
+    def take(self, key: str) -> Optional[str]:
+        said: Optional[str] = self._as_most_say(
+            self.majority.each(lambda e: e.take(key), skip_stale=False), f"taking {key}")
+        return said
+
+    def present(self, key: str) -> bool:
+        return bool(self._as_most_say(self.majority.each(lambda e: e.present(key)),
+                                      f"reading {key}"))
+
+    def run_script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return self._as_most_say(self.majority.each(lambda e: e.run_script(script, keys, args)),
+                                 f"{getattr(script, 'name', 'a script')} on {keys[0]}")
+
+    def read_hash(self, key: str) -> dict[str, str]:
+        """The first master's that answers (counters: every master is written alike)."""
+        results = self.majority.each(lambda e: e.read_hash(key))
+        for result in results:
+            if isinstance(result, dict):
+                return result
+        raise QuorumError(f"reading {key}", self.majority.failed(
+            results, lambda r: isinstance(r, dict)), 0, self.quorum)
+
+    def update_hash(self, key: str, *, add: Optional[dict[str, float]] = None,
+                    put: Optional[dict[str, str]] = None, drop: Sequence[str] = (),
+                    ttl_s: int = 0) -> None:
+        results = self.majority.each(lambda e: e.update_hash(key, add=add, put=put, drop=drop,
+                                                             ttl_s=ttl_s))
+        if sum(1 for r in results if r is None) < self.quorum:
+            raise QuorumError(f"writing {key}", self.majority.failed(
+                results, lambda r: r is None), sum(1 for r in results if r is None),
+                self.quorum)
 
     def queued_by(self, keys: LockKeys) -> str:
         return self.claims.queued_by(keys)
@@ -396,6 +443,6 @@ class RedlockEngine(Engine):
         return sum(m.engine.unsettled for m in self.masters)
 
     def close(self) -> None:
-        for master in self.masters:
-            master.engine.wire.close()
+        for engine in self._engines:
+            engine.wire.close()
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from ...process import ForkSafeLock
-from ..server import LockEngine
+from ..base import Engine
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ MISSING = _Missing()
 class Master:
     """One master: its name, its engine, and the thread that talks to it."""
 
-    def __init__(self, name: str, engine: LockEngine) -> None:
+    def __init__(self, name: str, engine: Engine) -> None:
         self.name = name
         self.engine = engine
         self._executor: Optional[ThreadPoolExecutor] = None
@@ -92,7 +92,7 @@ class Masters:
 
     # -- talking to every master ---------------------------------------------------
 
-    def each(self, call: Callable[[LockEngine], T], *,
+    def each(self, call: Callable[[Engine], T], *,
              decided: Optional[Callable[[list[Any]], bool]] = None,
              timeout: Optional[float] = None, only: Optional[Sequence[int]] = None,
              skip_stale: bool = True) -> list[Any]:

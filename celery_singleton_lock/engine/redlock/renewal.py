@@ -18,8 +18,9 @@ import redis
 
 from ...exceptions import QuorumError, describe
 from ...keys import LockKeys
+from ..base import Engine
 from ..replies import Acquire, Reclaim, Reclaimed, Renew
-from ..server import LockEngine
+from ..request import Request
 from .quorum import Masters, _settled_by
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -81,8 +82,7 @@ class Renewal:
                            else Renew.ABSENT)
         return out, gaps
 
-    def refill(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int,
-               lease_ms: int, hostname: str, retries: int, task_name: str,
+    def refill(self, keys: LockKeys, request: Request, token: int, *,
                only: Sequence[int], still_held: Callable[[], bool]) -> None:
         """Write a lock held on a majority back on the masters at ``only``,
         which lost it, with a fencing counter of at least ``token`` there.
@@ -94,20 +94,18 @@ class Renewal:
         release sent meanwhile comes after it in the same queue and frees the
         key again). A master where the key is taken, or done, is left alone.
         """
-        def write_back(engine: LockEngine) -> bool:
+        def write_back(engine: Engine) -> bool:
             if not still_held():
                 return False
-            got = engine.acquire(keys, task_id=task_id, exec_id=exec_id, lease_ms=lease_ms,
-                                 hostname=hostname, retries=retries, task_name=task_name,
-                                 scope="run")
+            got = engine.acquire(keys, request._replace(scope="run"))
             if got.status is not Acquire.GRANTED:
                 return False
             if got.token < token:
-                engine.raise_fence(keys, exec_id, token)
+                engine.raise_fence(keys, request.exec_id, token)
             return True
 
-        def job(i: int) -> Callable[[LockEngine], bool]:
-            def run(engine: LockEngine) -> bool:
+        def job(i: int) -> Callable[[Engine], bool]:
+            def run(engine: Engine) -> bool:
                 try:
                     done = write_back(engine)
                 except redis.RedisError as exc:
@@ -119,25 +117,23 @@ class Renewal:
                         self.refilled += 1
                     logger.warning("Wrote singleton lock %s of %s[%s] back on %s: that "
                                    "master had lost it (restarted empty?)", keys.base,
-                                   task_name, task_id, self.majority.masters[i].name)
+                                   request.task_name, request.task_id,
+                                   self.majority.masters[i].name)
                 return done
             return run
 
         for i in only:
             self.majority.each(job(i), only=[i], timeout=0.0)
 
-    def reclaim(self, keys: LockKeys, *, task_id: str, exec_id: str, token: int, lease_ms: int,
-                hostname: str, retries: int, task_name: str) -> Reclaimed:
-        """:meth:`LockEngine.reclaim` on every master: held again when a majority
+    def reclaim(self, keys: LockKeys, request: Request, token: int) -> Reclaimed:
+        """:meth:`Engine.reclaim` on every master: held again when a majority
         wrote it back (or had it); otherwise what was written is given back
         and the answer is the refusal most masters gave."""
         def kept(r: Any) -> bool:
             return isinstance(r, Reclaimed) and r.status in (Reclaim.WRITTEN_BACK, Reclaim.OURS)
 
         results = self.majority.each(
-            lambda e: e.reclaim(keys, task_id=task_id, exec_id=exec_id, token=token,
-                                lease_ms=lease_ms, hostname=hostname, retries=retries,
-                                task_name=task_name),
+            lambda e: e.reclaim(keys, request, token),
             decided=_settled_by(self.majority.quorum, Reclaimed, kept))
         held = [i for i, r in enumerate(results) if kept(r)]
         if len(held) >= self.majority.quorum:
@@ -145,7 +141,8 @@ class Renewal:
             return Reclaimed(Reclaim.WRITTEN_BACK if written else Reclaim.OURS,
                              token=max(results[i].token for i in held))
         if held:  # not waited for: each master's queue sends it after the write-back
-            self.majority.each(lambda e: e.release(keys, exec_id, task_id, finished=False),
+            self.majority.each(lambda e: e.release(keys, request.exec_id, request.task_id,
+                                                   finished=False),
                                only=held, timeout=0.0, skip_stale=False)
         refusals = [r for r in results if isinstance(r, Reclaimed) and not kept(r)]
         if not refusals:
