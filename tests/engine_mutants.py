@@ -39,7 +39,8 @@ ENGINE = "tests/engine/test_engine.py"
 #: module (under the package, no ``.py``) -> the tests that run it in-process
 MODULES: dict[str, list[str]] = {
     "engine/native": ["tests/engine/test_native.py", "tests/engine/test_valkey.py",
-                      "tests/engine/test_late_requests.py", "tests/engine/test_token_ties.py"],
+                      "tests/engine/test_late_requests.py", "tests/engine/test_token_ties.py",
+                      "tests/engine/test_native_races.py"],
     "engine/calls": [ENGINE, "tests/engine/test_scripts.py",
                      "tests/engine/test_late_requests.py"],
     "engine/server": [ENGINE, "tests/engine/test_late_requests.py",

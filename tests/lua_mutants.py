@@ -120,13 +120,13 @@ TESTS["old_keep"] = TESTS["old_take"]
 
 @dataclass
 class Mutant:
-    script: str
+    file: str  # as printed: the script's or module's file name
     line: int
     before: str
     after: str
 
     def __str__(self) -> str:
-        return f"{self.script}.lua:{self.line}: {self.before.strip()}  ->  {self.after.strip()}"
+        return f"{self.file}:{self.line}: {self.before.strip()}  ->  {self.after.strip()}"
 
 
 def mutants(script: str, text: str,
@@ -139,7 +139,7 @@ def mutants(script: str, text: str,
                 texts = [replacement] if isinstance(replacement, str) else replacement(match)
                 for text_after in texts:
                     after = line[:match.start()] + text_after + line[match.end():]
-                    out.append(Mutant(script, n, line, after))
+                    out.append(Mutant(f"{script}.lua", n, line, after))
     return out
 
 
@@ -176,42 +176,65 @@ def verdict(copy: Path, selection: list[str]) -> Optional[str]:
     return f"{test}, failing beside the others only (twice)"
 
 
+def try_each(copy: Path, path: Path, found: list[Mutant], selection: list[str],
+             only: frozenset[int] = frozenset()) -> tuple[int, int]:
+    """Each mutant of ``found`` written into ``path`` (a file of ``copy``, a copy
+    of the repository) in turn, run against ``selection`` and taken out again; those
+    of the lines ``only`` names when given. Prints each verdict; returns
+    (killed, survived)."""
+    original = path.read_text()
+    lines = original.splitlines(keepends=True)
+    killed = survived = 0
+    for mutant in found:
+        if only and mutant.line not in only:
+            continue
+        mutated = lines.copy()
+        mutated[mutant.line - 1] = mutant.after + (
+            "\n" if lines[mutant.line - 1].endswith("\n") else "")
+        path.write_text("".join(mutated))
+        try:
+            by = verdict(copy, selection)
+        finally:
+            path.write_text(original)
+        if by is None:
+            survived += 1
+            print(f"SURVIVED {mutant}", flush=True)
+        else:
+            killed += 1
+            print(f"killed   {mutant}  [{by}]", flush=True)
+    return killed, survived
+
+
+def score(killed: int, survived: int) -> int:
+    total = killed + survived
+    print(f"{killed} of {total} mutants killed"
+          + (f" ({100 * killed / total:.1f}%)" if total else ""))
+    return 1 if survived else 0
+
+
+def repository_copy(tmp: str) -> Path:
+    """A copy of the repository to mutate, without what git and caches hold."""
+    copy = Path(tmp) / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
+        ".git", "mutants", "site", "build", ".nox", "__pycache__", "*.egg-info", ".*_cache"))
+    return copy
+
+
 def run(scripts: list[str], pytest_args: list[str], only: frozenset[int] = frozenset(),
         operators: list[tuple[str, Replacement]] = OPERATORS) -> int:
     """Every mutant of ``scripts`` (of the lines ``only`` names, when given), each
     against its tests (``pytest_args`` when given, else :data:`TESTS`)."""
     with tempfile.TemporaryDirectory(prefix="lua-mutants-") as tmp:
-        copy = Path(tmp) / "repo"
-        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
-            ".git", "mutants", "site", ".nox", "__pycache__", "*.egg-info", ".*_cache"))
+        copy = repository_copy(tmp)
         killed = survived = 0
         for script in scripts:
             path = copy / LUA / f"{script}.lua"
-            original = path.read_text()
             selection = pytest_args or TESTS.get(script, ENGINE_TESTS)
             print(f"{script}.lua against {' '.join(selection)}", flush=True)
-            lines = original.splitlines(keepends=True)
-            for mutant in mutants(script, original, operators):
-                if only and mutant.line not in only:
-                    continue
-                mutated = lines.copy()
-                mutated[mutant.line - 1] = mutant.after + (
-                    "\n" if lines[mutant.line - 1].endswith("\n") else "")
-                path.write_text("".join(mutated))
-                try:
-                    by = verdict(copy, selection)
-                finally:
-                    path.write_text(original)
-                if by is None:
-                    survived += 1
-                    print(f"SURVIVED {mutant}", flush=True)
-                else:
-                    killed += 1
-                    print(f"killed   {mutant}  [{by}]", flush=True)
-        total = killed + survived
-        print(f"{killed} of {total} mutants killed"
-              + (f" ({100 * killed / total:.1f}%)" if total else ""))
-        return 1 if survived else 0
+            k, s = try_each(copy, path, mutants(script, path.read_text(), operators),
+                            selection, only)
+            killed, survived = killed + k, survived + s
+        return score(killed, survived)
 
 
 def main() -> int:
