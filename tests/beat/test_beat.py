@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import pytest
 from celery.schedules import crontab, schedule
@@ -212,17 +212,52 @@ def tick_events(events: Any, entry: str, ev: str = "tick") -> list[dict[str, Any
     return [e for e in events.all() if e.get("singleton_beat_entry") == entry and e["ev"] == ev]
 
 
-def claimed(r: Any, entry: str) -> set[str]:
-    """The ticks of an entry some beat claimed, read from the claim keys themselves."""
+def claims(r: Any, entry: str) -> dict[str, str]:
+    """The ticks of an entry some beat claimed, each with its claimant's beat id,
+    read from the claim keys themselves."""
     base = entry_base("singleton:", entry)
-    out = set()
+    out = {}
     for key in r.scan_iter(f"{base}:*"):
         last = key.rsplit(":", 1)[1]
         if ":run:" not in key and last.isdigit():
             ms = int(last)
             tick = dt.datetime.fromtimestamp(ms / 1000, UTC)
-            out.add(tick.isoformat(timespec="milliseconds"))
+            out[tick.isoformat(timespec="milliseconds")] = r.get(key) or ""
     return out
+
+
+def claimed(r: Any, entry: str) -> set[str]:
+    """The ticks of an entry some beat claimed."""
+    return set(claims(r, entry))
+
+
+def every_claimed_tick_ran(r: Any, entry: str, ran: Callable[[], Iterable[str]],
+                           timeout: float = 20.0) -> set[str]:
+    """Waits until every tick of ``entry`` a beat claimed has run, once every
+    beat was killed or stopped, but for the one loss docs/beat.md states (Known
+    limits): a beat that dies or is stopped between its claim and its send
+    loses that tick. Such a tick is its claimant's last claim of the entry, so
+    at most one a beat. Returns those ticks (printed); fails naming every
+    claimed tick that did not run, with its claimant, for any other loss."""
+    def unrun() -> dict[str, str]:
+        done = set(ran())
+        return {t: who for t, who in claims(r, entry).items() if t not in done}
+
+    try:
+        wait_for(lambda: not unrun(), timeout, what="every claimed tick to run")
+        return set()
+    except AssertionError:
+        missing = unrun()
+    every = claims(r, entry)
+    last_of = {who: max(t for t, w in every.items() if w == who) for who in every.values()}
+    not_last = {t: who for t, who in missing.items() if last_of[who] != t}
+    assert not not_last, (
+        f"ticks of {entry!r} claimed and never run that were not their claimant's last "
+        f"claim (a beat sends a claimed tick before it claims the next): {not_last}; "
+        f"every claim: {sorted(every.items())}; runs: {sorted(ran())}")
+    print(f"{entry!r}: lost between a claim and its send (a beat killed or stopped "
+          f"there, docs/beat.md Known limits): {sorted(missing.items())}")
+    return set(missing)
 
 
 def stats(events: Any) -> dict[str, dict[str, str]]:
@@ -260,16 +295,16 @@ def test_three_beats_send_every_tick_exactly_once_and_survive_kill_9(
              what="10 ticks after kill -9 of the sending beat")
     for beat in beats:
         beat.stop()
-    # every tick a beat claimed reaches the worker
-    wait_for(lambda: claimed(r, "every-second") <= set(seconds()), 20,
-             what="every claimed tick to run")
+    # every tick a beat claimed reaches the worker (but what a kill or a stop
+    # between a claim and its send loses, at most one a beat)
+    lost = every_claimed_tick_ran(r, "every-second", seconds)
 
     runs = tick_events(events, "every-second")
     counts = Counter(e["singleton_beat_tick"] for e in runs)
     assert set(counts.values()) == {1}, [t for t, n in counts.items() if n > 1]
-    ticks = sorted(parse(t) for t in counts)
+    ticks = sorted(parse(t) for t in set(counts) | lost)
     gaps = [(b - a).total_seconds() for a, b in zip(ticks, ticks[1:])]
-    assert gaps == [1.0] * len(gaps), gaps  # no tick missing, kill -9 included
+    assert gaps == [1.0] * len(gaps), gaps  # no tick unclaimed, kill -9 included
     assert (ticks[-1] - ticks[0]).total_seconds() >= 20
     after_kill = [e for e in runs if e["singleton_beat_tick"] > killed_at]
     assert after_kill and all(
@@ -304,7 +339,7 @@ def test_after_every_beat_was_down_one_comes_back_with_one_send_not_a_storm(
     wait_for(lambda: len(seen()) >= 3, 30, what="3 ticks")
     for beat in beats:
         beat.kill()
-    wait_for(lambda: claimed(r, "catchup") <= set(seen()), 20, what="claimed ticks to run")
+    every_claimed_tick_ran(r, "catchup", seen)
     before = max(seen())
     wait_for(lambda: time.time() - parse(before).timestamp() > 4.5, 10, what="downtime")
     beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="back").start())

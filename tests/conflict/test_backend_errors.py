@@ -6,7 +6,7 @@ be stopped while the broker keeps delivering.
 
 from __future__ import annotations
 
-import time
+import re
 import uuid
 from typing import Any, Iterator
 
@@ -45,12 +45,25 @@ def setup_for(redis_server: RedisServer, own_redis: RedisServer) -> Iterator[Any
         discard(s.worker)
 
 
+def outage_rounds(worker: Worker, task_id: str) -> list[float]:
+    """The countdowns of ``task_id``'s rounds of waiting for the lock Redis, as
+    the worker logged each (``... sent again in 1.2 s``)."""
+    return [float(n) for n in re.findall(
+        rf"Lock backend unavailable for t\.hold\[{task_id}\] .*: sent again in ([\d.]+) s",
+        worker.logs())]
+
+
 def test_retry_policy_waits_for_redis_then_runs_locked(setup_for, events, key):
+    """Each round of waiting for the lock Redis is sent again within twice
+    ``singleton_retry_delay`` (0.2 s in the test app), never growing as a duplicate's backoff
+    does: once Redis answers, the task runs within that. Four rounds decided
+    without a lock, none ran."""
     s = setup_for("retry")
     s.lock.stop()
     res = s.app.tasks["t.hold"].delay(key, 0.0, "later")
-    wait_for(lambda: res.state == "RETRY", 10, what="task to be retried")
-    time.sleep(1.0)
+    rounds = wait_for(lambda: len(outage_rounds(s.worker, res.id)) >= 4 and outage_rounds(
+        s.worker, res.id), 30, what="four rounds of waiting for the lock Redis")
+    assert all(0.1 <= c <= 0.4 for c in rounds), rounds  # a duplicate's: 0.2 x 2^n, to 1
     assert not events.starts("later"), "ran without its lock"
     s.lock.start()
     out = res.get(timeout=20)

@@ -106,6 +106,34 @@ def test_retry_policy_runs_duplicate_after_holder(client_app, events, key):
     assert max(e["concurrent"] for e in starts) == 1
 
 
+def test_a_duplicates_waits_grow_from_the_retry_delay_to_its_ceiling(
+        client_app, prefork_worker, events, key):
+    """`retry`: a duplicate's nth round waits ``singleton_retry_delay`` x 2^n
+    (0.2 s in the test app), to ``singleton_retry_max_delay`` (1 s), each +-20%:
+    read from the worker's line for each round (``... sent again in 0.4 s``)."""
+    import re
+
+    from tests.support import wait_for
+
+    task = client_app.tasks["t.hold_retry"]
+    first = task.delay(key, 60.0, "first")
+    wait_for(lambda: events.starts("first"), 10, what="holder start")
+    dup = task.delay(key, 0.0, "dup")
+
+    def rounds() -> list[float]:
+        return [float(n) for n in re.findall(
+            rf"Task t\.hold_retry\[{dup.id}\] waits: duplicate of .*; sent again in "
+            r"([\d.]+) s", prefork_worker.logs())]
+
+    got = wait_for(lambda: len(rounds()) >= 5 and rounds(), 30, what="five rounds of waiting")
+    first.revoke(terminate=True)
+    for n, countdown in enumerate(got[:5]):
+        delay = min(0.2 * 2 ** n, 1.0)
+        # the line rounds to 0.1 s
+        assert 0.8 * delay - 0.05 <= countdown <= 1.2 * delay + 0.05, (n, got)
+    assert dup.get(timeout=30)["tag"] == "dup"
+
+
 def test_raise_policy_fails_with_duplicate_error_naming_holder(client_app, events, key):
     task = client_app.tasks["t.hold_raise"]
     first = task.delay(key, 1.5, "first")

@@ -58,14 +58,18 @@ def test_one_start_per_window_whatever_its_outcome(app, events, key, r):
     assert (name, opener) == ("t.throttle", events.starts("reopened")[0]["id"])
 
 
-def test_retry_runs_the_call_when_the_window_reopens(app, events, key):
-    """``retry``: a call inside the window is sent again for when it reopens,
-    and then runs; never before the window of the run before it is over."""
+def test_retry_runs_the_call_when_the_window_reopens(app, two_workers, events, key):
+    """``retry``: a call inside the window is sent again for when it reopens
+    (a little after: it is never sent back to wait a second round), and then
+    runs; never before the window of the run before it is over."""
     t = app.tasks["t.throttle_retry"]
     first = t.delay(key, 0.0, "first")
     wait_for(lambda: events.starts("first"), 10, what="the first start")
     second = t.delay(key, 0.0, "second")
     assert second.get(timeout=20)["tag"] == "second"
+    rounds = [line for w in two_workers for line in w.logs().splitlines()
+              if f"t.throttle_retry[{second.id}] waits: throttled" in line]
+    assert len(rounds) == 1, rounds
     assert first.get(timeout=5)["tag"] == "first"
     starts = {e["tag"]: e["t"] for e in events.starts()}
     assert set(starts) == {"first", "second"}

@@ -54,7 +54,12 @@ def test_duplicates_skip_and_a_task_longer_than_its_lease_keeps_it(green, r, eve
     started = wait_for(lambda: events.starts("long"), 20, what="the long task to start")[0]
     others = [app.tasks["t.hold"].delay(f"{key}-{i}", 1.0, f"other{i}") for i in range(20)]
     dups = [app.tasks["t.hold_short"].delay(key, 0.0, f"dup{i}") for i in range(20)]
-    assert all(is_skipped(d.get(timeout=30)) for d in dups)
+    got = [d.get(timeout=30) for d in dups]
+    ran = [g for g in got if not is_skipped(g)]
+    assert not ran, (
+        f"{len(ran)} of 20 duplicates ran while the long task held the key: {ran}; the "
+        f"key's runs: {[e for e in events.starts() if e.get('key') == key]}; its ends: "
+        f"{[e for e in events.ends() if e.get('key') == key]}")
     assert all(o.get(timeout=30)["tag"].startswith("other") for o in others)
     wait_for(lambda: time.time() - started["t"] > 4.0, 10, what="four leases to pass")
     assert not long.ready()
