@@ -291,6 +291,21 @@ class Sentinel(Kind):
         sentinels still see the reboot (a new run id), which Redis 7.0 does
         not count as down (no master-reboot-down-after-period)."""
         old = self.primary()
+
+        def agreed() -> bool:
+            # every sentinel names it, none is failing over (after a failover
+            # just done, a sentinel late to learn it could make the restarted
+            # primary a replica of the server that still has the data)
+            for sentinel in self.group.sentinels:
+                try:
+                    said: Any = sentinel.client().sentinel_master(self.group.master)
+                except redis.RedisError:
+                    return False
+                if int(said["port"]) != old.port or said.get("flags") != "master":
+                    return False
+            return True
+
+        wait_for(agreed, 60, interval=0.05, what="every sentinel to name the primary, at rest")
         down_ms = self.group.layout[3]
         self.down_after(self.PATIENT_MS)
         try:
