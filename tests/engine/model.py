@@ -4,8 +4,11 @@ each server must hold after it, with no Redis and no clock of its own.
 
 A :class:`Store` is what one server holds for the key: the owner of each
 slot (its execution, task, retry hand-off, a copy seen), whether the fencing
-counter, the finish marker and the write-back hash exist, and the window of
-server time (ms) in which each of those keys must expire. One server, a
+counter, the finish marker and the write-back hash exist, the task of the
+send-time marker of the queue scopes (:meth:`Store.enqueue`,
+:meth:`Store.unqueue`; :meth:`Store.acquire` passes it to its task's grant),
+and the window of server time (ms) in which each of those keys must expire.
+An empty restart forgets all of it (:meth:`Store.forget`). One server, a
 Sentinel-managed primary and a Cluster node are one store; Redlock is one
 store per master, combined by majority (:func:`redlock_acquire` and the rest).
 
@@ -24,6 +27,7 @@ from typing import Optional
 GRANTED, HELD, SAME_TASK, FINISHED = "GRANTED", "HELD", "SAME_TASK", "FINISHED"
 RENEWED, NOT_OURS, HANDED_OFF, ABSENT = "RENEWED", "NOT_OURS", "HANDED_OFF", "ABSENT"
 WRITTEN_BACK, OURS, RELEASED = "WRITTEN_BACK", "OURS", "RELEASED"
+TAKEN = "TAKEN"
 QUORUM_ERROR = "QuorumError"
 
 
@@ -48,6 +52,10 @@ class Execution:
     native: bool = False
     #: the retry count its hand-off kept the key for (0: none)
     handed: int = 0
+    #: ``singleton_scope`` of its task: ``run``, ``queue`` or ``queue_and_run``
+    scope: str = "run"
+    #: sent with the key taken at send time (a marker), not yet run or unqueued
+    sent: bool = False
 
     def __str__(self) -> str:
         return f"{self.name}(task={self.task_id}, retries={self.retries}, slot={self.slot})"
@@ -72,6 +80,8 @@ class Store:
     fin: Optional[str] = None
     #: the slots written back since the server forgot the key (None: no hash)
     back: Optional[set[int]] = None
+    #: the task id of the send-time marker (the queue scopes; None: no marker)
+    queued: Optional[str] = None
     #: key name -> (earliest, latest) server ms at which it must expire
     windows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -82,8 +92,12 @@ class Store:
     def forget(self) -> None:
         """The server restarted empty."""
         self.owners.clear()
-        self.fence, self.fin, self.back = False, None, None
+        self.fence, self.fin, self.back, self.queued = False, None, None, None
         self.windows.clear()
+
+    def unmark(self) -> None:
+        self.queued = None
+        self.windows.pop("queued", None)
 
     def owner_of(self, ex: Execution) -> Optional[int]:
         """The slot ``ex`` owns here, or None."""
@@ -94,9 +108,31 @@ class Store:
 
     # -- what one server answers (the scripts' and the native commands' rules) ------
 
+    def enqueue(self, task_id: str, scope: str) -> tuple[str, Optional[str], bool]:
+        """enqueue.lua, a send under the queue scopes (no done window, no
+        replace): (answer, the holder's task id, it is running). TAKEN
+        leaves the marker (its TTL is the caller's to set)."""
+        if self.queued is not None:
+            return HELD, self.queued, False
+        owner = self.owners.get(1)
+        if scope == "queue_and_run" and owner is not None:
+            return HELD, owner.task_id, True
+        self.queued = task_id
+        return TAKEN, None, False
+
+    def unqueue(self, task_id: str) -> bool:
+        if self.queued != task_id:
+            return False
+        self.unmark()
+        return True
+
     def acquire(self, ex: Execution, slots: int) -> tuple[str, int]:
         """(answer, slot) of an acquire by ``ex``; the store changed as the server does.
-        A grant's token is the caller's to set (:meth:`granted`)."""
+        A grant's token is the caller's to set (:meth:`granted`). Under the
+        queue scopes (one slot) the task's own send-time marker passes to
+        a grant, and goes with a FINISHED; a HELD, a copy's SAME_TASK and a
+        retry's grant of the key its attempt kept leave it."""
+        own = ex.scope != "run" and self.queued is not None and self.queued == ex.task_id
         for slot in range(1, slots + 1):
             owner = self.owners.get(slot)
             if owner is not None and owner.task_id == ex.task_id:
@@ -113,7 +149,13 @@ class Store:
         if not free:
             return HELD, 0
         if self.fin == ex.task_id:
+            if own:
+                self.unmark()
             return FINISHED, 0
+        if ex.scope == "queue_and_run" and not own and self.queued is not None:
+            return HELD, 0  # the queued task owns the key
+        if own:
+            self.unmark()
         return GRANTED, free[0]
 
     def granted(self, ex: Execution, slot: int, token: int) -> None:
@@ -213,7 +255,7 @@ class Model:
         lines += [f"  {g}" for g in self.grants]
         for i, store in enumerate(self.stores):
             lines.append(f"store {i}: owners={store.owners} fence={store.fence} "
-                         f"fin={store.fin} back={store.back}")
+                         f"fin={store.fin} back={store.back} queued={store.queued}")
         return "\n".join(lines)
 
 
