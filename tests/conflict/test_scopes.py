@@ -177,7 +177,9 @@ def test_one_revoke_of_several_queued_tasks_frees_each_key(client_app, events, k
     several tasks in one command: the send-time key of each frees at once,
     not at its far ETA."""
     t = client_app.tasks["t.queue"]
-    far = [t.apply_async((f"{key}-{i}", 0.0, f"far{i}"), countdown=120) for i in range(3)]
+    far = [t.apply_async((f"{key}-{i}", 0.0, f"far{i}"), countdown=120) for i in range(2)]
+    # the key's argument by name: the key freed is the one it was sent under
+    far.append(t.apply_async(kwargs={"key": f"{key}-2", "tag": "far2"}, countdown=120))
     queued = [t.singleton_keys(f"{key}-{i}", 0.0, f"far{i}").queued for i in range(3)]
     assert [marker(r, k) for k in queued] == [("t.queue", f.id) for f in far]
     client_app.control.revoke([f.id for f in far])
@@ -187,6 +189,20 @@ def test_one_revoke_of_several_queued_tasks_frees_each_key(client_app, events, k
     assert not is_deduplicated(again)
     assert again.get(timeout=10)["tag"] == "again"
     assert [e["tag"] for e in events.starts()] == ["again"]
+
+
+def test_a_revoke_of_a_task_the_worker_never_had_is_answered_as_celery_answers_it(
+        client_app, key):
+    """A revoke goes to every worker, most of which never had the task: the
+    watch on the command finds no request there and frees nothing, and the
+    command's reply is Celery's own, not an error."""
+    import uuid
+
+    replies = client_app.control.revoke(str(uuid.uuid4()), reply=True, timeout=5)
+    assert replies, "no worker answered the revoke"
+    for reply in replies:
+        for worker, answer in reply.items():
+            assert "ok" in answer and "error" not in answer, (worker, answer)
 
 
 @pytest.mark.parametrize("when", ["countdown", "eta", "eta-iso"])
