@@ -74,7 +74,8 @@ def test_twenty_duplicated_coroutine_calls_over_five_keys_run_each_key_once_at_a
     assert all(e["concurrent"] == 1 for e in starts), [e for e in starts if e["concurrent"] > 1]
     # its key's lock, seen from inside the body; on failure every event of the key
     unheld = {e["key"] for e in starts if not e["held"]}
-    assert not unheld, [e for e in events.all() if e.get("key") in unheld]
+    assert not unheld, "a body ran without its key's lock; every event of the key:\n" + (
+        "\n".join(json.dumps(e) for e in events.all() if e.get("key") in unheld))
     assert not any(e["lost"] for e in events.all() if e["ev"] == "end")
     assert len({e["pid"] for e in starts}) == 2  # both workers ran some
     runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
