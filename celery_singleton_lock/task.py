@@ -331,13 +331,29 @@ class SingletonTask(Task):  # type: ignore[misc]
             # but the task's options are checked, as on its first send
             self.singleton_settings()
             return super().__call__(*args, **kwargs)
-        setattr(req, _ENTERED_ATTR, req.id)  # an id: a default request outlives its call
-        if req.is_eager:
-            setattr(req, REQUEST_ATTR, SingletonLock(
-                self.singleton_keys(*args, **kwargs), task_id=req.id or "", task_name=self.name
-            ))
-            return self.run(*args, **kwargs)
-        result = self._run_locked(req, args, kwargs)
+        # Entered until this call, or the coroutine it returns, ends: a nested
+        # call meanwhile is a plain one. Cleared then, since a default request
+        # outlives its call, and the next call may have the same id (a
+        # duplicate sent back to wait under `retry`, to the same process).
+        setattr(req, _ENTERED_ATTR, req.id)
+
+        def left() -> None:
+            setattr(req, _ENTERED_ATTR, None)
+
+        try:
+            if req.is_eager:
+                setattr(req, REQUEST_ATTR, SingletonLock(
+                    self.singleton_keys(*args, **kwargs), task_id=req.id or "",
+                    task_name=self.name))
+                result = self.run(*args, **kwargs)
+            else:
+                result = self._run_locked(req, args, kwargs)
+        except BaseException:
+            left()
+            raise
+        if inspect.iscoroutine(result):
+            return coroutines.then(result, left)
+        left()
         if result is IGNORE:
             raise Ignore()
         return result

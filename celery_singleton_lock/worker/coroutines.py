@@ -52,3 +52,11 @@ async def held_while_awaited(body: Awaitable[Any], lock: SingletonLock,
         raise
     finally:
         end(succeeded, interrupted)
+
+
+async def then(body: Awaitable[Any], after: Callable[[], None]) -> Any:
+    """Await ``body``; ``after()`` once it has ended, however it ended."""
+    try:
+        return await body
+    finally:
+        after()

@@ -183,3 +183,38 @@ def test_many_coroutines_on_one_thread_each_hold_their_own_key_renewed_while_the
     assert len({thread for _, thread in seen.values()}) == 1  # one thread ran every body
     assert len({id(lock) for lock, _ in seen.values()}) == 5
     assert engine_for(app).client.ping()
+
+
+@pytest.mark.worker
+def test_a_duplicate_sent_back_to_the_same_process_waits_again_for_the_lock(redis_server, events):
+    """``retry`` under celery-aio-pool: a duplicate is sent again with its own
+    task id, and with one worker process it comes back to the process that
+    decided it. There it is decided again (waits while the key is held), and
+    runs under the lock once the key is free: the request celery-aio-pool keeps
+    for the task between calls carries nothing of the call before."""
+    from celery_singleton_lock.testing import hold_key
+    from tests.aioapp import make_aio_app
+
+    queue = f"aio1-{uuid.uuid4().hex[:8]}"
+    worker = aio_worker(redis_server.url(), queue).start()
+    try:
+        app = make_aio_app(redis_server.url(), queue)
+        key = f"again-{uuid.uuid4().hex[:6]}"
+        task = app.tasks["a.hold"]
+        with hold_key(task, key, "dup"):
+            dup = task.delay(key, "dup")
+            rounds = f"a.hold[{dup.id}] waits:"
+            try:
+                wait_for(lambda: worker.logs().count(rounds) >= 3, 30,
+                         what="three rounds of the duplicate waiting for the held key")
+            except AssertionError:
+                print(worker.logs()[-5000:], events.all())
+                raise
+            assert not events.starts("dup"), (
+                "the duplicate ran while the key was held:\n" + "\n".join(
+                    json.dumps(e) for e in events.all()))
+        assert dup.get(timeout=30) == "dup"
+        [start] = events.starts("dup")
+        assert start["held"] is True, start
+    finally:
+        discard(worker)
