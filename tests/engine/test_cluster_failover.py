@@ -464,7 +464,13 @@ def test_under_load_no_skip_against_a_finished_holder_after_the_failover(
         assert never == [], never
         # owed releases go out once their node takes writes: every primary
         # says so (the promoted one knows it first, the others a moment later)
-        late = load.late_skips({e["id"]: e["t"] for e in ends}, max(promoted, whole or 0.0))
+        # slack: the owed release is resent every 250 ms at most once the slot
+        # answers (0.3 s measured idle, docs/deployments.md); a release dropped
+        # waits out the 30 s lease (the bug this guards: skips up to 25.5 s
+        # late). 1 s was exceeded once on a loaded 2-core run (one skip 1.16 s
+        # after every primary was ok): 3 s, the history printed on failure
+        late = load.late_skips({e["id"]: e["t"] for e in ends}, max(promoted, whole or 0.0),
+                               slack=3.0)
         skips = sum(1 for res, _ in load.ready if is_skipped(res.result))
         print(f"\nCluster under load{' with WAIT 1' if wait else ''}: {len(load.ready)} calls, "
               f"{skips} skipped, {len(late)} skipped against a holder finished over 1 s "
