@@ -45,8 +45,8 @@ def test_readme_opens_with_the_demo_and_test_commands_ci_runs():
     assert (ROOT / demo.split("&& python ", 1)[1].strip()).exists()
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().strip().splitlines()]
     # CI runs the README's test command, the long runs, then the oldest supported stack
-    assert ci[-3:] == [tests, "python -m pytest -m long", "python -m nox -s oldest"]
-    assert "`python -m pytest -m long`" in text
+    assert ci[-3:] == [tests, "python -m pytest -m long -n 1", "python -m nox -s oldest"]
+    assert "`python -m pytest -m long -n 1`" in text
 
 
 def test_ci_requires_every_service_and_installs_chromium_without_recommends():
