@@ -58,8 +58,9 @@ MODULES: dict[str, list[str]] = {
     "worker/step": ["tests/observe/test_monitor.py", "tests/checks/test_config_at_start.py",
                     "tests/lock/test_exit_paths.py"],
     "worker/heartbeat": ["tests/engine/test_engine.py", "tests/lock/test_exit_paths.py",
-                         "tests/worker/test_freeze.py", "-k",
-                         "heartbeat or renewer or restarted or outage or exit_paths or freeze"],
+                         "tests/worker/test_freeze.py", "tests/engine/test_cluster.py", "-k",
+                         "heartbeat or renewer or restarted or outage or exit_paths or freeze"
+                         " or failed_round or renewed_nowhere or does_not_answer"],
     "worker/revoke": ["tests/lock/test_exit_paths.py", "tests/conflict/test_scopes.py",
                       "-k", "revoke"],
     "worker/signals": ["tests/lock/test_exit_paths.py", "tests/conflict/test_redelivery.py",

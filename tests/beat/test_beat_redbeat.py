@@ -192,6 +192,23 @@ def test_overlap_modes_apply_to_redbeat_entries_and_a_waiting_tick_is_sent_by_an
             if h["singleton_beat_entry"] == "buffering"} == {other.beat_id}
 
 
+def test_the_overlap_modes_see_every_entry_of_redbeat_s_schedule(redis_server):
+    """RedBeat's own ``schedule`` holds only the entries due now and the next;
+    the waiting ticks of the overlap modes are looked for in every entry, read
+    from RedBeat's storage: the first and the last by due time included, and
+    one deleted since left out."""
+    app = redbeat_app(redis_server, {})
+    names = [f"every-{n}" for n in (1, 7, 60, 3600)]
+    for name, seconds in zip(names, (1, 7, 60, 3600)):
+        RedBeatSchedulerEntry(name, "t.tick", schedule(dt.timedelta(seconds=seconds)),
+                              app=app).save()
+    gone = RedBeatSchedulerEntry("gone", "t.tick", schedule(dt.timedelta(seconds=30)), app=app)
+    gone.save()
+    get_redis(app).delete(gone.key)  # its definition deleted, its score not yet
+    beat = scheduler(app)
+    assert sorted(e.name for e in beat.singleton_entries()) == sorted(names)
+
+
 def test_a_waiting_tick_sent_after_a_newer_one_leaves_redbeat_s_last_run_where_it_was(
         redis_server):
     """A tick that waited (an overlap mode's buffer) and is sent by a beat

@@ -204,3 +204,50 @@ def test_a_primary_restarted_empty_gets_its_held_locks_back_at_once(cluster, eng
         for lock in locks:
             hb.discard(lock)
         hb.watch.close()
+
+
+def test_a_round_one_primary_does_not_answer_leaves_its_locks_held(cluster):
+    """A renewal round in which one primary is silent (frozen, SIGSTOP) renews
+    the locks of the others and leaves the silent one's alone, as on any Redis
+    error (their own deadlines decide if it lasts): none is marked lost, and
+    the round reports that it did not get through, so the next comes soon.
+    Once the primary answers again the next round renews them all."""
+    engine = connect(SingletonConfig.defaults(cluster.url(),
+                                              redis_options={"socket_timeout": 0.5}))
+    assert isinstance(engine.wire, ClusterWire)
+    by_port: dict[int, LockKeys] = {}
+    while len(by_port) < 2:
+        keys = new_keys()
+        by_port.setdefault(cluster.node_of(keys.lock).port, keys)
+    (_, keys_a), (silent_port, keys_b) = list(by_port.items())
+    silent = next(n for n in cluster.nodes if n.port == silent_port)
+    hb = Heartbeat(engine)
+    locks = []
+    for keys in (keys_a, keys_b):
+        exec_id = uuid.uuid4().hex
+        got = take(engine, keys, "t-" + exec_id[:6], exec_id)
+        assert got.status is Acquire.GRANTED
+        locks.append(SingletonLock(keys, task_id="t-" + exec_id[:6], task_name="t.x",
+                                   exec_id=exec_id, token=got.token, lease=30.0,
+                                   started=time.monotonic(), held=True, hostname="w1@host"))
+        hb.add(locks[-1])
+    try:
+        # 5 s leases from take(): a round that got through makes them 30 s
+        silent.pause()
+        try:
+            assert hb.renew_now() is False
+        finally:
+            silent.resume()
+        assert not locks[0].lost and not locks[1].lost
+        assert locks[0].held and locks[1].held
+        assert cluster.node_of(keys_a.lock).client().pttl(keys_a.lock) > 5_000
+        wait_for(cluster.ok, 20, interval=0.1, what="the cluster whole again")
+        wait_for(hb.renew_now, 20, interval=0.1, what="a round that gets through")
+        assert silent.client().pttl(keys_b.lock) > 5_000
+        assert owner_field(silent.client(), keys_b.lock, "exec") == locks[1].exec_id
+        assert not locks[1].lost
+    finally:
+        for lock in locks:
+            hb.discard(lock)
+        hb.watch.close()
+        engine.wire.close()

@@ -22,7 +22,7 @@ from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.process import HOST_KEY as PROCESS_HOST_KEY
 from celery_singleton_lock.process import PROCESS
-from celery_singleton_lock.worker.heartbeat import Heartbeat
+from celery_singleton_lock.worker.heartbeat import RENEW_FRACTION, RETRY_FAILED, Heartbeat
 from tests.support import (
     ROOT,
     held_on_another_host,
@@ -429,13 +429,56 @@ def test_heartbeat_keeps_a_short_lease_alive_for_many_leases(engine, r):
     lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=got.token,
                          lease=1.0, started=time.monotonic(), held=True)
     hb = Heartbeat(engine)
+    added = time.monotonic()
     hb.add(lock)
     try:
         wait_for(lambda: hb.rounds >= 6, 15, what="six renewal rounds (two leases)")
+        rounds, elapsed = hb.rounds, time.monotonic() - added
+        # a round a third of the lease after the one before, never sooner
+        # (a load can only make them later): not a loop renewing back to back
+        assert rounds <= elapsed / (1.0 / RENEW_FRACTION) + 1, (rounds, elapsed)
         assert owner_field(r, keys.lock, "exec") == "exec-a"
         assert not lock.lost
     finally:
         hb.discard(lock)
+
+
+def test_a_lock_lost_to_its_deadline_is_renewed_nowhere(engine, r):
+    """A lock whose local lease ran out (no renewal got through in time) is
+    lost: its task was told so. A later round leaves its key to expire as it
+    was set, not kept alive for a holder that no longer counts on it."""
+    keys = new_keys()
+    got = take(engine, keys, "task-a", "exec-a", lease_ms=20_000)
+    lock = SingletonLock(keys, task_id="task-a", exec_id="exec-a", token=got.token,
+                         lease=30.0, started=time.monotonic() - 31, held=True)
+    assert lock.lost
+    hb = Heartbeat(engine)  # not started: the round is driven by hand
+    hb._held[id(lock)] = lock
+    assert hb.renew_now() is True
+    assert r.pttl(keys.lock) <= 20_000
+    assert hb.rounds == 0
+
+
+def test_while_redis_is_down_a_failed_round_is_tried_again_every_half_second(own_redis):
+    """With the lock Redis gone, the renewer asks again every RETRY_FAILED
+    (0.5 s), while the leases still run: not a third of a lease later, and not
+    back to back (a loop against a dead server)."""
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
+    keys = new_keys()
+    lock = held_lock(engine, keys, lease=6.0)
+    hb = Heartbeat(engine)
+    hb.add(lock)
+    try:
+        wait_for(lambda: hb.watch.run_id, 5, what="the watch to connect")
+        own_redis.stop()
+        stopped = time.monotonic()
+        wait_for(lambda: hb.failed_rounds >= 3, 30, interval=0.01,
+                 what="three failed rounds in a row")
+        failed, elapsed = hb.failed_rounds, time.monotonic() - stopped
+        assert failed <= elapsed / RETRY_FAILED + 2, (failed, elapsed)
+    finally:
+        hb.discard(lock)
+        hb.watch.close()
 
 
 def test_a_short_lease_added_while_the_renewer_sleeps_on_a_long_one_is_kept(engine, r):
