@@ -66,7 +66,11 @@ MODULES: dict[str, list[str]] = {
     "worker/signals": ["tests/lock/test_exit_paths.py", "tests/conflict/test_redelivery.py",
                        # a revoked or expired queued task frees its send-time key
                        "tests/conflict/test_scopes.py"],
-    "beat/overlap": ["tests/beat/test_beat_overlap.py", "tests/beat/test_buffer_all_scripts.py"],
+    "beat/overlap": [
+        # the virtual-clock tests of the overlap modes first (a second each)
+        "tests/beat/test_beat.py::test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing",
+        "tests/beat/test_beat.py::test_a_buffered_tick_older_than_a_tick_decided_since_is_dropped_not_sent",
+        "tests/beat/test_beat_overlap.py", "tests/beat/test_buffer_all_scripts.py"],
     "beat/scheduler": ["tests/beat/test_beat.py", "tests/beat/test_beat_logs.py"],
     "beat/redbeat": ["tests/beat/test_beat_redbeat.py"],
     "observe/monitor": ["tests/observe/test_monitor.py", "tests/observe/test_counts_published.py",

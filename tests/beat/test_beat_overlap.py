@@ -395,3 +395,73 @@ def _children_die_under_buffer_all(redis_server, beat_worker, beats, events, r,
     assert sorted([*ticks, lost]) == expected
     assert sum(e["id"] in killed for e in starts) == 2
     assert f"its copy {held['id']} was lost before it took its lock" in worker_logs()
+
+
+def test_a_beat_with_waiting_modes_looks_for_others_waiting_ticks_every_second(redis_server):
+    """A beat whose entries' ticks may wait (buffer_one, buffer_all) wakes at
+    least every BUFFER_ADOPT (1 s) to look for waiting ticks it does not hold
+    (their beat may have died), however far its next tick is: not only at
+    Celery's next tick (``beat_max_loop_interval``, 300 s by default). A beat
+    without such entries sleeps as Celery says."""
+    from celery_singleton_lock.beat.overlap import BUFFER_ADOPT
+    from tests.beatapp import make_beat_app
+    from tests.contract.promises import VirtualScheduler
+
+    for mode, waits in (("buffer_one", True), ("buffer_all", True), ("skip", False)):
+        app = make_beat_app(redis_server.url(), "unused", schedule={
+            "hourly": {"task": "t.tick_hold", "every": 3600,
+                       "kwargs": {"key": uuid.uuid4().hex},
+                       "options": {"singleton_overlap": mode}}})
+        beat = VirtualScheduler(app=app)
+        waiting = beat.overlap.before_tick()
+        assert waiting is waits, mode
+        delay = beat.overlap.delay(300.0, waiting)
+        assert (0.0 <= delay <= BUFFER_ADOPT) if waits else delay == 300.0, (mode, delay)
+
+
+def test_skip_and_buffer_one_send_nothing_while_the_previous_run_holds_its_lock(redis_server):
+    """On a virtual clock (every 10 s), the run's lock real: under ``skip`` a
+    tick due while the previous run holds its task's lock is not sent (the
+    worker would skip it as a duplicate; the beat does not send it) and is
+    counted; under ``buffer_one`` it waits in Redis, is replaced by a newer
+    one (one dropped, counted once) and is sent only once the run ended."""
+    from celery_singleton_lock.engine.registry import engine_for
+    from tests.beatapp import make_beat_app
+    from tests.contract.promises import VirtualScheduler
+
+    t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
+    for mode in ("skip", "buffer_one"):
+        key, name = uuid.uuid4().hex, f"{mode}-{uuid.uuid4().hex[:8]}"
+        app = make_beat_app(redis_server.url(), "unused", schedule={
+            name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key},
+                   "options": {"singleton_overlap": mode}}})
+        beat = VirtualScheduler(app=app)
+        beat.sent = []
+
+        def look(seconds: float, beat: Any = beat) -> list[dt.datetime]:
+            """The beat's loop once, ``seconds`` after the first tick: the ticks sent."""
+            beat.clock = t0 + dt.timedelta(seconds=seconds)
+            beat.overlap.before_tick()
+            for entry in list(beat.schedule.values()):
+                if beat.is_due(entry)[0]:
+                    beat.apply_entry(entry)
+            return [tick for _, tick, _ in beat.sent]
+
+        assert look(0.0) == [t0]
+        engine = engine_for(app)
+        keys = app.tasks["t.tick_hold"].singleton_keys(key=key)
+        assert engine.acquire(keys, Request(task_id="run-0", exec_id="exec-0",
+                                            lease=Lease.of_ms(60_000), hostname="w1@host",
+                                            task_name="t.tick_hold")).token > 0
+        assert look(10.0) == [t0]
+        assert look(15.0) == [t0]
+        assert look(20.0) == [t0]
+        stats_ = beat.singleton_stats
+        if mode == "skip":
+            assert stats_["overlap_skipped"] == 2 and stats_["buffered"] == 0, stats_
+        else:
+            assert stats_["overlap_skipped"] == 0, stats_
+            assert stats_["buffered"] == 2 and stats_["buffer_dropped"] == 1, stats_
+        assert engine.release(keys, "exec-0", "run-0") is True  # the run ends
+        after = look(21.0)
+        assert after == ([t0] if mode == "skip" else [t0, t0 + dt.timedelta(seconds=20)])

@@ -28,6 +28,7 @@ from tests.support import (
     discard,
     held_on_another_host,
     marker,
+    owner_record,
     wait_for,
 )
 from tests.workerapp import make_app
@@ -265,6 +266,30 @@ def test_release_refuses_a_live_holder_without_force_then_force_frees_it(scene):
              what="the worker to log the lock lost")
     scene.server.client(3).set(f"finish:{key}", 1)
     assert result.get(timeout=20)["lost"] is True
+
+
+def test_release_of_a_slots_lock_key_frees_that_slot_only(scene):
+    """docs/limit.md: ``release '<key>:lock:<n>'`` frees slot n of a
+    ``singleton_limit`` key, naming its holder; the other slot stays held."""
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engine.registry import connect
+
+    keys = scene.app.tasks["t.hold"].singleton_keys(f"slots-{SECRET}")
+    engine = connect(SingletonConfig.defaults(scene.server.url(2)))
+    holders = {}
+    for n in (1, 2):
+        task_id = f"slot{n}-{uuid.uuid4().hex[:8]}"
+        got = engine.acquire(keys, Request(task_id=task_id, exec_id=f"{task_id}-exec",
+                                           lease=Lease.of_ms(120_000), hostname="w1@host",
+                                           retries=0, task_name="t.hold", slots=2))
+        assert got.slot == n, got
+        holders[n] = task_id
+    out = cli(scene, "release", keys.slot(2).lock, "--force", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    answer = json.loads(out.stdout)
+    assert (answer["action"], answer["holder"]) == ("released", holders[2])
+    assert not scene.locks.exists(keys.slot(2).lock)
+    assert owner_record(scene.locks, keys.lock)["task"] == holders[1]
 
 
 def test_release_frees_a_dead_holders_lock_without_force(scene):

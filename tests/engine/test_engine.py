@@ -769,6 +769,39 @@ def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     assert engine.unqueue(keys, "q3") is True
 
 
+@pytest.mark.parametrize("scope", ["queue", "queue_and_run"])
+def test_a_throttled_call_gives_up_the_key_it_took_when_sent(engine, r, scope):
+    """docs/throttle.md: under the queue scopes a call refused by the throttle
+    window at its start gives up the key it took at send; the next send takes
+    it (else every later send is refused for a call that never runs, until
+    the marker's TTL)."""
+    keys = new_keys()
+    assert take(engine, keys, "opener", "e-opener", throttle_ms=60_000,
+                scope=scope).status is Acquire.GRANTED
+    assert engine.release(keys, "e-opener", "opener") is True
+    assert engine.enqueue(keys, "sent", scope, 60_000, "t.x").status == Enqueue.TAKEN
+    got = take(engine, keys, "sent", "e-sent", throttle_ms=60_000, scope=scope)
+    assert got.status is Acquire.THROTTLED and got.holder.task_id == "opener"
+    assert r.get(keys.queued) is None
+    assert engine.enqueue(keys, "next", scope, 60_000, "t.x").status == Enqueue.TAKEN
+
+
+def test_a_retry_of_the_task_that_opened_the_window_does_not_open_it_again(engine, r):
+    """docs/throttle.md: the opener's retry is that call starting again: it
+    is let in, and the window keeps its end (the key's value and TTL)."""
+    keys = new_keys()
+    assert take(engine, keys, "opener", "e1", throttle_ms=60_000).status is Acquire.GRANTED
+    window, ttl = r.get(keys.throttle), r.pttl(keys.throttle)
+    assert engine.release(keys, "e1", "opener") is True
+    wait_for(lambda: r.pttl(keys.throttle) < ttl - 50, 5, interval=0.01,
+             what="the window's TTL to run down a little")
+    got = take(engine, keys, "opener", "e2", retries=1, throttle_ms=60_000)
+    assert got.status is Acquire.GRANTED
+    assert r.get(keys.throttle) == window
+    assert r.pttl(keys.throttle) < ttl - 50
+    assert take(engine, keys, "other", "e3", throttle_ms=60_000).status is Acquire.THROTTLED
+
+
 def test_replace_supersedes_a_queued_task_only_while_it_has_not_started(engine, r):
     """``replace``: a send takes the key from a task still queued, never from
     one that started. A send reusing the running task's id (an idempotency key

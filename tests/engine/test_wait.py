@@ -201,3 +201,9 @@ def test_no_replica_at_all_follows_its_own_setting(pair, caplog):
             take(refuses, LockKeys("singleton:", "none2"))
     assert "No replica acknowledged the grant" in caplog.text
     assert not primary.client(2).exists(LockKeys("singleton:", "none2").lock)
+    # and the other way: 'release' gives the grant back though the policy is 'proceed'
+    strict = engine_for(primary, wait_replicas=1, wait_timeout=100, wait_policy="proceed",
+                        wait_no_replica="release")
+    with pytest.raises(TooFewReplicasError):
+        take(strict, LockKeys("singleton:", "none3"))
+    assert not primary.client(2).exists(LockKeys("singleton:", "none3").lock)
