@@ -98,6 +98,42 @@ def answers(server: RedisServer) -> bool:
         return False
 
 
+def test_a_majority_won_after_the_validity_time_is_given_back_everywhere(
+        masters, engine, monkeypatch):
+    """docs/deployments.md: a grant won by a majority only once the validity
+    time (the lease less the drift allowed) had passed is no grant: by then a
+    master's copy may have expired and another holder won. It is given back
+    on every master and the caller told why; the next task is granted. The
+    engine's clock is moved on a lease between the majority's answers and the
+    decision (a process stalled there)."""
+    import celery_singleton_lock.engine.redlock.engine as module
+
+    real_carry, stalled = engine._carry, []
+
+    def carry_then_stall(*args: Any) -> int:
+        carried = real_carry(*args)
+        stalled.append(True)
+        return carried
+
+    class Clock:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + (31.0 if stalled else 0.0)
+
+    monkeypatch.setattr(engine, "_carry", carry_then_stall)
+    monkeypatch.setattr(module, "time", Clock())
+    keys = new_keys()
+    with pytest.raises(QuorumError, match="too late"):
+        take(engine, keys, "stalled")
+    monkeypatch.undo()
+    wait_for(lambda: all(holder_on(m, keys) is None for m in masters), 10, interval=0.01,
+             what="the grant given back on every master")
+    assert take(engine, keys, "next").status is Acquire.GRANTED
+
+
 def test_a_grant_holds_every_master_with_one_token_and_refuses_a_second_task(masters, engine):
     """Granted on all five (the call returns once a majority carries the token;
     the others follow), each master's counter and record at or above the token

@@ -296,3 +296,32 @@ def test_the_limit_pages_example_skips_nothing_with_fewer_processes_than_calls(t
     ran, skipped, _late = out.stdout.splitlines()
     assert skipped == "0 skipped", out.stdout
     assert json.loads(ran) in ([1, 1, 2], [1, 2, 2]), out.stdout
+
+
+def test_the_commands_the_compatibility_page_names_are_the_lock_scripts_own():
+    """docs/compatibility.md lists the commands the lock scripts call (what a
+    server must have): exactly those read from the scripts' sources."""
+    from celery_singleton_lock.checks.permissions import SCRIPTS, script_commands
+
+    text = (ROOT / "docs" / "compatibility.md").read_text()
+    start = text.index("The lock scripts use only")
+    paragraph = text[start:text.index("Beat's buffers", start)]
+    named = {m.lower() for m in re.findall(r"`([A-Z]+)(?: \.\.\. PX)?`", paragraph)}
+    called = {c for script in SCRIPTS.values() for c in script_commands(script)}
+    assert named == called, (sorted(named - called), sorted(called - named))
+
+
+def test_the_client_defaults_the_deployments_page_gives_are_the_library_s():
+    """docs/redis-deployments.md states the redis-py client's defaults: they
+    are what :data:`CLIENT_DEFAULTS` hands to redis-py."""
+    from celery_singleton_lock.engine.servers import CLIENT_DEFAULTS
+
+    text = " ".join((ROOT / "docs" / "redis-deployments.md").read_text().split())
+    found = re.search(r"own defaults: (\d+) s timeouts, a (\d+) s health check, at most "
+                      r"(\d+) pooled connections", text)
+    assert found, "the sentence giving the client's defaults is gone"
+    timeouts, health, pooled = (int(g) for g in found.groups())
+    assert CLIENT_DEFAULTS["socket_timeout"] == CLIENT_DEFAULTS["socket_connect_timeout"] == \
+        timeouts
+    assert (CLIENT_DEFAULTS["health_check_interval"], CLIENT_DEFAULTS["max_connections"]) == (
+        health, pooled)
