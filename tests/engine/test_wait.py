@@ -56,8 +56,16 @@ def test_wait_is_off_by_default_and_sent_after_each_grant_when_on(pair):
     take(engine_for(primary), LockKeys("singleton:", "off"))
     assert calls(primary, "wait") == 0
     engine = engine_for(primary, wait_replicas=1, wait_timeout=2000)
-    assert take(engine, LockKeys("singleton:", "on")).status is Acquire.GRANTED
+    keys, exec_id = LockKeys("singleton:", "on"), uuid.uuid4().hex
+    assert engine.acquire(keys, Request(task_id="t1", exec_id=exec_id, lease=Lease.of_ms(10_000),
+                                        hostname="w1@host", retries=0,
+                                        task_name="t.x")).status is Acquire.GRANTED
     assert calls(primary, "wait") == 1
+    # confirmed: the grant's WAIT mark (a holder not yet running) is deleted,
+    # sent without waiting and read with the next call
+    engine.settle()
+    assert not primary.client(2).exists(keys.waiting(exec_id))
+    assert owner_field(primary.client(2), keys.lock, "exec") == exec_id
 
 
 def test_too_few_replicas_with_policy_release_gives_the_lock_back(pair):
