@@ -70,6 +70,7 @@ MODULES: dict[str, list[str]] = {
         # the virtual-clock tests of the overlap modes first (a second each)
         "tests/beat/test_beat.py::test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing",
         "tests/beat/test_beat.py::test_a_buffered_tick_older_than_a_tick_decided_since_is_dropped_not_sent",
+        "tests/beat/test_beat.py::test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait",
         "tests/beat/test_beat_overlap.py", "tests/beat/test_buffer_all_scripts.py"],
     "beat/scheduler": ["tests/beat/test_beat.py", "tests/beat/test_beat_logs.py"],
     "beat/redbeat": ["tests/beat/test_beat_redbeat.py"],

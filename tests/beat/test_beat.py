@@ -620,6 +620,54 @@ def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_serv
     assert beat.singleton_stats["overlap_skipped"] == 0, beat.singleton_stats
 
 
+def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(redis_server):
+    """docs/beat.md: the wait for a late run is bounded by how late it started;
+    a run still running at the bound costs the tick (skipped, counted), and
+    the tick is not sent when the run ends after. Same virtual clock and lock
+    as the test above, the run never ending inside the wait."""
+    from tests.beatapp import make_beat_app
+    from tests.contract.promises import VirtualScheduler
+    from tests.support import write_owner
+
+    class Noting(VirtualScheduler):
+        def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+            super()._send(entry, tick, producer)
+            self.overlap.note_if_late(entry, tick)
+
+    key, name = uuid.uuid4().hex, f"slow-{uuid.uuid4().hex[:8]}"
+    app = make_beat_app(redis_server.url(), "unused", schedule={
+        name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
+    beat = Noting(app=app)
+    beat.sent = []
+    t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
+
+    def look(seconds: float) -> list[dt.datetime]:
+        beat.clock = t0 + dt.timedelta(seconds=seconds)
+        beat.overlap.before_tick()
+        for entry in list(beat.schedule.values()):
+            if beat.is_due(entry)[0]:
+                beat.apply_entry(entry)
+        return [tick for _, tick, _ in beat.sent]
+
+    assert look(0.2) == [t0]
+    engine = engine_for(app)
+    keys = app.tasks["t.tick_hold"].singleton_keys(key=key)
+    assert engine.acquire(keys, Request(task_id="run-0", exec_id="exec-0",
+                                        lease=Lease.of_ms(60_000), hostname="w1@slow",
+                                        task_name="t.tick_hold")).token > 0
+    write_owner(engine.client, keys.lock,
+                at=int((t0 + dt.timedelta(seconds=3)).timestamp() * 1_000_000))
+    look(5.0)
+    assert look(10.05) == [t0]
+    assert beat.singleton_stats["waited_for_late_run"] == 1, beat.singleton_stats
+    assert look(12.5) == [t0]  # within the wait (the run started 3 s late)
+    assert beat.singleton_stats["overlap_skipped"] == 0, beat.singleton_stats
+    assert look(13.5) == [t0]  # past it, the run still running: skipped
+    assert beat.singleton_stats["overlap_skipped"] == 1, beat.singleton_stats
+    assert engine.release(keys, "exec-0", "run-0") is True
+    assert look(14.0) == [t0]
+
+
 def test_redis_down_at_a_tick_sends_nothing_logs_the_entry_and_the_beat_lives_on(
         redis_server, beat_worker, beats, events, own_redis, clean_stats):
     """Lock Redis stopped: those ticks are not sent (error names the entry), never

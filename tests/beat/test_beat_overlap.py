@@ -419,7 +419,8 @@ def test_a_beat_with_waiting_modes_looks_for_others_waiting_ticks_every_second(r
         assert (0.0 <= delay <= BUFFER_ADOPT) if waits else delay == 300.0, (mode, delay)
 
 
-def test_skip_and_buffer_one_send_nothing_while_the_previous_run_holds_its_lock(redis_server):
+def test_skip_and_buffer_one_send_nothing_while_the_previous_run_holds_its_lock(
+        redis_server):
     """On a virtual clock (every 10 s), the run's lock real: under ``skip`` a
     tick due while the previous run holds its task's lock is not sent (the
     worker would skip it as a duplicate; the beat does not send it) and is
@@ -430,7 +431,7 @@ def test_skip_and_buffer_one_send_nothing_while_the_previous_run_holds_its_lock(
     from tests.contract.promises import VirtualScheduler
 
     t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
-    for mode in ("skip", "buffer_one"):
+    for mode in ("skip", "buffer_one", "allow"):
         key, name = uuid.uuid4().hex, f"{mode}-{uuid.uuid4().hex[:8]}"
         app = make_beat_app(redis_server.url(), "unused", schedule={
             name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key},
@@ -453,6 +454,12 @@ def test_skip_and_buffer_one_send_nothing_while_the_previous_run_holds_its_lock(
         assert engine.acquire(keys, Request(task_id="run-0", exec_id="exec-0",
                                             lease=Lease.of_ms(60_000), hostname="w1@host",
                                             task_name="t.tick_hold")).token > 0
+        ten, twenty = t0 + dt.timedelta(seconds=10), t0 + dt.timedelta(seconds=20)
+        if mode == "allow":  # always sent: the task's own lock decides
+            assert look(10.0) == [t0, ten] and look(20.0) == [t0, ten, twenty]
+            assert (beat.singleton_stats["overlap_skipped"],
+                    beat.singleton_stats["buffered"]) == (0, 0), beat.singleton_stats
+            continue
         assert look(10.0) == [t0]
         assert look(15.0) == [t0]
         assert look(20.0) == [t0]
@@ -465,3 +472,13 @@ def test_skip_and_buffer_one_send_nothing_while_the_previous_run_holds_its_lock(
         assert engine.release(keys, "exec-0", "run-0") is True  # the run ends
         after = look(21.0)
         assert after == ([t0] if mode == "skip" else [t0, t0 + dt.timedelta(seconds=20)])
+
+
+def test_a_claim_outlives_every_attempt_of_any_beat_on_its_tick():
+    """docs/beat.md: a claim lives the catch-up window, the clock skew allowed
+    between beats and 10 s (100 s with the defaults), so a beat whose clock is
+    behind by up to the skew still finds the tick claimed."""
+    from celery_singleton_lock.beat.scheduler import BeatConfig
+
+    assert BeatConfig(60.0, "skip", "skip", 30.0).claim_ttl_ms == 100_000
+    assert BeatConfig(20.0, "skip", "skip", 3.0).claim_ttl_ms == 33_000
