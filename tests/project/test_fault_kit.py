@@ -13,6 +13,7 @@ import textwrap
 import uuid
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from packaging.requirements import Requirement
@@ -235,3 +236,31 @@ def test_no_run_and_runs_of_one_invoice_under_a_wrong_key_fail_the_assertion(
     assert "overlapping, work 'INV-7':" in page
     assert len(assert_at_most_once(worker, by=lambda invoice_id, **_: invoice_id,
                                    limit=3)) == 3
+
+
+def test_the_assertion_counts_runs_still_running_and_checks_what_it_is_told():
+    """docs/testing.md: a run with no end counts as running (an overlap with it
+    is never hidden); ``expect_runs`` is exactly that many; ``task=`` checks
+    that task's runs only; ``limit`` is how many may run at once."""
+    from celery_singleton_lock.testing.faults import Run
+
+    def run(task: str, key: str, start: float, end: Optional[float]) -> Run:
+        return Run(key=key, task=task, task_id=f"{task}-{start}", token=1, slot=1, pid=1,
+                   start=start, end=end, outcome="running" if end is None else "returned")
+
+    hung = [run("a", "k", 0.0, None), run("a", "k", 100.0, 101.0)]
+    with pytest.raises(AssertionError, match="still running"):
+        assert_at_most_once(hung)
+    apart = [run("a", "k", 0.0, 1.0), run("a", "k", 2.0, 3.0)]
+    assert assert_at_most_once(apart, expect_runs=2) == apart
+    for wrong in (0, 1, 3):
+        with pytest.raises(AssertionError, match=f"expected {wrong}"):
+            assert_at_most_once(apart, expect_runs=wrong)
+    mixed = [*apart, run("b", "k", 0.5, 2.5), run("b", "k", 1.0, 2.0)]
+    assert len(assert_at_most_once(mixed, task="a")) == 2
+    with pytest.raises(AssertionError, match=r"b\[b-1.0\]"):
+        assert_at_most_once(mixed, task="b")
+    three = [run("c", "k", 0.0, 5.0), run("c", "k", 1.0, 5.0), run("c", "k", 2.0, 5.0)]
+    assert assert_at_most_once(three[:2], limit=2) == three[:2]
+    with pytest.raises(AssertionError, match="more than 2 run"):
+        assert_at_most_once(three, limit=2)
