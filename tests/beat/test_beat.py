@@ -565,6 +565,25 @@ def test_a_buffered_tick_older_than_a_tick_decided_since_is_dropped_not_sent(red
     assert beat.singleton_stats["buffer_dropped"] == 1
 
 
+class NotingScheduler(promises.VirtualScheduler):  # type: ignore[misc]
+    """The virtual-clock beat, noting a late send as a real send does."""
+
+    def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        super()._send(entry, tick, producer)
+        self.overlap.note_if_late(entry, tick)
+
+
+def virtual_look(beat: Any, t0: dt.datetime, seconds: float) -> list[dt.datetime]:
+    """A virtual-clock beat's loop once, ``seconds`` after ``t0``: every tick
+    it has sent so far."""
+    beat.clock = t0 + dt.timedelta(seconds=seconds)
+    beat.overlap.before_tick()
+    for entry in list(beat.schedule.values()):
+        if beat.is_due(entry)[0]:
+            beat.apply_entry(entry)
+    return [tick for _, tick, _ in beat.sent]
+
+
 def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_server):
     """A late start costs no tick, when the worker is what was slow too: a
     tick sent 0.2 s late (its note left for the next tick), whose run's grant
@@ -574,30 +593,17 @@ def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_serv
     was, and is sent once the run ended, 1.5 s into that wait; none is skipped.
     On a virtual clock (every 10 s), the lock Redis and the run's lock real."""
     from tests.beatapp import make_beat_app
-    from tests.contract.promises import VirtualScheduler
     from tests.support import write_owner
-
-    class Noting(VirtualScheduler):
-        """Records each send, and notes a late one as a send does."""
-
-        def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
-            super()._send(entry, tick, producer)
-            self.overlap.note_if_late(entry, tick)
 
     key, name = uuid.uuid4().hex, f"slow-{uuid.uuid4().hex[:8]}"
     app = make_beat_app(redis_server.url(), "unused", schedule={
         name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
-    beat = Noting(app=app)
+    beat = NotingScheduler(app=app)
     beat.sent = []
     t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
 
-    def look(seconds: float) -> None:
-        """The beat's loop once, ``seconds`` after the first tick."""
-        beat.clock = t0 + dt.timedelta(seconds=seconds)
-        beat.overlap.before_tick()
-        for entry in list(beat.schedule.values()):
-            if beat.is_due(entry)[0]:
-                beat.apply_entry(entry)
+    def look(seconds: float) -> list[dt.datetime]:
+        return virtual_look(beat, t0, seconds)
 
     look(0.2)  # the first tick, sent 0.2 s late
     assert [tick for _, tick, _ in beat.sent] == [t0]
@@ -626,28 +632,17 @@ def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(
     the tick is not sent when the run ends after. Same virtual clock and lock
     as the test above, the run never ending inside the wait."""
     from tests.beatapp import make_beat_app
-    from tests.contract.promises import VirtualScheduler
     from tests.support import write_owner
-
-    class Noting(VirtualScheduler):
-        def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
-            super()._send(entry, tick, producer)
-            self.overlap.note_if_late(entry, tick)
 
     key, name = uuid.uuid4().hex, f"slow-{uuid.uuid4().hex[:8]}"
     app = make_beat_app(redis_server.url(), "unused", schedule={
         name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
-    beat = Noting(app=app)
+    beat = NotingScheduler(app=app)
     beat.sent = []
     t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
 
     def look(seconds: float) -> list[dt.datetime]:
-        beat.clock = t0 + dt.timedelta(seconds=seconds)
-        beat.overlap.before_tick()
-        for entry in list(beat.schedule.values()):
-            if beat.is_due(entry)[0]:
-                beat.apply_entry(entry)
-        return [tick for _, tick, _ in beat.sent]
+        return virtual_look(beat, t0, seconds)
 
     assert look(0.2) == [t0]
     engine = engine_for(app)

@@ -20,7 +20,7 @@ from celery_singleton_lock.beat.ticks import claim_key, queue_key
 from celery_singleton_lock.engine.replies import Acquire
 from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.worker.ticks import from_ms, tick_name
-from tests.beat.test_beat import Beat, stats, tick_events
+from tests.beat.test_beat import Beat, stats, tick_events, virtual_look
 from tests.support import wait_for
 
 pytestmark = pytest.mark.worker
@@ -440,13 +440,7 @@ def test_skip_and_buffer_one_send_nothing_while_the_previous_run_holds_its_lock(
         beat.sent = []
 
         def look(seconds: float, beat: Any = beat) -> list[dt.datetime]:
-            """The beat's loop once, ``seconds`` after the first tick: the ticks sent."""
-            beat.clock = t0 + dt.timedelta(seconds=seconds)
-            beat.overlap.before_tick()
-            for entry in list(beat.schedule.values()):
-                if beat.is_due(entry)[0]:
-                    beat.apply_entry(entry)
-            return [tick for _, tick, _ in beat.sent]
+            return virtual_look(beat, t0, seconds)
 
         assert look(0.0) == [t0]
         engine = engine_for(app)
