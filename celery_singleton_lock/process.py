@@ -6,7 +6,8 @@ module makes those values, answers "is that process provably gone?", and
 keeps the process's own state right across ``fork``: a prefork pool forks
 children from a main process whose threads (the reaper, a revoke watcher) may
 be inside one of our critical sections at that very moment, so no mutex of
-ours is inherited held.
+ours is inherited held; nor is a log stream's, which one of those threads may
+be writing a line to (see :func:`_hold_log_writes`).
 
 A pid alone is not a process: once a holder dies its pid may be given to a
 new process (the pid counter wraps, at 32768 on many hosts). The start time
@@ -16,7 +17,9 @@ reused pid reads as dead, not as the holder still running.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -25,7 +28,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Callable, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 _after_fork: list[Callable[[], None]] = []
 
@@ -41,8 +44,66 @@ def _run_after_fork() -> None:
         func()
 
 
+#: the longest a fork waits for the log lines being written to be written
+LOG_WRITE_WAIT = 5.0
+_held_for_fork: list[Any] = []
+
+
+def _hold_log_writes() -> None:
+    """Before a fork: wait for every log line being written to be written.
+
+    A log handler writes under its own lock, and its stream (a buffered file,
+    stderr) under another. ``logging`` gives the child fresh handler locks,
+    but a stream's lock held by a thread of the parent at the fork (one of our
+    threads logging "released the lock of a dead child" while the pool forks
+    that child's replacement) is inherited held, by a thread the child does
+    not have: the child's first log line blocks for ever, and the pool slot
+    with it. So the forking thread takes every handler's lock first, which
+    waits out the lines in flight, and gives them back once forked.
+
+    ``logging``'s own lock is taken before them, as a configuration change
+    takes it before the handlers' (so a thread reconfiguring logging and a
+    fork cannot wait for each other), and no lock is waited for longer than
+    :data:`LOG_WRITE_WAIT` in all (a handler that chains to another takes the
+    two in its own order): one not had by then is left as ``logging`` leaves it.
+    """
+    deadline = time.monotonic() + LOG_WRITE_WAIT
+    config = getattr(logging, "_lock", None)  # logging's module lock (3.9 to 3.13)
+    if config is None or not config.acquire(timeout=LOG_WRITE_WAIT):
+        return
+    _held_for_fork.append(config)
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger()] + [
+        lg for lg in list(manager.loggerDict.values()) if isinstance(lg, logging.Logger)]
+    seen: set[int] = set()
+    for lg in loggers:
+        for handler in list(lg.handlers):
+            lock = getattr(handler, "lock", None)
+            if lock is None or id(lock) in seen:
+                continue
+            seen.add(id(lock))
+            try:
+                taken = lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            except TypeError:  # a handler's own kind of lock: left as logging leaves it
+                continue
+            if taken:
+                _held_for_fork.append(lock)
+
+
+def _give_back_log_locks() -> None:
+    """After a fork, in either process: the locks :func:`_hold_log_writes`
+    took. In the child ``logging`` has made most of them new already (then
+    there is nothing to give back)."""
+    while _held_for_fork:
+        lock = _held_for_fork.pop()
+        with contextlib.suppress(RuntimeError):  # made new in the child: not held
+            lock.release()
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_run_after_fork)
+    os.register_at_fork(before=_hold_log_writes, after_in_parent=_give_back_log_locks,
+                        after_in_child=_give_back_log_locks)
 
 
 class ForkSafeLock:

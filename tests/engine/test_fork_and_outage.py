@@ -6,7 +6,10 @@ Engine-level and process-level proofs; the real-worker forms are in test_chaos.p
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import select
 import signal
 import threading
 import uuid
@@ -36,6 +39,7 @@ def fork_and_run(work: Any, timeout: int = 5) -> int:
     """Run ``work`` in a forked child (killed after ``timeout`` s); its exit code."""
     pid = os.fork()
     if pid == 0:  # the child: one thread, whatever the parent's threads held
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
         signal.alarm(timeout)
         try:
             work()
@@ -80,6 +84,70 @@ def test_every_mutex_of_the_library_is_free_in_a_forked_child():
     finally:
         release.set()
         thread.join(5)
+
+
+#: events set when this process is about to fork (this module's hook runs before
+#: the library's: a hook registered later runs earlier)
+_forking: list[threading.Event] = []
+
+
+def _note_fork() -> None:
+    for event in _forking:
+        event.set()
+
+
+os.register_at_fork(before=_note_fork)
+
+
+def _wchan(thread: threading.Thread) -> str:
+    with open(f"/proc/self/task/{thread.native_id}/wchan") as fh:
+        return fh.read()
+
+
+def test_a_child_forked_while_a_thread_writes_a_log_line_can_log() -> None:
+    """A thread of the parent is inside a log write when the process forks (the
+    pipe it writes to is full, so it holds its stream's lock): the fork waits
+    for that line to be written, and the child's own first line is written. A
+    pool child forked so hung for ever in its "succeeded" line while the main
+    process logged the lock of the child it replaced released. Here the pipe
+    is drained only once the fork has begun."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_fd, b"." * 65536)
+    os.set_blocking(write_fd, True)
+    handler = logging.StreamHandler(os.fdopen(write_fd, "w"))
+    log = logging.getLogger(f"fork-log-{uuid.uuid4().hex}")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    forking, done = threading.Event(), threading.Event()
+
+    def drain() -> None:
+        forking.wait(60)
+        while not done.is_set():
+            if select.select([read_fd], [], [], 0.1)[0]:
+                os.read(read_fd, 1 << 16)
+
+    writer = threading.Thread(target=lambda: log.info("x" * 200_000), daemon=True)
+    drainer = threading.Thread(target=drain, daemon=True)
+    writer.start()
+    drainer.start()
+    wait_for(lambda: "pipe_write" in _wchan(writer), 10,
+             what="the writer blocked inside its write, its stream's lock held")
+    _forking.append(forking)
+    try:
+        assert fork_and_run(lambda: log.info("the child's own line"), timeout=10) == 0
+    finally:
+        _forking.remove(forking)
+        forking.set()
+        writer.join(10)
+        done.set()
+        drainer.join(5)
+        log.removeHandler(handler)
+        handler.close()
+        os.close(read_fd)
 
 
 def test_a_long_outage_leaves_no_connection_behind(own_redis: RedisServer):
