@@ -48,10 +48,47 @@ def next_fire_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
     if isinstance(clocked, dt.datetime):  # django-celery-beat's one-off schedule
         fire = aware(clocked).astimezone(UTC)
         return fire if fire > ref else None
-    # solar and other schedules: their estimate is relative to their own now()
+    # solar and other schedules: computed, so named by a value every beat gets
+    nxt = _estimated_after(sched, ref)
+    if nxt is None:
+        return None
+    named = _named(sched, nxt)
+    if named > ref:
+        return named
+    # the event after ref rounds down onto ref itself: the one after it
+    later = _estimated_after(sched, nxt + dt.timedelta(seconds=1))
+    return None if later is None else _named(sched, later)
+
+
+def _estimated_after(sched: Any, ref: dt.datetime) -> Optional[dt.datetime]:
+    """The schedule's own estimate of its first fire time after ``ref`` (it
+    counts from its own now())."""
     remaining: dt.timedelta = sched.remaining_estimate(ref)
     nxt = aware(sched.now()).astimezone(UTC) + remaining
     return nxt if nxt > ref else None
+
+
+#: a computed fire time is asked again from this long before it, to the hour
+_SETTLE_FROM = dt.timedelta(hours=12)
+
+
+def _named(sched: Any, fire: dt.datetime) -> dt.datetime:
+    """One name for a computed fire time (a sunrise), whichever beat computes it.
+
+    A solar event is found by a numerical search that starts where it is
+    asked from: the same sunrise asked from two moments came out 0.6 ms
+    apart, which would name two ticks and send it twice. So it is asked again
+    from a moment every beat derives alike (12 hours before it, to the hour:
+    a solar event of one kind comes once a day), and named to the second. A
+    schedule that gives another time from there (one counted from where it
+    is asked, a last run) is named as it said.
+    """
+    start = (fire - _SETTLE_FROM).replace(minute=0, second=0, microsecond=0)
+    settled = _estimated_after(sched, start)
+    if settled is None or abs(settled - fire) >= dt.timedelta(seconds=1):
+        return fire
+    whole = settled.replace(microsecond=0)
+    return whole + dt.timedelta(seconds=1) if settled.microsecond >= 500_000 else whole
 
 
 def tick_after(sched: Any, tick: dt.datetime) -> Optional[dt.datetime]:

@@ -111,6 +111,35 @@ def test_beat_settings_are_checked_and_name_the_setting():
         app.conf[name] = None
 
 
+def test_an_entry_without_an_overlap_option_has_the_settings_mode():
+    """An entry's overlap mode is its own ``singleton_overlap`` option, else
+    the app's ``singleton_beat_overlap`` (docs/beat.md: what a beat sends
+    besides its claims, and which beat looks for dead beats' waiting ticks,
+    follows from these modes); an entry whose task is no SingletonTask has
+    none."""
+    from celery import Celery
+
+    from celery_singleton_lock import SingletonTask
+    from celery_singleton_lock.beat.scheduler import overlap_modes
+
+    app = Celery(set_as_current=False)
+    app.conf.singleton_beat_overlap = "buffer_one"
+
+    @app.task(base=SingletonTask, name="modes.t", shared=False)
+    def t() -> None:
+        return None
+
+    @app.task(name="modes.plain", shared=False)
+    def plain() -> None:
+        return None
+
+    assert overlap_modes(app, [("modes.t", None), ("modes.t", {})]) == ["buffer_one"]
+    assert overlap_modes(app, [("modes.t", {"singleton_overlap": "allow"}),
+                               ("modes.t", {"queue": "q"}),
+                               ("modes.plain", {"singleton_overlap": "buffer_all"})]) == [
+        "allow", "buffer_one"]
+
+
 def test_two_beats_with_clocks_five_seconds_apart_send_each_tick_once(redis_server, r):
     promises.two_beats_with_skewed_clocks_send_each_tick_once(redis_server.url())
 
@@ -127,6 +156,78 @@ def test_worker_runs_a_tick_once_even_when_two_copies_were_sent(redis_server, r)
     assert claim_tick_run(engine, "singleton:", {"id": "not-from-beat"})
     assert claim_tick_run(engine, "singleton:", {**headers, "singleton_beat_tick":
                                                  "2030-01-01T00:00:01.000+00:00", "id": "next"})
+
+
+def test_a_copy_of_a_tick_that_finds_its_run_taken_after_its_grant_frees_its_own_slot_only(
+        redis_server, r, monkeypatch):
+    """docs/beat.md (The worker refuses a second run of the same tick): two
+    copies of one tick, another task id for a tick already taken is dropped
+    (``Ignore``) and "the lock it was just granted is freed". Here the copy's
+    look before its lock finds no marker: the other copy is granted and
+    claims the tick's run between that look and this copy's own grant (the
+    two ordered by a wrapper around the engine's ``acquire``; Redis and the
+    task's run are real, as a worker runs it). With ``singleton_limit=2`` both
+    are granted, slot 1 and slot 2: the late copy's body does not run, its
+    slot is freed at once, and the other copy's slot stays the other copy's."""
+    from celery import Celery
+    from celery.exceptions import Ignore
+
+    from celery_singleton_lock import SingletonTask
+    from celery_singleton_lock.engine.registry import forget_engine
+    from celery_singleton_lock.engine.replies import Acquire
+    from celery_singleton_lock.worker.ticks import run_key
+
+    app = Celery("tick-copies", broker="memory://", set_as_current=False)
+    app.conf.singleton_redis_url = redis_server.url(2)
+    ran: list[str] = []
+
+    @app.task(base=SingletonTask, bind=True, name="t.copies", shared=False,
+              singleton_key=("k",), singleton_limit=2)
+    def copies(self: Any, k: str) -> None:
+        ran.append(self.request.id)
+
+    tick = "2030-01-01T00:00:00.000+00:00"
+    headers = {"singleton_beat_entry": "report", "singleton_beat_tick": tick}
+    marker = run_key("singleton:", "report", parse(tick))
+    keys = copies.singleton_keys(k="report")
+    engine = engine_for(app)
+    real_acquire = engine.acquire
+    between: list[Any] = []
+
+    def acquire(lock_keys: Any, request: Request) -> Any:
+        if request.task_id == "late-copy" and not between:
+            # the late copy has looked (no marker yet) and asks for its lock:
+            # the other copy is granted first and claims the tick's run, as
+            # its own _run_keyed does
+            between.append(r.get(marker))
+            other = real_acquire(keys, Request(
+                task_id="other-copy", exec_id="other-exec", lease=Lease.of_ms(60_000),
+                hostname="w1@host", task_name="t.copies", slots=2))
+            assert (other.status, other.slot) == (Acquire.GRANTED, 1)
+            assert claim_tick_run(engine, "singleton:", {**headers, "id": "other-copy"})
+        return real_acquire(lock_keys, request)
+
+    monkeypatch.setattr(engine, "acquire", acquire)
+    try:
+        copies.push_request(id="late-copy", hostname="w2@host", retries=0, is_eager=False,
+                            called_directly=False, args=(), kwargs={"k": "report"}, **headers)
+        try:
+            with pytest.raises(Ignore):
+                copies(k="report")
+        finally:
+            copies.pop_request()
+        engine.settle()  # the release's reply read: Redis has run it
+        assert between == [None], "the late copy looked before the other copy's claim"
+        assert ran == [], "the late copy's body ran"
+        assert r.get(marker) == "other-copy"
+        assert engine.owner(keys.slot(2)) == {}, "the late copy's slot was left held"
+        assert engine.owner(keys.slot(1)).get("task") == "other-copy", (
+            "the other copy's slot was freed from under it")
+        assert engine.release(keys.slot(1), "other-exec", "other-copy") is True
+    finally:
+        monkeypatch.undo()
+        forget_engine(app)
+        engine.close()
 
 
 # -- real beats -----------------------------------------------------------------------
@@ -661,6 +762,78 @@ def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(
     assert beat.singleton_stats["overlap_skipped"] == 1, beat.singleton_stats
     assert engine.release(keys, "exec-0", "run-0") is True
     assert look(14.0) == [t0]
+
+
+@pytest.mark.parametrize("deadline,late,cron_sent", [
+    (None, 20.0, True),   # unset: the catch-up window (60 s) alone
+    (10, 5.0, True),      # within the deadline
+    (10, 20.0, False),    # past the deadline, within the catch-up window
+    (300, 30.0, True),    # a deadline wider than the window: the window
+    (300, 90.0, False),   # past the window, within the deadline
+])
+def test_beat_cron_starting_deadline_narrows_the_catch_up_window_of_crontab_entries_only(
+        redis_server, deadline, late, cron_sent):
+    """docs/beat.md (Catch-up after every beat was down): for crontab entries,
+    Celery's ``beat_cron_starting_deadline``, when set, narrows the window
+    (the smaller of the two); a tick older than the window is not sent, and
+    the entry next runs at its next fire time. An interval entry keeps the
+    whole window. A beat comes up ``late`` seconds after a fire time of both
+    (hourly), on a virtual clock; claims on the real lock Redis."""
+    from tests.beatapp import make_beat_app
+
+    cron, every = f"cron-{uuid.uuid4().hex[:8]}", f"every-{uuid.uuid4().hex[:8]}"
+    conf = {} if deadline is None else {"beat_cron_starting_deadline": deadline}
+    app = make_beat_app(redis_server.url(), "unused", conf=conf, schedule={
+        cron: {"task": "t.tick", "crontab": {"minute": 0}},
+        every: {"task": "t.tick", "every": 3600}})
+    assert app.conf.beat_cron_starting_deadline == deadline
+    beat = NotingScheduler(app=app)
+    beat.sent = []
+    t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=UTC)
+
+    def sent(entry: str) -> list[dt.datetime]:
+        return [tick for name, tick, _ in beat.sent if name == entry]
+
+    virtual_look(beat, t0, late)
+    assert sent(cron) == ([t0] if cron_sent else []), (deadline, late, beat.sent)
+    assert sent(every) == ([t0] if late <= 60 else []), (deadline, late, beat.sent)
+    virtual_look(beat, t0, 3600.05)  # the next fire time: sent, whatever came before
+    hour = t0 + dt.timedelta(hours=1)
+    assert sent(cron) == ([t0, hour] if cron_sent else [hour]), beat.sent
+
+
+def test_a_solar_entry_sends_its_latest_fire_time_once(redis_server):
+    """docs/beat.md (How a tick is named): a ``solar`` entry's tick is its
+    latest fire time not after now, in UTC, as a crontab's is. Sunrise in
+    Berlin on a virtual clock (the schedule's own ``now`` is the beat's): the
+    beat an hour after it sends that sunrise once, looks again and sends
+    nothing, and a day later sends the next sunrise (the one before it
+    skipped, as after any downtime). Celery's solar needs ``ephem`` (the test
+    extra has it)."""
+    from celery.schedules import solar
+
+    from tests.beatapp import make_beat_app
+
+    name = f"sunrise-{uuid.uuid4().hex[:8]}"
+    t0 = dt.datetime(2030, 6, 1, 4, 0, 0, tzinfo=UTC)  # sunrise there: about 02:50 UTC
+    clock = [t0]
+    sunrise = solar("sunrise", 52.52, 13.40, nowfun=lambda: clock[-1])
+    app = make_beat_app(redis_server.url(), "unused",
+                        conf={"singleton_beat_catchup": 7200})
+    app.conf.beat_schedule = {name: {"task": "t.tick", "schedule": sunrise}}
+    beat = NotingScheduler(app=app)
+    beat.sent = []
+
+    def look(at: dt.datetime) -> list[dt.datetime]:
+        clock.append(at)
+        return virtual_look(beat, at, 0)
+
+    first = look(t0)
+    assert len(first) == 1 and dt.datetime(2030, 6, 1, 2, 30, tzinfo=UTC) < first[0] < t0, first
+    assert look(t0 + dt.timedelta(minutes=30)) == first
+    later = look(t0 + dt.timedelta(days=2))
+    assert len(later) == 2 and later[1] - first[0] > dt.timedelta(days=1, hours=23), later
+    assert later[1] < t0 + dt.timedelta(days=2)
 
 
 def test_redis_down_at_a_tick_sends_nothing_logs_the_entry_and_the_beat_lives_on(

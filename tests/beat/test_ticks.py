@@ -158,11 +158,16 @@ def test_other_schedules_are_asked_for_their_estimate_from_the_reference():
 
 
 def test_other_schedules_fire_at_their_own_now_plus_their_estimate():
+    """A fire time the schedule gives alike from wherever it is asked (a
+    sunrise) is named to the second (T is 10:15:30.25)."""
+    whole = T.replace(microsecond=0)
     ahead = _Solar(T, dt.timedelta(minutes=3))
-    assert next_fire_after(ahead, T) == T + dt.timedelta(minutes=3)
+    assert next_fire_after(ahead, T) == whole + dt.timedelta(minutes=3)
     assert next_fire_after(_Solar(T, dt.timedelta(0)), T) is None
     assert next_fire_after(_Solar(T.replace(tzinfo=None), dt.timedelta(seconds=1)),
-                           T) == T + dt.timedelta(seconds=1)
+                           T) == whole + dt.timedelta(seconds=1)
+    half = _Solar(T + dt.timedelta(milliseconds=250), dt.timedelta(minutes=3))
+    assert next_fire_after(half, T) == whole + dt.timedelta(minutes=3, seconds=1)
 
 
 def test_ticks_around_an_interval_name_the_latest_only_within_the_window():
