@@ -34,13 +34,18 @@ def make_aio_app(redis_url: str, queue: str, conf: dict[str, Any] | None = None)
             "ev": ev, "key": key, "tag": tag, "id": task.request.id, "pid": os.getpid(),
             "thread": threading.get_ident(), "t": time.time(), **extra}))
 
-    async def held(task: Any, key: str, tag: str, seconds: float) -> None:
+    async def held(task: Any, key: str, tag: str, seconds: float, until: str = "") -> None:
+        """Awaits ``seconds``, or (``until``) until that key is set in db 3."""
         n = rec.incr(f"active:{key}")
         lock_key = f"{task.singleton.key}:lock"
         record(task, "start", key, tag, concurrent=n, lockkey=lock_key,
-               held=bool(locks.exists(lock_key)))
+               held=bool(locks.exists(lock_key)), token=task.singleton.token)
         try:
-            await asyncio.sleep(seconds)
+            if until:
+                while not rec.exists(until):
+                    await asyncio.sleep(0.02)
+            else:
+                await asyncio.sleep(seconds)
         finally:
             rec.decr(f"active:{key}")
             record(task, "end", key, tag, lost=task.singleton.lost)
@@ -71,6 +76,17 @@ def make_aio_app(redis_url: str, queue: str, conf: dict[str, Any] | None = None)
         finally:
             watcher.cancel()
         return tag
+
+    @app.task(base=SingletonTask, bind=True, name="a.retrier", shared=False,
+              singleton_key=("key",), max_retries=3)
+    async def retrier(self: Any, key: str, tag: str = "", countdown: float = 1.0) -> Any:
+        """Awaits until ``finish:<key>`` is set in db 3 (events tagged
+        ``<tag>#<retries>``); the first run then asks for a retry,
+        ``self.retry(countdown=countdown)``; the retried run returns."""
+        await held(self, key, f"{tag}#{self.request.retries}", 0.0, until=f"finish:{key}")
+        if self.request.retries < 1:
+            raise self.retry(countdown=countdown)
+        return {"tag": tag, "token": self.singleton.token, "lost": self.singleton.lost}
 
     return app
 

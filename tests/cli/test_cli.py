@@ -4,14 +4,17 @@ window, and stale ones whose holder process is dead."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import redis
@@ -24,6 +27,7 @@ from tests.support import (
     NotRedis,
     RedisServer,
     Worker,
+    _Proxy,
     dead_port,
     discard,
     held_on_another_host,
@@ -257,6 +261,10 @@ def test_release_refuses_a_live_holder_without_force_then_force_frees_it(scene):
     answer = json.loads(refused.stdout)
     assert (answer["action"], answer["holder"], answer["live"]) == ("refused", result.id,
                                                                      "alive")
+    # the holder named as its record names it: the pool child running it
+    record = owner_record(scene.locks, keys.lock)
+    assert (answer["pid"], answer["token"]) == (int(record["pid"]), int(record["token"]))
+    assert answer["pid"] in scene.worker.children(), answer
     assert scene.locks.exists(keys.lock)
     forced = cli(scene, "release", keys.lock, "--force")
     assert forced.returncode == 0, forced.stderr
@@ -290,6 +298,39 @@ def test_release_of_a_slots_lock_key_frees_that_slot_only(scene):
     assert (answer["action"], answer["holder"]) == ("released", holders[2])
     assert not scene.locks.exists(keys.slot(2).lock)
     assert owner_record(scene.locks, keys.lock)["task"] == holders[1]
+
+
+def test_list_shows_each_held_slot_with_its_own_holder_and_ttl(scene):
+    """docs/limit.md: under ``singleton_limit`` each slot is a lock of its own;
+    `list` shows each held slot with its holder and the TTL of that slot's key
+    (three slots, leases of 600, 300 and 100 s: each TTL within its own)."""
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engine.registry import connect
+
+    keys = scene.app.tasks["t.hold"].singleton_keys(f"three-{SECRET}")
+    engine = connect(SingletonConfig.defaults(scene.server.url(2)))
+    leases = {1: 600, 2: 300, 3: 100}
+    holders = {}
+    try:
+        for n, lease in leases.items():
+            task_id = f"slot{n}-{uuid.uuid4().hex[:8]}"
+            got = engine.acquire(keys, Request(task_id=task_id, exec_id=f"{task_id}-exec",
+                                               lease=Lease.of_ms(lease * 1000),
+                                               hostname="w1@host", retries=0,
+                                               task_name="t.hold", slots=3))
+            assert got.slot == n, got
+            holders[n] = task_id
+        shown = [r for r in json.loads(cli(scene, "list", "--json").stdout)["locks"]
+                 if r["key"] == keys.base]
+        by_holder = {r["holder"]: r for r in shown}
+        assert sorted(by_holder) == sorted(holders.values()), shown
+        below = {1: 300, 2: 100, 3: 0}
+        for n, task_id in holders.items():
+            assert below[n] < by_holder[task_id]["ttl"] <= leases[n], (n, shown)
+    finally:
+        for n, task_id in holders.items():
+            engine.release(keys.slot(n), f"{task_id}-exec", task_id, finished=False)
+        engine.close()
 
 
 def test_release_frees_a_dead_holders_lock_without_force(scene):
@@ -563,6 +604,29 @@ def env_with_lock_url(scene: Scene, url: str) -> dict[str, str]:
     return env
 
 
+def test_list_on_redlock_says_which_master_did_not_answer(scene):
+    """With one of three Redlock masters refusing connections, `list` still
+    answers (two are a majority) and says on stderr which master did not
+    answer, and why; with two of three down it exits 2 saying so."""
+    masters = [RedisServer().start() for _ in range(2)]
+    try:
+        dead = dead_port()
+        ports = [masters[0].port, masters[1].port, dead]
+        env = env_with_lock_url(
+            scene, "redlock://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/2")
+        listing = run_cli(env, "list", "--json")
+        assert listing.returncode == 0, listing.stderr
+        assert json.loads(listing.stdout)["locks"] == []
+        assert f"masters not answering: 127.0.0.1:{dead} (ConnectionError: " in listing.stderr
+        masters[1].stop()
+        listing = run_cli(env, "list", "--json")
+        assert listing.returncode == 2, listing.stdout + listing.stderr
+        assert "only 1 of 3 masters answered" in listing.stderr, listing.stderr
+    finally:
+        for m in masters:
+            m.cleanup()
+
+
 def test_redis_down_exits_2_and_says_unreachable(scene):
     env = env_with_lock_url(scene, f"redis://127.0.0.1:{dead_port()}/2")
     doctor = run_cli(env, "doctor", "--json")
@@ -718,3 +782,165 @@ def test_inspect_conf_and_report_mask_the_lock_redis_password(secret_worker):
     assert report.returncode == 0, report.stderr
     assert "singleton_redis_url" in report.stdout
     assert "lock-secret-pw" not in report.stdout
+
+
+class HoldingProxy(_Proxy):
+    """A proxy to the lock Redis that stops the command's first write naming
+    ``hold_on`` (its release or unqueue: a script call, or a plain delete)
+    before it reaches Redis: :attr:`reached` is set, and the write goes on once
+    :attr:`go` is. Its read went through already, so between the two the test's
+    own client can make the key change hands: the moment a release or purge
+    meets a key whose holder changed since it was read."""
+
+    WRITES = (b"\r\nEVALSHA\r\n", b"\r\nEVAL\r\n", b"\r\nDEL\r\n", b"\r\nUNLINK\r\n")
+
+    def __init__(self, target_port: int, hold_on: str) -> None:
+        self.hold_on = hold_on.encode()
+        self.reached = threading.Event()
+        self.go = threading.Event()
+        super().__init__(target_port)
+
+    def _up(self, client: socket.socket, upstream: socket.socket, state: dict[str, bool]) -> None:
+        seen = b""
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                seen = seen[-4096:] + data  # a call split over two reads is still seen
+                if (not self.reached.is_set() and self.hold_on in seen
+                        and any(w in seen.upper() for w in self.WRITES)):
+                    self.reached.set()
+                    self.go.wait(120)
+                upstream.sendall(data)
+        with contextlib.suppress(OSError):
+            upstream.shutdown(socket.SHUT_RDWR)
+
+
+def cli_while_changing_hands(scene: Scene, hold_on: str, change: Callable[[], None],
+                             *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a command whose lock Redis is reached through a :class:`HoldingProxy`:
+    once it has read ``hold_on`` and sends its delete, ``change()`` runs (the
+    key changes hands by the test's own client), then the delete goes on."""
+    proxy = HoldingProxy(scene.server.port, hold_on)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "singleton", *args],
+            env=env_with_lock_url(scene, proxy.url(2)), cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: proxy.reached.is_set() or proc.poll() is not None, 60,
+                     what="the command's write, or its end")
+            if not proxy.reached.is_set():
+                out, err = proc.communicate()
+                raise AssertionError(f"the command wrote nothing on {hold_on}: "
+                                     f"exit {proc.returncode}\n{out}{err}")
+            change()
+        except BaseException:
+            proc.kill()
+            raise
+        finally:
+            proxy.go.set()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proxy.close()
+    assert SECRET not in out + err, "an argument value was printed"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def take_over(scene: Scene, keys: LockKeys, name: str, host: str = "w2@host") -> str:
+    """The second client: the lock's holder lets it go (as a lease running out
+    would) and another execution takes it at once. The new holder's task id."""
+    from celery_singleton_lock import SingletonConfig
+    from celery_singleton_lock.engine.registry import connect
+
+    engine = connect(SingletonConfig.defaults(scene.server.url(2)))
+    try:
+        old = owner_record(scene.locks, keys.lock)
+        assert engine.release(keys, old["exec"], old["task"], finished=False)
+        task_id = f"next-{uuid.uuid4().hex[:8]}"
+        engine.acquire(keys, Request(task_id=task_id, exec_id=f"{task_id}-exec",
+                                     lease=Lease.of_ms(120_000), hostname=host, retries=0,
+                                     task_name=name))
+    finally:
+        engine.close()
+    assert owner_record(scene.locks, keys.lock)["task"] == task_id
+    return task_id
+
+
+def test_release_says_changed_when_the_key_changed_hands_since_it_was_read(scene):
+    """docs/operating.md:21, :111: a release whose key changed hands between
+    its read and its release answers "changed" and exits 1; the release is
+    owner-checked, so the new holder keeps its lock. A dead holder's lock
+    (released without --force) is taken over by another execution at that
+    moment; so is a send-time marker released with --force."""
+    name = "t.hold"
+    for form in (["--json"], []):
+        keys = scene.app.tasks[name].singleton_keys(f"moved-{uuid.uuid4().hex}")
+        old_id, _ = hold_stale(scene.server, keys, name)
+        taken: list[str] = []
+
+        def change(keys: LockKeys = keys, taken: list[str] = taken) -> None:
+            taken.append(take_over(scene, keys, name))
+
+        out = cli_while_changing_hands(scene, keys.lock, change, "release", keys.base, *form)
+        assert out.returncode == 1, out.stdout + out.stderr
+        if form:
+            answer = json.loads(out.stdout)
+            assert (answer["action"], answer["holder"], answer["live"]) == (
+                "changed", old_id, "dead")
+        else:
+            assert out.stdout.strip() == (f"not released: {keys.base} changed hands since it "
+                                          "was read; run release again")
+        assert owner_record(scene.locks, keys.lock)["task"] == taken[0], "the new holder keeps it"
+        assert cli(scene, "release", keys.base, "--force").returncode == 0
+
+    t = scene.app.tasks["t.queue"]
+    key = f"mq-{uuid.uuid4().hex}"
+    sent = t.apply_async(kwargs={"key": key}, countdown=60)
+    queued = t.singleton_keys(key)
+    assert marker(scene.locks, queued.queued) == ("t.queue", sent.id)
+    later = f"later-{uuid.uuid4().hex[:8]}"
+
+    def requeue() -> None:  # the queued task ran; a new send took the key
+        from celery_singleton_lock import SingletonConfig
+        from celery_singleton_lock.engine.registry import connect
+
+        engine = connect(SingletonConfig.defaults(scene.server.url(2)))
+        try:
+            assert engine.unqueue(queued, sent.id)
+            engine.enqueue(queued, later, "queue", 120_000, task_name="t.queue")
+        finally:
+            engine.close()
+
+    forced = cli_while_changing_hands(scene, queued.queued, requeue, "release", queued.base,
+                                      "--force", "--json")
+    assert forced.returncode == 1, forced.stdout + forced.stderr
+    answer = json.loads(forced.stdout)
+    assert (answer["action"], answer["holder"], answer["state"]) == ("changed", sent.id,
+                                                                     "queued")
+    assert marker(scene.locks, queued.queued) == ("t.queue", later), "the new sender keeps it"
+    scene.locks.delete(queued.queued)
+    sent.revoke()
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["yes", "yes-force"])
+def test_purge_keeps_a_key_that_changed_hands_since_it_was_read_even_with_force(scene, force):
+    """docs/operating.md:21, :151 and docs/migration.md:37: `purge --yes` frees
+    locks owner-checked, so a lock that changed hands between its read and its
+    delete is kept ("changed hands: kept", exit 1), and `--force` does not make
+    it free the new holder's lock either. Without --force the read holder is
+    dead (so purge tries to free it); with --force it may still run."""
+    name = "t.hold_soft" if force else "t.hold_late"
+    keys = scene.app.tasks[name].singleton_keys(f"pm-{uuid.uuid4().hex}")
+    if force:
+        old_id = hold_on_another_host(scene, keys, name)
+    else:
+        old_id, _ = hold_stale(scene.server, keys, name)
+    taken: list[str] = []
+    out = cli_while_changing_hands(
+        scene, keys.lock, lambda: taken.append(take_over(scene, keys, name)),
+        "purge", "--task", name, "--yes", "--json", *(["--force"] if force else []))
+    assert out.returncode == 1, out.stdout + out.stderr
+    outcome = {e["key"]: e for e in json.loads(out.stdout)["keys"]}
+    assert (outcome[keys.base]["action"], outcome[keys.base]["holder"]) == (
+        "changed hands: kept", old_id)
+    assert owner_record(scene.locks, keys.lock)["task"] == taken[0], "the new holder keeps it"
+    assert cli(scene, "release", keys.base, "--force").returncode == 0

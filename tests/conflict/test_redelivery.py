@@ -10,6 +10,7 @@ import uuid
 from typing import Any, Iterator
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from kombu.transport import redis as kombu_redis
 
 from tests.support import RedisServer, Worker, discard, wait_for
@@ -74,13 +75,14 @@ def in_broker(server: RedisServer, queue: str, task_id: str) -> bool:
 
 def settled(worker: Worker, server: RedisServer, name: str, task_id: str) -> bool:
     """Every delivery of ``task_id`` the worker received was handled and
-    acknowledged: it ran to its end ("succeeded"), or Celery was told to let
-    it go ("ignored": a copy dropped, or sent again to wait for its running
-    original), and the broker holds no message of it, so no copy of it can
-    run any more."""
+    acknowledged: it ran to its end ("succeeded", or "raised unexpected": a
+    failure), or Celery was told to let it go ("ignored": a copy dropped, or
+    sent again to wait for its running original), and the broker holds no
+    message of it, so no copy of it can run any more."""
     logs = worker.logs()
     received = logs.count(f"Task {name}[{task_id}] received")
     handled = (logs.count(f"Task {name}[{task_id}] succeeded")
+               + logs.count(f"Task {name}[{task_id}] raised unexpected")
                + logs.count(f"Task {name}[{task_id}] ignored"))
     return received > 0 and received == handled and not in_broker(server, worker.queue, task_id)
 
@@ -104,6 +106,34 @@ def test_visibility_timeout_copy_waits_for_original_then_is_dropped(app, worker,
     assert f"Dropped redelivered t.hold_late[{res.id}]" in worker.logs()
     assert res.state == "SUCCESS"
     assert not r.exists(app.tasks["t.hold_late"].singleton_keys(key).lock)
+
+
+@pytest.mark.usefixtures("sweeps")
+def test_visibility_timeout_copy_of_a_failed_original_is_dropped(app, worker, redis_server,
+                                                                r, events, key):
+    """As above, with an original that fails: a failure is an outcome Celery
+    records, so the copy that waited for the running original is dropped once
+    it failed, not run a second time. The original fails by its pool's soft
+    time limit, raised when the copy is seen waiting (the signal the pool sends
+    when a ``soft_time_limit`` runs out, here sent by the test)."""
+    task = app.tasks["t.hold_late"]
+    res = task.delay(key, 120.0, "fails")
+    original = wait_for(lambda: events.starts("fails"), 10, what="original start")[0]
+    wait_for(lambda: f"hold_late[{res.id}] waits for its running original" in worker.logs(),
+             30, what="a redelivered copy waiting for its running original")
+    os.kill(original["pid"], signal.SIGUSR1)  # SoftTimeLimitExceeded in the body
+    with pytest.raises(SoftTimeLimitExceeded):
+        res.get(timeout=30)
+    events.client.set(f"finish:{key}", 1)  # a copy run by mistake need not last 120 s
+    wait_for(lambda: f"Dropped redelivered t.hold_late[{res.id}]" in worker.logs()
+             or len(events.starts("fails")) > 1, 30, what="the waiting copy handled")
+    runs = [e for e in events.starts() if e["id"] == res.id]
+    assert len(runs) == 1, f"the copy of the failed original ran again: {runs}"
+    wait_for(lambda: settled(worker, redis_server, "t.hold_late", res.id), 30,
+             what="every delivery of the task handled and acknowledged")
+    assert len([e for e in events.starts() if e["id"] == res.id]) == 1
+    assert app.AsyncResult(res.id).state == "FAILURE"
+    assert not r.exists(task.singleton_keys(key).lock)
 
 
 def test_redelivery_after_child_killed_runs_at_once(app, r, events, key):

@@ -4,16 +4,18 @@ call's start back after each send; on two prefork workers sharing one queue."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 import uuid
 from typing import Any, Iterator
 
 import pytest
+from celery import chain, chord, group
 
 from celery_singleton_lock import ConfigurationError, SingletonTask, is_deduplicated, is_skipped
 from tests.cli.test_cli import run_cli
-from tests.support import Worker, discard, wait_for
+from tests.support import RedisServer, Worker, discard, marker, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
@@ -52,6 +54,15 @@ def skipped_by_workers(workers: tuple[Worker, Worker], task_id: str, successor: 
     return any(line in w.logs() for w in workers)
 
 
+def queued_eta(server: RedisServer, queue: str, task_id: str) -> dt.datetime:
+    """The ETA the message of ``task_id`` waiting in ``queue`` (a parked one) carries."""
+    for raw in server.client(0).lrange(queue, 0, -1):
+        headers = json.loads(raw)["headers"]
+        if headers["id"] == task_id:
+            return dt.datetime.fromisoformat(headers["eta"])
+    raise AssertionError(f"no message of {task_id} in {queue}")
+
+
 @pytest.mark.parametrize("scope", ["queue", "queue_and_run"])
 def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers, events, key,
                                                                scope):
@@ -79,6 +90,35 @@ def test_the_last_send_replaces_the_queued_ones_and_runs_alone(app, two_workers,
              and skipped_by_workers(two_workers, second.id, third.id), 15,
              what="the workers to skip both")
     assert [e["tag"] for e in events.starts()] == ["third"]
+
+
+@pytest.mark.parametrize("canvas", ["chain", "group", "chord"])
+def test_a_canvas_member_never_replaces_the_queued_call(app, two_workers, events, key, r,
+                                                        canvas):
+    """A member of a chain, group or chord sent while a call is queued is sent
+    without taking the key: the queued call keeps its place and its arguments
+    (its caller is told nothing), and runs; the member meets it at run."""
+    t = app.tasks["t.queue_replace"]
+    queue = parked()
+    first = t.apply_async((key, 0.0, "first"), queue=queue)
+    queued = t.singleton_keys(key).queued
+    assert marker(r, queued) == ("t.queue_replace", first.id)
+    member = t.si(key, 0.0, "member").set(queue=queue)
+    plain = app.tasks["t.plain"].si(key, 0.0, "plain").set(queue=queue)
+    if canvas == "chain":
+        sent = chain(member, plain).apply_async()
+    elif canvas == "group":
+        sent = group(member, plain).apply_async()
+    else:
+        sent = chord([member, plain], app.tasks["t.collect"].s()).apply_async()
+    # a send that replaced it would have stored its skip result and moved the key
+    assert not first.ready(), first.get(timeout=1)
+    assert marker(r, queued) == ("t.queue_replace", first.id)
+    unpark(app, two_workers, queue)
+    assert first.get(timeout=15)["tag"] == "first"
+    sent.get(timeout=15)
+    assert [e["tag"] for e in events.starts("first")] == ["first"]
+    assert not any(f"[{first.id}] skipped: replaced" in w.logs() for w in two_workers)
 
 
 def test_the_cli_lists_the_queued_marker_s_new_holder(app, two_workers, events, key):
@@ -181,6 +221,34 @@ def test_debounce_runs_the_last_of_a_burst_after_it_goes_quiet(app, events, key)
     starts = events.starts()
     assert [e["tag"] for e in starts] == ["s4"]
     assert starts[0]["t"] >= last_sent + 1.0, (starts[0]["t"], last_sent)
+
+
+@pytest.mark.parametrize("own", ["countdown", "eta"])
+def test_a_debounced_send_with_a_countdown_or_eta_of_its_own_keeps_it(
+        app, two_workers, redis_server, events, key, own):
+    """``singleton_debounce`` (1 s) gives a send a countdown only when it has
+    none: a send with a ``countdown`` or ``eta`` of its own (3 s) keeps it, as
+    the message it puts in the queue says; the send before it got the debounce."""
+    t = app.tasks["t.debounce"]
+    queue = parked()  # the messages stay in the broker's list, to be read
+    before = app.now()
+    first = t.apply_async((key, 0.0, "first"), queue=queue)
+    own_eta = app.now() + dt.timedelta(seconds=3)
+    option: dict[str, Any] = {"countdown": 3} if own == "countdown" else {"eta": own_eta}
+    mid = app.now()
+    second = t.apply_async((key, 0.0, "second"), queue=queue, **option)
+    after = app.now()
+    debounce, countdown = dt.timedelta(seconds=1), dt.timedelta(seconds=3)
+    # the debounced send: the debounce's countdown, given by this send
+    assert before + debounce <= queued_eta(redis_server, queue, first.id) <= mid + debounce
+    if own == "countdown":
+        assert mid + countdown <= queued_eta(redis_server, queue, second.id) <= after + countdown
+    else:
+        assert queued_eta(redis_server, queue, second.id) == own_eta
+    assert first.get(timeout=1)["holder"] == second.id  # it replaced the first all the same
+    unpark(app, two_workers, queue)
+    assert second.get(timeout=15)["tag"] == "second"
+    assert [e["tag"] for e in events.starts()] == ["second"]
 
 
 def test_debounce_max_starts_the_call_while_the_sends_go_on(app, events, key):

@@ -12,6 +12,7 @@ import uuid
 from typing import Any, Iterator
 
 import pytest
+import redis
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.cluster import ClusterWire, slot_of
@@ -53,10 +54,11 @@ def new_keys() -> LockKeys:
     return LockKeys("singleton:", uuid.uuid4().hex)
 
 
-def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str = "") -> Any:
+def take(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str = "",
+         done: bool = True) -> Any:
     return engine.acquire(keys, Request(task_id=task_id, exec_id=exec_id or uuid.uuid4().hex,
                                         lease=Lease.of_ms(5000), hostname="w1@host", retries=0,
-                                        task_name="t.x"))
+                                        task_name="t.x", done=done))
 
 
 def test_each_lock_lives_in_one_slot_and_locks_spread_over_every_primary(cluster, engine):
@@ -108,6 +110,14 @@ def test_a_release_sent_without_waiting_is_answered_on_its_node(cluster, engine)
 
 def migrate_slot(cluster: Cluster, slot: int, source: RedisServer, target: RedisServer) -> None:
     """Move one slot with its keys (what ``redis-cli --cluster reshard`` does)."""
+    half_migrate_slot(slot, source, target)
+    finish_migration(cluster, slot, source, target)
+
+
+def half_migrate_slot(slot: int, source: RedisServer, target: RedisServer) -> None:
+    """The first half of a reshard: ``target`` importing ``slot``, ``source``
+    migrating it, every key of the slot moved; the slot still ``source``'s in
+    every node's map, so ``source`` answers ASK for the keys it no longer has."""
     src, dst = source.client(), target.client()
     src_id = src.execute_command("CLUSTER", "MYID")
     dst_id = dst.execute_command("CLUSTER", "MYID")
@@ -115,6 +125,16 @@ def migrate_slot(cluster: Cluster, slot: int, source: RedisServer, target: Redis
     src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
     while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
         src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+
+
+def finish_migration(cluster: Cluster, slot: int, source: RedisServer,
+                     target: RedisServer) -> None:
+    """The second half: any key written on ``source`` meanwhile moved too, then
+    the slot given to ``target`` on every node."""
+    src = source.client()
+    while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+    dst_id = target.client().execute_command("CLUSTER", "MYID")
     for node in cluster.nodes:
         node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
 
@@ -135,6 +155,114 @@ def test_a_slot_migrated_under_a_held_lock_is_followed_on_the_next_call(cluster,
     later = take(engine, keys, "t3")
     assert later.status is Acquire.GRANTED and later.token > first.token
     assert owner_field(target.client(), keys.lock, "task") == "t3"
+
+
+def asking_calls(node: RedisServer) -> int:
+    """How many ``ASKING`` commands ``node`` has run (``INFO commandstats``)."""
+    return int(node.client().info("commandstats").get("cmdstat_asking", {}).get("calls", 0))
+
+
+class Importing:
+    """Reads on a node importing a slot: each command after ``ASKING`` on
+    one connection (without it the node answers MOVED to the slot's owner)."""
+
+    def __init__(self, node: RedisServer) -> None:
+        self.node = node
+
+    def _asking(self, *command: Any) -> Any:
+        pipe = self.node.client().pipeline(transaction=False)
+        pipe.execute_command("ASKING")
+        pipe.execute_command(*command)
+        return pipe.execute()[1]
+
+    def get(self, key: str) -> Any:
+        return self._asking("GET", key)
+
+    def pttl(self, key: str) -> int:
+        return int(self._asking("PTTL", key))
+
+
+def test_a_half_migrated_slot_is_followed_by_ask_to_the_importing_node(cluster, engine):
+    """A held lock's slot is half migrated (the target importing it, the source
+    migrating it, every key moved, the slot still the source's in the map), so
+    the source answers ASK: a renewal, a duplicate's acquire and the release
+    each go once to the importing node after ``ASKING``, without reading the
+    slot map again, and act there as on any node (renewed there, HELD, a
+    stranger's renewal NOT_OURS, released there). Every key the calls name
+    exists on the target (an earlier run's release recorded its finish,
+    ``fin``; the duplicate's task keeps no done window): Redis answers TRYAGAIN
+    to an ASKING call naming several keys when one is missing."""
+    keys = new_keys()
+    before = take(engine, keys, "t0", "e0")
+    assert engine.release(keys, "e0", "t0", always_record=True) is True  # writes :fin
+    exec_id = uuid.uuid4().hex
+    first = take(engine, keys, "t1", exec_id)
+    assert first.status is Acquire.GRANTED and first.token > before.token
+    source = cluster.node_of(keys.lock)
+    target = next(n for n in cluster.nodes if n.port != source.port)
+    slot, on_target = slot_of(keys.lock), Importing(target)
+    assert isinstance(engine.wire, ClusterWire)
+    half_migrate_slot(slot, source, target)
+    try:
+        assert sorted(target.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10)) \
+            == sorted([keys.lock, keys.fence, keys.fin])
+        version = engine.wire.map_version
+
+        def once_on_target(call: Any) -> Any:
+            asked = asking_calls(target)
+            answer = call()
+            assert asking_calls(target) == asked + 1
+            return answer
+
+        assert once_on_target(lambda: engine.renew([(keys.lock, exec_id, 60_000)])) \
+            == [Renew.RENEWED]
+        assert on_target.pttl(keys.lock) > 5000  # take()'s lease was 5 s
+        assert once_on_target(lambda: engine.renew([(keys.lock, "a-stranger", 60_000)])) \
+            == [Renew.NOT_OURS]
+        # no done window: the acquire names the lock, its fence and its fin only
+        assert once_on_target(lambda: take(engine, keys, "t2", done=False)).status \
+            is Acquire.HELD
+        assert owner_field(on_target, keys.lock, "exec") == exec_id
+        assert once_on_target(lambda: engine.release(keys, exec_id, "t1", always_record=True))
+        assert on_target.get(keys.lock) is None
+        assert on_target.get(keys.fin) == "t1"
+        assert not source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10)
+        # ASK is for one call: the slot map still gives the slot to the source
+        assert engine.wire.map_version == version
+        assert engine.wire.wire_for(keys.lock).name.endswith(f":{source.port}")
+    finally:
+        finish_migration(cluster, slot, source, target)
+    later = take(engine, keys, "t3")
+    assert later.status is Acquire.GRANTED and later.token > first.token
+    assert owner_field(target.client(), keys.lock, "task") == "t3"
+
+
+def test_a_release_refused_in_a_half_migrated_slot_frees_the_key_once_it_moved(cluster,
+                                                                             engine):
+    """The usual release names the lock and its ``fin`` key, which does not
+    exist: in a half-migrated slot the importing node answers its ASKING call
+    TRYAGAIN (docs/deployments.md, slot migration). The release fails as a
+    Redis error, is owed to the slot, and frees the key once the move
+    completes, long before its lease (renewed to a minute) would."""
+    keys, exec_id = new_keys(), uuid.uuid4().hex
+    first = take(engine, keys, "t1", exec_id, done=False)
+    source = cluster.node_of(keys.lock)
+    target = next(n for n in cluster.nodes if n.port != source.port)
+    slot = slot_of(keys.lock)
+    assert isinstance(engine.wire, ClusterWire)
+    half_migrate_slot(slot, source, target)
+    try:
+        assert engine.renew([(keys.lock, exec_id, 60_000)]) == [Renew.RENEWED]
+        with pytest.raises(redis.exceptions.TryAgainError):
+            engine.release(keys, exec_id, "t1")
+        assert engine.wire.owed == 1
+        assert owner_field(Importing(target), keys.lock, "exec") == exec_id
+    finally:
+        finish_migration(cluster, slot, source, target)
+    wait_for(lambda: engine.wire.owed == 0, 20, what="the owed release sent")
+    assert not target.client().exists(keys.lock)
+    later = take(engine, keys, "t2", done=False)
+    assert later.status is Acquire.GRANTED and later.token > first.token
 
 
 def test_tick_claims_go_to_the_node_of_their_key(cluster, engine):

@@ -26,8 +26,16 @@ import redis
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.checks.doctor import engine_checks, startup_check
 from celery_singleton_lock.engine.redlock.engine import QuorumError, RedlockEngine
+from celery_singleton_lock.engine.redlock.quorum import MISSING, _settled_by
 from celery_singleton_lock.engine.registry import connect
-from celery_singleton_lock.engine.replies import Acquire, Enqueue, Release, Released, Renew
+from celery_singleton_lock.engine.replies import (
+    Acquire,
+    Acquired,
+    Enqueue,
+    Release,
+    Released,
+    Renew,
+)
 from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.engine.watch import MastersWatch
@@ -364,8 +372,98 @@ def test_too_few_masters_is_a_backend_error_naming_them(masters, engine):
         assert f"127.0.0.1:{s.port}" in str(info.value)
     for s in masters[3:]:
         assert f"127.0.0.1:{s.port}" not in str(info.value)
+    # each named with the error it raised: a refused connection, or the
+    # outage the first refusal opened on that master (calls fail at once)
+    assert sorted(info.value.failed) == sorted(f"127.0.0.1:{s.port}" for s in masters[:3])
+    for why in info.value.failed.values():
+        assert why.partition(": ")[0] in ("ConnectionError", "RedisUnanswered"), why
     # the holder's renewal: too few answers leave the lock alone (its deadline decides)
     assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.UNANSWERED]
+
+
+def test_a_call_is_decided_by_the_first_majority_of_one_kind_and_not_before():
+    """Five masters: three that granted decide an acquire, three that refused
+    decide it, three that failed decide it; two of each, or a split, wait for
+    the rest (a master still to answer could change the outcome)."""
+    granted = Acquired(Acquire.GRANTED, token=1)
+    held = Acquired(Acquire.HELD)
+    down = redis.ConnectionError("down")
+    decided = _settled_by(3, Acquired, lambda r: isinstance(r, Acquired)
+                          and r.status is Acquire.GRANTED)
+    assert decided([granted, granted, granted, MISSING, MISSING])
+    assert decided([held, MISSING, held, held, MISSING])
+    assert decided([down, down, MISSING, down, MISSING])
+    assert not decided([granted, granted, MISSING, MISSING, MISSING])
+    assert not decided([held, held, MISSING, MISSING, MISSING])
+    assert not decided([down, down, MISSING, MISSING, MISSING])
+    assert not decided([granted, granted, held, held, MISSING])
+    assert not decided([granted, held, down, MISSING, MISSING])
+
+
+def test_a_masters_calls_run_one_at_a_time_in_the_order_they_were_made(masters, engine):
+    """quorum.py: each master has one thread with a queue, so a release sent
+    without waiting reaches a master before the acquire made after it. Calls
+    queued on one master, each slower than the one after it, end in the order
+    they were made, one at a time, every time."""
+    master = engine.masters[0]
+    done: list[int] = []
+    running: list[int] = []
+    overlap: list[int] = []
+    finished = threading.Event()
+
+    def call(i: int) -> Any:
+        def run() -> None:
+            running.append(i)
+            if len(running) > 1:
+                overlap.append(i)
+            time.sleep((20 - i) / 1000)
+            running.remove(i)
+            done.append(i)
+            if i == 19:
+                finished.set()
+        return run
+
+    for i in range(20):
+        master.submit(call(i))
+    assert finished.wait(30)
+    assert done == list(range(20)) and overlap == [], (done, overlap)
+
+
+def test_masters_silent_past_the_validity_time_are_named_and_what_they_grant_later_freed(
+        masters):
+    """Two of five masters are frozen (their socket timeout 30 s), two hold the
+    key for another execution, one grants: no majority of any kind within the
+    lease's validity time (3 s lease), so the acquire stops waiting then and
+    raises, naming the two silent masters ("no answer in time") and no other.
+    Once they run again, the acquire they got late grants there, and the grant
+    given back after it frees the key: nothing is left held for nobody."""
+    engine = connect(SingletonConfig.defaults(redlock_url(masters), redis_options={
+        "socket_timeout": 30.0, "socket_connect_timeout": 30.0}))
+    assert isinstance(engine, RedlockEngine)
+    keys = new_keys()
+    try:
+        for m in engine.masters[:2]:
+            assert take(m.engine, keys, "other", "exec-other").status is Acquire.GRANTED
+        for s in masters[3:]:
+            s.pause()
+        try:
+            with pytest.raises(QuorumError) as info:
+                take(engine, keys, "B", "exec-b", lease_ms=3000)
+        finally:
+            for s in masters[3:]:
+                s.resume()
+        error = info.value
+        assert error.failed == {f"127.0.0.1:{s.port}": "no answer in time"
+                                for s in masters[3:]}, str(error)
+        assert error.answered == 3 and error.needed == 3, str(error)
+        wait_for(lambda: all(holder_on(s, keys) in (None, "other") for s in masters), 15,
+                 what="B's grants, the late ones too, given back")
+        engine.settle()
+        assert [holder_on(s, keys) for s in masters] == ["other", "other", None, None, None]
+    finally:
+        for s in masters:
+            s.resume()
+        engine.close()
 
 
 def test_a_lock_gone_from_a_majority_is_lost_and_from_a_minority_is_kept(masters, engine):

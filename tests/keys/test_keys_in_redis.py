@@ -71,6 +71,7 @@ class Row:
     up_to: bool  # the TTL is at most the formula's value, not that value
     default: Optional[float]  # the value in brackets, with the defaults
     produced: bool  # "yes" in the workload column
+    persists: bool = False  # the TTL cell says a key of it may have none ("none")
 
     def seconds(self, values: dict[str, float]) -> float:
         total = 0.0
@@ -121,7 +122,7 @@ def rows_of(page: str) -> list[Row]:
             default = float(amount[1]) * UNITS[amount[2]]
         assert workload.startswith(("yes", "no")), f"{page}: {key}: {workload}"
         rows.append(Row(page, key, [key_pattern(p) for p in patterns], head, up_to, default,
-                        workload.startswith("yes")))
+                        workload.startswith("yes"), re.search(r"\bnone\b", ttl) is not None))
     assert rows, f"{page}: no rows under {MARK!r}"
     return rows
 
@@ -162,8 +163,9 @@ def test_every_key_the_code_names_is_on_both_pages_with_its_default_ttl():
                 assert row.seconds(defaults) == pytest.approx(row.default), (row.page, row.key)
     first, *others = pages.values()
     for rows in others:
-        assert [(r.key, r.formula, r.up_to, r.default, r.produced) for r in rows] == [
-            (r.key, r.formula, r.up_to, r.default, r.produced) for r in first]
+        assert [(r.key, r.formula, r.up_to, r.default, r.produced, r.persists)
+                for r in rows] == [
+            (r.key, r.formula, r.up_to, r.default, r.produced, r.persists) for r in first]
     keys = LockKeys(PREFIX, "0123456789abcdef" * 2)
     tick = dt.datetime(2026, 11, 28, 12, 0, tzinfo=dt.timezone.utc)
     named = [keys.lock, keys.slot(2).lock, keys.fence, keys.fin, keys.done, keys.queued,
@@ -180,10 +182,30 @@ def test_every_key_the_code_names_is_on_both_pages_with_its_default_ttl():
 
 def fits(row: Row, ttl_ms: int, values: dict[str, float], elapsed: float) -> bool:
     """A key with ``ttl_ms`` left, written at most ``elapsed`` seconds ago, has
-    the TTL ``row`` gives (at most it, when the row says "up to")."""
+    the TTL ``row`` gives (at most it, when the row says "up to"). A key with
+    no TTL (``PTTL`` -1) fits only a row that says its keys may have none,
+    however long ago it was written: the lower bound below goes under -1 once
+    ``elapsed`` passes the row's TTL."""
+    if ttl_ms < 0:
+        return row.persists
     most = row.seconds(values) * 1000
     least = 0.0 if row.up_to else most - (elapsed + 1) * 1000
     return least <= ttl_ms <= most
+
+
+def test_a_key_without_a_ttl_fits_no_row_under_the_prefix() -> None:
+    """``PTTL`` -1 (a key that lives for ever) fits no row of a key under the
+    prefix, whose TTLs the pages promise, whether the workload below has run
+    for a second or for its whole two minutes; only the old libraries' keys
+    (``singleton_also_lock``), whose row says they may have none, take it."""
+    values = workload_values()
+    for page in PAGES:
+        rows = rows_of(page)
+        assert [r.key for r in rows if r.persists] == [
+            r.key for r in rows if r.key.startswith("`SINGLETONLOCK_")], page
+        for row in rows:
+            for elapsed in (0.5, 10.0, 120.0):
+                assert fits(row, -1, values, elapsed) is row.persists, (page, row.key, elapsed)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -28,11 +28,19 @@ otel = pytest.mark.skipif(
     reason="OpenTelemetry is not installed (extra 'otel')")
 
 
-@pytest.fixture(scope="module")
-def traced(redis_server: RedisServer) -> Iterator[tuple[Worker, Any]]:
-    worker = Worker(redis_server.url(), f"otel-{uuid.uuid4().hex[:6]}", concurrency=3)
+def traced_worker(redis_server: RedisServer, concurrency: int = 3,
+                  conf: Optional[dict[str, Any]] = None) -> Worker:
+    """A worker of tests.otelapp (``conf``: its settings), started."""
+    worker = Worker(redis_server.url(), f"otel-{uuid.uuid4().hex[:6]}", concurrency=concurrency,
+                    conf=conf)
     worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.otelapp:app"
     worker.start()
+    return worker
+
+
+@pytest.fixture(scope="module")
+def traced(redis_server: RedisServer) -> Iterator[tuple[Worker, Any]]:
+    worker = traced_worker(redis_server)
     yield worker, make_app(redis_server.url(), worker.queue)
     discard(worker)
 
@@ -41,13 +49,19 @@ def spans(redis_server: RedisServer) -> list[dict[str, Any]]:
     return [json.loads(s) for s in redis_server.client(3).lrange("spans", 0, -1)]
 
 
-def span_of(redis_server: RedisServer, task_id: str) -> dict[str, Any]:
-    def found() -> Any:
-        return next((s for s in spans(redis_server) if s["name"].startswith("run/")
-                     and s["attributes"].get("messaging.message.id") == task_id
-                     and "singleton.outcome" in s["attributes"]), None)
-    span: dict[str, Any] = wait_for(found, 30, what=f"the span of {task_id}")
-    return span
+def runs_of(redis_server: RedisServer, task_id: str) -> list[dict[str, Any]]:
+    """The run spans of ``task_id`` with the lock's facts, in the order they ended."""
+    return [s for s in spans(redis_server) if s["name"].startswith("run/")
+            and s["attributes"].get("messaging.message.id") == task_id
+            and "singleton.outcome" in s["attributes"]]
+
+
+def span_of(redis_server: RedisServer, task_id: str, run: int = 1) -> dict[str, Any]:
+    """The span of ``task_id``'s ``run``-th run (a task id may run more than once)."""
+    found: list[dict[str, Any]] = wait_for(
+        lambda: len(runs := runs_of(redis_server, task_id)) >= run and runs, 30,
+        what=f"the span of run {run} of {task_id}")
+    return found[run - 1]
 
 
 @otel
@@ -106,6 +120,74 @@ def test_the_slot_under_a_limit_is_on_the_span(traced, redis_server, events, key
     slots = {c.get(timeout=20)["slot"] for c in calls}
     assert slots == {1, 2}
     assert {span_of(redis_server, c.id)["attributes"]["singleton.slot"] for c in calls} == slots
+
+
+@otel
+def test_a_duplicate_refused_with_raise_has_a_failed_span(traced, redis_server, events, key):
+    """``singleton_on_duplicate="raise"``: the duplicate's span says ``failed``,
+    why (``duplicate``) and who holds the key; no skip event."""
+    _, app = traced
+    task = app.tasks["t.hold_raise"]
+    first = task.delay(key, 30.0, "first")
+    wait_for(lambda: events.starts("first"), 20, what="the first to start")
+    dup = task.delay(key, 0.0, "dup")
+    dup.get(timeout=20, propagate=False)
+    assert dup.state == "FAILURE" and type(dup.result).__name__ == "DuplicateTaskError"
+    redis_server.client(3).set(f"finish:{key}", 1)  # the first ends now
+    assert first.get(timeout=20)["tag"] == "first"
+
+    failed = span_of(redis_server, dup.id)
+    assert failed["attributes"]["singleton.outcome"] == "failed"
+    assert failed["attributes"]["singleton.reason"] == "duplicate"
+    assert failed["attributes"]["singleton.holder"] == first.id
+    assert "singleton.token" not in failed["attributes"]
+    assert "singleton.skipped" not in [e["name"] for e in failed["events"]]
+    assert not events.starts("dup")
+
+
+@otel
+def test_a_late_copy_of_a_finished_task_has_a_dropped_span(traced, redis_server, events, key):
+    """A copy of a finished ``acks_late`` task, sent again under its id, is
+    dropped: its span says ``dropped`` and why, and it did not run."""
+    worker, app = traced
+    task = app.tasks["t.hold_late"]
+    res = task.delay(key, 0.0, "done")
+    assert res.get(timeout=20)["tag"] == "done"
+    assert span_of(redis_server, res.id)["attributes"]["singleton.outcome"] == "ran"
+    task.apply_async((key, 0.0, "done-again"), task_id=res.id)
+
+    dropped = span_of(redis_server, res.id, run=2)["attributes"]
+    assert dropped["singleton.outcome"] == "dropped"
+    assert dropped["singleton.reason"] == "this task id already finished"
+    assert dropped["singleton.key"] == task.singleton_keys(key).base
+    assert "singleton.token" not in dropped
+    assert f"Dropped redelivered t.hold_late[{res.id}]" in worker.logs()
+    assert [e["tag"] for e in events.starts() if e["id"] == res.id] == ["done"]
+
+
+@otel
+def test_a_run_without_the_lock_redis_has_a_ran_unlocked_span(redis_server, own_redis, events,
+                                                             key):
+    """Lock Redis down under ``singleton_on_backend_error = "run"``: the body
+    runs without a lock and its span says ``ran_unlocked``, why, and carries no
+    fencing token."""
+    conf = {"singleton_redis_url": own_redis.url(2), "singleton_on_backend_error": "run"}
+    worker = traced_worker(redis_server, concurrency=1, conf=conf)
+    try:
+        app = make_app(redis_server.url(), worker.queue, conf=conf)
+        own_redis.stop()
+        res = app.tasks["t.hold"].delay(key, 0.0, "unlocked")
+        out = res.get(timeout=30)
+        assert out["tag"] == "unlocked" and out["token"] == 0
+
+        unlocked = span_of(redis_server, res.id)["attributes"]
+        assert unlocked["singleton.outcome"] == "ran_unlocked"
+        assert unlocked["singleton.reason"] == "lock backend unavailable"
+        assert unlocked["singleton.key"] == app.tasks["t.hold"].singleton_keys(key).base
+        assert "singleton.token" not in unlocked and "singleton.slot" not in unlocked
+        assert [e["tag"] for e in events.starts() if e["id"] == res.id] == ["unlocked"]
+    finally:
+        discard(worker)
 
 
 def test_without_opentelemetry_nothing_of_it_is_imported():

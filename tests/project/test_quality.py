@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import re
 import subprocess
 import sys
+from typing import Any
+
+import pytest
 
 from tests.support import ROOT
 
@@ -154,3 +159,61 @@ def test_no_import_circle_between_the_package_modules():
     assert circles == [], circles
     below_engine = reach("engine") | {"engine"}
     assert not below_engine & celery_users, below_engine & celery_users
+
+
+def noxfile_names() -> tuple[dict[str, Any], dict[str, str]]:
+    """noxfile.py read, not imported (nox need not be installed): its literal
+    assignments by name, and each session function's source by name."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    values: dict[str, Any] = {}
+    functions: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and node.value is not None:
+                    with contextlib.suppress(ValueError):
+                        values[target.id] = ast.literal_eval(node.value)
+        elif isinstance(node, ast.FunctionDef):
+            functions[node.name] = ast.unparse(node)
+    return values, functions
+
+
+def test_the_declared_lower_bounds_are_the_stack_nox_oldest_installs_and_tests():
+    """docs/compatibility.md:8: "The declared lower bounds in `pyproject.toml`
+    are exactly the oldest versions that passed." Celery, kombu and redis-py:
+    each dependency's lower bound is the version `nox -s oldest` (the cell
+    OLDEST) installs pinned with `==`, and the page's "oldest tested" column
+    says the same. Python is checked, not run (the page's "Python, checked"
+    row): requires-python's bound is the target of `nox -s pythons`."""
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    values, functions = noxfile_names()
+    assert "run_cell(session, OLDEST)" in functions["oldest"]
+    celery, kombu, redis_py, _server = values["CELLS"][values["OLDEST"]]
+    pins = {"celery": celery, "kombu": kombu, "redis": redis_py}
+    installs = re.search(r"session\.install\((.*?)\)\n", functions["run_cell"], re.S)
+    assert installs is not None
+    assert all(f"{name}=={{{var}}}" in installs.group(1) for name, var in (
+        ("celery[redis]", "celery"), ("kombu", "kombu"), ("redis", "redis_py"))), installs[0]
+
+    declared: dict[str, str] = {}
+    for text in pyproject["dependencies"]:
+        requirement = Requirement(text)
+        if requirement.name in pins:
+            lower = [s.version for s in requirement.specifier if s.operator in (">=", ">", "==")]
+            assert len(lower) == 1, f"{text}: one lower bound"
+            declared[requirement.name] = lower[0]
+    assert declared == pins, f"pyproject.toml {declared} but nox -s oldest installs {pins}"
+
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    oldest_column = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| [0-9.]+ \|", page, re.M))
+    assert [oldest_column[row] for row in ("Celery (`celery[redis]`)", "kombu", "redis-py")
+            ] == [celery, kombu, redis_py], oldest_column
+
+    python = pyproject["requires-python"]
+    assert re.fullmatch(r">=3\.\d+", python), python
+    assert f"--target={python[2:]}-" in functions["pythons"], functions["pythons"]
+    assert oldest_column["Python, checked"] == python[2:]

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +195,36 @@ def test_a_precise_relay_forwards_each_way_no_sooner_than_its_delay(singleton_re
     finally:
         client.close()
         relay.stop()
+
+
+EMPTIED_PER_TEST = '''
+import redis
+
+SEEN = []
+
+
+def test_a_writes_in_database_15(singleton_redis_url):
+    SEEN.append(singleton_redis_url)
+    assert singleton_redis_url.endswith("/15")
+    redis.Redis.from_url(singleton_redis_url).set("left-by-a", 1)
+
+
+def test_b_finds_database_15_empty(singleton_redis_url):
+    assert SEEN == [singleton_redis_url], "the same session server's database 15"
+    assert redis.Redis.from_url(singleton_redis_url).dbsize() == 0
+'''
+
+
+def test_the_plugins_url_fixture_empties_database_15_for_each_test(tmp_path):
+    """docs/testing.md:9: ``singleton_redis_url`` is "a URL of that server on
+    database 15, emptied for the test". A user's suite run as users run it
+    (the plugin from its entry point, no import): what one test leaves in
+    database 15 of the session's server is gone when the next test asks for
+    the fixture."""
+    (tmp_path / "test_user_suite.py").write_text(EMPTIED_PER_TEST)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                          "-p", "no:randomly", "test_user_suite.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.findall(r"::(test_\w+) PASSED", out.stdout) == [
+        "test_a_writes_in_database_15", "test_b_finds_database_15_empty"], out.stdout

@@ -218,3 +218,48 @@ def test_a_duplicate_sent_back_to_the_same_process_waits_again_for_the_lock(redi
         assert start["held"] is True, start
     finally:
         discard(worker)
+
+
+@pytest.mark.worker
+def test_a_coroutine_retry_keeps_its_key_through_the_countdown(redis_server, events, r):
+    """docs/pools.md: an ``async def`` body that asks for a retry keeps the
+    key for it, "as for a plain body" (docs/concepts.md: ``self.retry(countdown=
+    ...)`` keeps the key through the countdown, a duplicate arriving meanwhile
+    is a duplicate). One celery-aio-pool worker (one coroutine at a time): the
+    duplicate, sent while the first run awaits, is decided after that run has
+    asked for its retry and before the retried run starts, and is skipped
+    against it; the retried run then runs under the lock."""
+    from tests.aioapp import make_aio_app
+
+    queue = f"aio-retry-{uuid.uuid4().hex[:8]}"
+    worker = aio_worker(redis_server.url(), queue).start()
+    try:
+        app = make_aio_app(redis_server.url(), queue)
+        task = app.tasks["a.retrier"]
+        key = f"retry-{uuid.uuid4().hex[:6]}"
+        # the duplicate is decided in milliseconds; a countdown of 15 s leaves a
+        # loaded machine room for it (decided after it, the ordering check fails)
+        first = task.delay(key, "first", 15.0)
+        [start] = wait_for(lambda: events.starts("first#0"), 60, what="the first run to start")
+        assert start["held"], start
+        dup = task.delay(key, "dup", 15.0)  # waits for the first run's coroutine to end
+        events.client.set(f"finish:{key}", 1)  # the first run asks for its retry
+        wait_for(lambda: dup.ready() or events.starts("dup"), 60,
+                 what="the duplicate decided")
+        assert not events.starts("dup"), (
+            "the duplicate ran while the retry waited its countdown:\n" + "\n".join(
+                json.dumps(e) for e in events.all()) + "\n" + worker.logs()[-3000:])
+        skipped = dup.get(timeout=30)
+        assert is_skipped(skipped) and skipped["holder"] == first.id, skipped
+        [retried] = wait_for(lambda: events.starts("first#1"), 60,
+                             what="the retried run to start")
+        [ended] = events.ends("first#0")
+        decided = dup.date_done.timestamp()
+        assert ended["t"] <= decided <= retried["t"], (ended, decided, retried)
+        assert retried["held"] and retried["lockkey"] == start["lockkey"], retried
+        result = first.get(timeout=60)
+        assert result["lost"] is False and result["token"] == retried["token"] > 0, result
+        assert not events.starts("dup")
+        wait_for(lambda: not r.exists(start["lockkey"]), 30, what="the key freed at the end")
+    finally:
+        discard(worker)

@@ -5,7 +5,8 @@ duplicates skipped while 20 other greenlets run, a task longer than its lease
 renewed, a greenlet that blocks the event loop (shorter than the lease: the
 lock holds; longer: the key expires and the lock is lost, as the docs say),
 revoke with terminate, the worker killed with kill -9 (the key frees within
-the lease), the lock Redis restarted mid-run (the lock is written back).
+the lease), the lock Redis restarted mid-run (the lock is written back). And the ``solo``
+pool: a task longer than its lease renewed by a thread of the worker.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import pytest
 
 from celery_singleton_lock import is_skipped
 from tests.greenapp import BLOCK_TTL, make_green_app
-from tests.support import RedisServer, Worker, discard, wait_for
+from tests.support import RedisServer, Worker, discard, owner_field, wait_for
+from tests.workerapp import make_app
 
 POOLS = [pytest.param(pool, marks=pytest.mark.skipif(
     importlib.util.find_spec(pool) is None, reason=f"{pool} is not installed (extra 'green')"))
@@ -149,3 +151,51 @@ def test_the_lock_redis_restarted_mid_run_gets_the_lock_written_back(pool, redis
         assert max(e["concurrent"] for e in events.starts() if e["key"] == key) == 1
     finally:
         discard(worker)
+
+
+def test_solo_renews_the_lock_of_a_run_longer_than_its_lease(redis_server, r, events, key):
+    """docs/pools.md, ``solo``: a run longer than its lease is "renewed by a
+    thread of the worker". A real ``-P solo`` worker runs ``t.hold_short``
+    (1 s lease) until ``finish:<key>``; the test watches the key's PTTL go back
+    up nine times (three leases of renewals), the owner record naming the
+    run's token throughout; a duplicate sent then to a second solo worker is
+    skipped against it; the run ends still holding its lock, never told it
+    was lost."""
+    solo = Worker(redis_server.url(), f"solo-{uuid.uuid4().hex[:6]}", pool="solo",
+                  concurrency=1).start()
+    other = Worker(redis_server.url(), f"solo2-{uuid.uuid4().hex[:6]}", pool="solo",
+                   concurrency=1).start()
+    try:
+        app = make_app(redis_server.url(), solo.queue)
+        task = app.tasks["t.hold_short"]
+        lock = task.singleton_keys(key).lock
+        long = task.delay(key, 600.0, "long")
+        [started] = wait_for(lambda: events.starts("long"), 60, what="the long task to start")
+        token = str(started["token"])
+        seen: dict[str, Any] = {"rises": 0, "last": None}
+
+        def renewed(count: int) -> bool:
+            pttl = r.pttl(lock)
+            assert pttl > 0, (
+                f"the lock key is gone (PTTL {pttl}) while the run still runs, after "
+                f"{seen['rises']} renewals seen; worker log:\n{solo.logs()[-3000:]}")
+            assert owner_field(r, lock, "token") == token, owner_field(r, lock, "token")
+            if seen["last"] is not None and pttl > seen["last"]:
+                seen["rises"] += 1  # the PTTL went back up: renewed
+            seen["last"] = pttl
+            return seen["rises"] >= count
+
+        wait_for(lambda: renewed(9), 60, interval=0.01, what="nine renewals of the lock")
+        dup = task.apply_async((key, 0.0, "dup"), queue=other.queue).get(timeout=60)
+        assert is_skipped(dup) and dup["holder"] == long.id, dup
+        wait_for(lambda: renewed(12), 60, interval=0.01, what="three renewals more")
+        assert not long.ready() and not events.ends("long")
+        events.client.set(f"finish:{key}", 1)
+        result = long.get(timeout=60)
+        assert result["lost"] is False and str(result["token"]) == token, result
+        assert [e["lost"] for e in events.ends("long")] == [False]
+        assert not events.starts("dup")
+        wait_for(lambda: not r.exists(lock), 30, what="the key freed at the end")
+    finally:
+        discard(solo)
+        discard(other)
