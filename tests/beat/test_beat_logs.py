@@ -88,12 +88,18 @@ def test_a_buffer_all_backlog_is_capped_outlives_every_beat_and_drains_oldest_fi
     queue = queue_key("singleton:", "backlog")
     beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="first",
                       conf=conf).start())
-    wait_for(lambda: "dropped: 3 ticks already wait" in beats[0].logs(), 30,
-             what="the backlog full and a tick dropped")
-    assert r.zcard(queue) == 3
+    sizes: list[int] = []
+
+    def dropped() -> bool:
+        sizes.append(r.zcard(queue))
+        return "dropped: 3 ticks already wait" in beats[0].logs()
+
+    wait_for(dropped, 30, what="the backlog full and a tick dropped")
     beats[0].kill()
     waiting = sorted(int(m) for m in r.zrange(queue, 0, -1))
-    assert len(waiting) == 3
+    # never more than the cap; at the kill 3, or 2 when a run had just taken
+    # the oldest (one is taken every 1.5 s, one added every 1 s)
+    assert max(sizes) <= 3 and 2 <= len(waiting) <= 3, (sizes, waiting)
     assert 3_500_000 < r.pttl(queue) <= 3_600_000, "an hour after its last tick was added"
     wait_for(lambda: len(tick_events(events, "backlog", "end")) == len(
         tick_events(events, "backlog", "start")), 10, what="the running tick to end")
@@ -106,6 +112,7 @@ def test_a_buffer_all_backlog_is_capped_outlives_every_beat_and_drains_oldest_fi
         return [e["singleton_beat_tick"] for e in tick_events(events, "backlog", "start")
                 if e["singleton_beat_id"].split(":")[1] == str(beats[1].proc.pid)]
 
-    ran = wait_for(lambda: started_after_restart()[:3] if len(
-        started_after_restart()) >= 3 else None, 30, what="three runs after the restart")
+    n = len(waiting)
+    ran = wait_for(lambda: started_after_restart()[:n] if len(
+        started_after_restart()) >= n else None, 30, what="the backlog's runs after the restart")
     assert ran == [tick_name(from_ms(ms)) for ms in waiting], (ran, waiting)

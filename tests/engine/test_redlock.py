@@ -673,8 +673,19 @@ def test_a_running_task_keeps_its_lock_through_one_master_down_and_loses_it_with
     try:
         down[0].stop()
         witness = worker_masters[4].client(2)
-        before = witness.pttl(lock)
-        wait_for(lambda: witness.pttl(lock) > before, 5, what="a renewal with one master down")
+        # a renewal is a PTTL that went up since the sample before it (a first
+        # sample taken just after a renewal may stay the highest one seen)
+        samples = [witness.pttl(lock)]
+
+        def renewed() -> bool:
+            samples.append(witness.pttl(lock))
+            return samples[-1] > samples[-2] > 0
+
+        try:
+            wait_for(renewed, 5, what="a renewal with one master down")
+        except AssertionError:
+            raise AssertionError(f"PTTLs seen: {samples[:20]}...{samples[-5:]}; the "
+                                 f"worker's log:\n{worker.logs()[-4000:]}") from None
         assert owner_field(witness, lock, "task") == res.id
         down[1].stop()
         down[2].stop()
