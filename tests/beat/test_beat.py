@@ -685,14 +685,12 @@ def virtual_look(beat: Any, t0: dt.datetime, seconds: float) -> list[dt.datetime
     return [tick for _, tick, _ in beat.sent]
 
 
-def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_server):
-    """A late start costs no tick, when the worker is what was slow too: a
-    tick sent 0.2 s late (its note left for the next tick), whose run's grant
-    comes 3 s after the tick (the worker slow to pick it up). At the next tick
-    that run is still in the way: the tick waits as long as the run started
-    late (the grant's time in the owner record), not only as long as the send
-    was, and is sent once the run ended, 1.5 s into that wait; none is skipped.
-    On a virtual clock (every 10 s), the lock Redis and the run's lock real."""
+def a_run_started_late(redis_server: RedisServer) -> tuple[Any, Callable[[float], Any],
+                                                           Any, Any, dt.datetime]:
+    """The late-run scene on a virtual clock (every 10 s): the first tick sent
+    0.2 s late, its run's lock granted (real, on the lock Redis) 3 s after the
+    tick, as a slow worker gives it; the beat has looked again at 5 s.
+    (beat, look(seconds) -> ticks sent, engine, the run's keys, t0)."""
     from tests.beatapp import make_beat_app
     from tests.support import write_owner
 
@@ -706,8 +704,7 @@ def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_serv
     def look(seconds: float) -> list[dt.datetime]:
         return virtual_look(beat, t0, seconds)
 
-    look(0.2)  # the first tick, sent 0.2 s late
-    assert [tick for _, tick, _ in beat.sent] == [t0]
+    assert look(0.2) == [t0]  # the first tick, sent 0.2 s late
     engine = engine_for(app)
     keys = app.tasks["t.tick_hold"].singleton_keys(key=key)
     assert engine.acquire(keys, Request(task_id="run-0", exec_id="exec-0",
@@ -716,6 +713,18 @@ def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_serv
     started = t0 + dt.timedelta(seconds=3)  # the grant, as a slow worker gave it
     write_owner(engine.client, keys.lock, at=int(started.timestamp() * 1_000_000))
     look(5.0)
+    return beat, look, engine, keys, t0
+
+
+def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_server):
+    """A late start costs no tick, when the worker is what was slow too: a
+    tick sent 0.2 s late (its note left for the next tick), whose run's grant
+    comes 3 s after the tick (the worker slow to pick it up). At the next tick
+    that run is still in the way: the tick waits as long as the run started
+    late (the grant's time in the owner record), not only as long as the send
+    was, and is sent once the run ended, 1.5 s into that wait; none is skipped.
+    On a virtual clock (every 10 s), the lock Redis and the run's lock real."""
+    beat, look, engine, keys, t0 = a_run_started_late(redis_server)
     look(10.05)  # the next tick: the run is in the way, and the tick waits
     assert beat.singleton_stats["waited_for_late_run"] == 1, beat.singleton_stats
     look(11.0)  # past the send's 0.2 s, within the start's 3 s: still waits
@@ -732,28 +741,7 @@ def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(
     a run still running at the bound costs the tick (skipped, counted), and
     the tick is not sent when the run ends after. Same virtual clock and lock
     as the test above, the run never ending inside the wait."""
-    from tests.beatapp import make_beat_app
-    from tests.support import write_owner
-
-    key, name = uuid.uuid4().hex, f"slow-{uuid.uuid4().hex[:8]}"
-    app = make_beat_app(redis_server.url(), "unused", schedule={
-        name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
-    beat = NotingScheduler(app=app)
-    beat.sent = []
-    t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
-
-    def look(seconds: float) -> list[dt.datetime]:
-        return virtual_look(beat, t0, seconds)
-
-    assert look(0.2) == [t0]
-    engine = engine_for(app)
-    keys = app.tasks["t.tick_hold"].singleton_keys(key=key)
-    assert engine.acquire(keys, Request(task_id="run-0", exec_id="exec-0",
-                                        lease=Lease.of_ms(60_000), hostname="w1@slow",
-                                        task_name="t.tick_hold")).token > 0
-    write_owner(engine.client, keys.lock,
-                at=int((t0 + dt.timedelta(seconds=3)).timestamp() * 1_000_000))
-    look(5.0)
+    beat, look, engine, keys, t0 = a_run_started_late(redis_server)
     assert look(10.05) == [t0]
     assert beat.singleton_stats["waited_for_late_run"] == 1, beat.singleton_stats
     assert look(12.5) == [t0]  # within the wait (the run started 3 s late)
