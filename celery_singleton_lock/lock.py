@@ -2,7 +2,11 @@
 
 The lease counts on this process's monotonic clock from before the acquire
 left, so the task learns its lock may be gone (``lost``) as soon as the lease
-could have run out, even when no renewal can reach Redis to say so.
+could have run out, even when no renewal can reach Redis to say so. A grant
+whose confirmation has not been answered yet counts only until the moment
+Redis may free it unconfirmed (:class:`~.engine.replies.Confirmation`): past
+it the lock is in doubt, ``lost`` until an answer or a renewal says it is
+still this execution's.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import logging
 import time
 from typing import Callable, Optional, Union
 
-from .engine.replies import Release, Released
+from .engine.replies import Confirmation, Release, Released, Renew
 from .engine.request import Lease, Request
 from .exceptions import LockLostError, describe
 from .keys import LockKeys
@@ -39,6 +43,7 @@ class SingletonLock:
     __slots__ = (
         "_clock",
         "_deadline",
+        "_doubt_after",
         "_lost_reason",
         "acquired_at",
         "companion",
@@ -74,6 +79,7 @@ class SingletonLock:
         clock: Clock = time.monotonic,
         slot: int = 1,
         companion: Optional[OtherLock] = None,
+        confirmation: Optional[Confirmation] = None,
     ) -> None:
         self.keys = keys
         #: which of the key's ``singleton_limit`` slots this execution holds
@@ -98,11 +104,23 @@ class SingletonLock:
         self._deadline = started + self.lease.seconds - margin if held else float("inf")
         self._lost_reason: Optional[str] = None
         self._clock = clock
+        #: a grant not confirmed yet: from then on the lock is in doubt (None: confirmed)
+        self._doubt_after: Optional[float] = None
+        if held and confirmation is not None:
+            self._doubt_after = confirmation.until
+            confirmation.listen(self._confirmed)
         #: wall-clock time of the grant: the age shown by ``celery inspect stats``
         self.acquired_at = time.time()
 
     @property
     def lost(self) -> bool:
+        """Known or presumed no longer this execution's: told so, its lease ran
+        out here, or (for now) :attr:`in_doubt`."""
+        return self.gone or self.in_doubt
+
+    @property
+    def gone(self) -> bool:
+        """Lost for good: told so, or its lease ran out before a renewal."""
         if self._lost_reason is not None:
             return True
         if self.held and self._clock() > self._deadline:
@@ -110,10 +128,36 @@ class SingletonLock:
             return True
         return False
 
+    @property
+    def in_doubt(self) -> bool:
+        """A grant whose confirmation has not been answered, past the moment
+        Redis may have freed it unconfirmed (or answered that it had): lost
+        until a renewal finds it still this execution's, or for good when it
+        does not."""
+        doubt = self._doubt_after
+        return (doubt is not None and self._lost_reason is None and self.held
+                and self._clock() > doubt)
+
+    @property
+    def confirming(self) -> bool:
+        """The grant's confirmation has not said yet that the lock is ours."""
+        return self._doubt_after is not None and self._lost_reason is None
+
+    def _confirmed(self, answer: Renew, sent_at: float) -> None:
+        """The grant's confirmation was answered (:class:`.Confirmation`)."""
+        if answer is Renew.RENEWED:
+            self.renewed(sent_at)
+        elif self._doubt_after is not None:
+            # gone when it came (a stall past its window), or released first:
+            # in doubt at once, and the renewer's next round decides
+            self._doubt_after = float("-inf")
+
     def check(self) -> None:
         """Raise :class:`LockLostError` if this execution may no longer hold the lock."""
         if self.lost:
-            raise LockLostError(self.key, self.token, self._lost_reason or "lost")
+            raise LockLostError(self.key, self.token, self._lost_reason or (
+                "its grant was not confirmed in time (Redis may have freed it)"
+                if self.in_doubt else "lost"))
 
     @property
     def request(self) -> Request:
@@ -127,8 +171,12 @@ class SingletonLock:
         return self.held and self._clock() > self._deadline
 
     def renewed(self, sent_at: float) -> None:
+        """A renewal (or the grant's confirmation) sent at ``sent_at`` found
+        the lock this execution's: its lease counts from then, and no doubt
+        is left."""
         if self._lost_reason is None:
             self._deadline = sent_at + self.lease.seconds - self.margin
+            self._doubt_after = None
 
     def mark_lost(self, reason: str) -> None:
         if self._lost_reason is None:
@@ -162,5 +210,6 @@ class SingletonLock:
                     if reply.repeated else ""))
 
     def __repr__(self) -> str:
-        state = "lost" if self._lost_reason else ("held" if self.held else "unlocked")
+        state = "lost" if self._lost_reason else (
+            "in doubt" if self.in_doubt else "held" if self.held else "unlocked")
         return f"<SingletonLock {self.key} token={self.token} {state}>"

@@ -424,7 +424,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             token=answer.token, lease=settings.lease, started=started, held=True,
             hostname=req.hostname or "", retries=req.retries or 0,
             margin=engine.lease_margin(settings.lease.seconds), slot=answer.slot,
-            companion=other,
+            companion=other, confirmation=answer.confirmation,
         )
         if lock.expired:
             # The grant arrived after its lease could have run out (a stall on

@@ -78,6 +78,17 @@ class ServerClock:
             return 0
         return (low + int(budget * 1_000_000)) // 1000
 
+    def local_time_of(self, server_ms: int) -> float:
+        """A moment of this process's monotonic clock (seconds) before which
+        the server's clock has surely not reached ``server_ms``: a reply's
+        clock was read after its request left, so the server's clock runs at
+        most that far ahead of this one (the least of the last
+        :data:`WINDOW` replies counts). ``-inf`` before anything was heard."""
+        heard = self.heard_from
+        if not heard:
+            return float("-inf")
+        return (server_ms * 1000 - min(o for o, _ in heard)) / 1_000_000
+
     def propose(self) -> int:
         """A token at or a little above the server clock as a request sent
         now arrives; 0 before anything was heard."""

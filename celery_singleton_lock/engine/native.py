@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -68,6 +69,7 @@ from .outage import RedisUnanswered
 from .replies import (
     Acquire,
     Acquired,
+    Confirmation,
     Reclaim,
     Reclaimed,
     Release,
@@ -223,9 +225,8 @@ class Native:
             self.held[(keys.lock, exec_id)] = Held(record, token)
             if not created:  # the counter it found, raised right behind the grant
                 self._raise_later(keys.fence, token, fence_ms, counter)
-            if deadline:
-                self.confirm(keys.lock, exec_id, lease_ms)
-            return Acquired(Acquire.GRANTED, token=token)
+            return Acquired(Acquire.GRANTED, token=token, confirmation=self.confirm(
+                keys.lock, exec_id, lease_ms, confirm_by) if deadline else None)
         else:
             # the proposal did not stand: the record and the counter carry the token
             written = self._rewrite(keys.lock, exec_id, record,
@@ -236,9 +237,8 @@ class Native:
             return self._again(keys, request, again, deadline, confirm_by)
         self._raise(keys.fence, token, fence_ms, seen)
         self.held[(keys.lock, exec_id)] = Held(written, token)
-        if deadline and not handed:
-            self.confirm(keys.lock, exec_id, lease_ms)
-        return Acquired(Acquire.GRANTED, token=token)
+        return Acquired(Acquire.GRANTED, token=token, confirmation=self.confirm(
+            keys.lock, exec_id, lease_ms, confirm_by) if deadline and not handed else None)
 
     def _again(self, keys: LockKeys, request: Request, again: int, deadline: int,
                confirm_by: int) -> Acquired:
@@ -249,24 +249,31 @@ class Native:
         return self.acquire(keys, request, again=again - 1, deadline=deadline,
                             confirm_by=confirm_by)
 
-    def confirm(self, lock: str, exec_id: str, lease_ms: int) -> None:
+    def confirm(self, lock: str, exec_id: str, lease_ms: int, confirm_by: int
+                ) -> Optional[Confirmation]:
         """A grant is its holder's: its lease from now (until then it lives
-        until its request's deadline), sent without waiting, the reply read
-        with this process's next call. A grant found gone by then (its reply
-        came too late) is said in the log; the renewer finds it lost."""
+        until ``confirm_by``, server ms), sent without waiting, the reply read
+        with this process's next call; what it found goes to the holder
+        (:class:`.Confirmation`). A grant found gone by then (its reply came
+        too late, the server stalled) is said in the log."""
         held = self.held.get((lock, exec_id))
         if held is None:
-            return
+            return None
+        confirmation = Confirmation(self.clock.local_time_of(confirm_by), time.monotonic())
 
         def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
             answers = reply if isinstance(reply, list) else [reply]
-            if error is not None or answers[0] == "OK":
-                return  # confirmed; or a Redis error, and the renewer tries again
+            if error is not None:
+                return  # a Redis error: the renewer's next round decides
+            if answers[0] == "OK":
+                confirmation.answered(Renew.RENEWED)
+                return
             try:  # the record changed (a copy marked it): compared as it is now
                 renewed = self._renew_read(lock, exec_id, lease_ms)
             except redis.RedisError as exc:
                 logger.warning("Could not confirm the grant of %s: %s", lock, exc)
                 return
+            confirmation.answered(renewed)
             if renewed is not Renew.RENEWED:
                 # released already, or its reply came too late: the renewer
                 # says so if the task still holds it
@@ -276,6 +283,7 @@ class Native:
         # (the counter's TTL, set by the grant, already counts from a full lease)
         self.wire.call_later(COMMANDS, [], [
             ("SET", lock, held.record, "IFEQ", held.record, "PX", lease_ms)], done)
+        return confirmation
 
     def _give_back(self, lock: str, record: str) -> None:
         """A grant for a task that must not run (finished, done): undone."""

@@ -8,9 +8,10 @@ no script gives raises :class:`UnexpectedReplyError` instead of being guessed at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..exceptions import LateRequestError, UnexpectedReplyError
 from ..process import Holder
@@ -89,6 +90,8 @@ class Acquired:
     #: deadline (grant_ttl in lua/_record.lua): :meth:`unconfirmed`
     ttl_ms: int = -1
     lease_ms: int = 0
+    #: GRANTED with a deadline: the confirmation sent after it (:class:`Confirmation`)
+    confirmation: Optional[Confirmation] = field(default=None, compare=False, repr=False)
 
     @property
     def doubtful(self) -> bool:
@@ -121,6 +124,46 @@ class Acquired:
         if self.status is Acquire.REPLACED:
             return "queued"
         return "queued" if self.holder is not None and not self.holder.exec_id else "running"
+
+
+class Confirmation:
+    """The confirmation of a grant, sent without waiting right after it.
+
+    Until confirmed, a grant lives only until its request's deadline and one
+    more wait (grant_ttl in ``lua/_record.lua``): a confirmation that reaches
+    the server later than that (the server stalled, the path held it) finds
+    the key gone, and another execution may have it by then. So until its
+    answer is read the holder counts on its lock only until :attr:`until`,
+    a moment of this process's monotonic clock before which the grant is
+    surely still there; the answer, read with the process's next call or by
+    its renewer at once, tells the holder (:meth:`listen`) whether it was
+    confirmed, and from when its lease counts."""
+
+    __slots__ = ("_listener", "_mutex", "answer", "sent_at", "until")
+
+    def __init__(self, until: float, sent_at: float) -> None:
+        self.until = until
+        #: when the confirmation left (monotonic): its lease counts from then
+        self.sent_at = sent_at
+        #: its answer once read (None: not yet, or a Redis error)
+        self.answer: Optional[Renew] = None
+        self._listener: Optional[Callable[[Renew, float], None]] = None
+        self._mutex = threading.Lock()
+
+    def answered(self, answer: Renew) -> None:
+        """The confirmation's reply was read: ``answer`` is what it found."""
+        with self._mutex:
+            self.answer, listener = answer, self._listener
+        if listener is not None:
+            listener(answer, self.sent_at)
+
+    def listen(self, listener: Callable[[Renew, float], None]) -> None:
+        """``listener(answer, sent_at)`` once the answer is read (at once if it
+        was already): called once, by whichever comes second."""
+        with self._mutex:
+            self._listener, answer = listener, self.answer
+        if answer is not None:
+            listener(answer, self.sent_at)
 
 
 @dataclass(frozen=True)

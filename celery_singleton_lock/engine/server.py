@@ -54,7 +54,16 @@ from .cluster import ClusterWire, LazyCluster, renew_per_slot
 from .native import Native
 from .outage import RedisUnanswered, failing_over
 from .paths import SCRIPTS_ONLY, Path, choose
-from .replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
+from .replies import (
+    Acquire,
+    Acquired,
+    Confirmation,
+    Enqueued,
+    Reclaimed,
+    Release,
+    Released,
+    Renew,
+)
 from .request import Request
 from .scripts import Script
 from .servers import CLIENT_DEFAULTS, make_client
@@ -302,7 +311,8 @@ class LockEngine(Engine):
                 reply, _ = self.wire.call(script, keys_, args)
                 answer = replies.acquired(reply)
                 if answer.status is Acquire.GRANTED and confirm_by:
-                    self._confirm_grant(keys.slot(answer.slot), exec_id, lease_ms)
+                    answer.confirmation = self._confirm_grant(keys.slot(answer.slot), exec_id,
+                                                              lease_ms, confirm_by)
                 return answer
             # marked before the grant, in the same write: no one sees the grant unmarked
             marker = keys.waiting(exec_id)
@@ -322,7 +332,8 @@ class LockEngine(Engine):
         if answer.status is Acquire.GRANTED:
             self._replicated(keys.slot(answer.slot), acked, exec_id, task_id, marker)
             if confirm_by:
-                self._confirm_grant(keys.slot(answer.slot), exec_id, lease_ms)
+                answer.confirmation = self._confirm_grant(keys.slot(answer.slot), exec_id,
+                                                          lease_ms, confirm_by)
         return answer
 
     def _confirm_by(self, deadline: int) -> int:
@@ -332,12 +343,18 @@ class LockEngine(Engine):
         confirmation (grant_ttl in lua/_record.lua). 0 with no deadline."""
         return deadline + int(self.budget * 1000) if deadline else 0
 
-    def _confirm_grant(self, keys: LockKeys, exec_id: str, lease_ms: int) -> None:
+    def _confirm_grant(self, keys: LockKeys, exec_id: str, lease_ms: int, confirm_by: int
+                       ) -> Confirmation:
         """A grant lives until :meth:`_confirm_by` until its holder confirms
         it: confirmed now, its lease from now (renew.lua), sent without
-        waiting; its reply is read with this process's next call."""
+        waiting; its reply is read with this process's next call, and what it
+        found goes to the holder (:class:`.Confirmation`)."""
+        wire = self.wire.wire_for(keys.lock) if isinstance(self.wire, ClusterWire) else self.wire
+        confirmation = Confirmation(wire.clock.local_time_of(confirm_by), time.monotonic())
         self.wire.call_later(self._renew, *renew_call([(keys.lock, exec_id, lease_ms)],
-                                                      self._keep_ms), _confirmed(keys.lock))
+                                                      self._keep_ms),
+                             _confirmed(keys.lock, confirmation))
+        return confirmation
 
     def _replicated(self, keys: LockKeys, acked: Any, exec_id: str, task_id: str,
                     marker: str) -> None:
@@ -618,12 +635,16 @@ def _ignored(reply: Any, error: Optional[Exception], repeated: bool) -> None:
     """The reply of a call whose outcome nobody waits for (a WAIT marker's delete)."""
 
 
-def _confirmed(lock: str) -> Callable[[Any, Optional[Exception], bool], None]:
-    """The answer of a grant's confirmation: a grant gone by then (its reply
-    came too late, a failover) is said in the log; the renewer finds it lost."""
+def _confirmed(lock: str, confirmation: Confirmation
+               ) -> Callable[[Any, Optional[Exception], bool], None]:
+    """The answer of a grant's confirmation, told to its holder: a grant gone
+    by then (its reply came too late, the server stalled, a failover) is also
+    said in the log. A Redis error tells nothing: the renewer's next round
+    decides."""
     def done(reply: Any, error: Optional[Exception], repeated: bool) -> None:
         if error is None:
             answer = replies.renewed(reply, 1)[0]
+            confirmation.answered(answer)
             if answer is not Renew.RENEWED:
                 # released already (a short task whose release went out on
                 # another connection), or its reply came too late: the

@@ -80,8 +80,17 @@ class Heartbeat:
         self._settle_at: Optional[float] = None
 
     def add(self, lock: SingletonLock) -> None:
+        """Renew ``lock`` from now on. A grant whose confirmation is still to be
+        read has it read at once (:meth:`_step` settles), not with the
+        process's next lock call, which may be the task's release: until then
+        the lock counts only on the grant's short window."""
         with self._mutex.lock:
             self._held[id(lock)] = lock
+            now = time.monotonic()
+            if lock.confirming and (self._settle_at is None or self._settle_at > now):
+                self._settle_at = now
+                if self._thread is not None:
+                    os.write(self._wake_w, b"s")
             if self._thread is None:  # set back to None if the renewer ever ends
                 self._thread = threading.Thread(
                     target=self._run, name="singleton-heartbeat", daemon=True
@@ -221,7 +230,7 @@ class Heartbeat:
         # a lock handed to a retry is the retry's to renew; one lost is
         # renewed nowhere (on Redlock, the masters that still have it would
         # keep it alive for nobody: its holder was told it is lost)
-        locks = [lock for lock in self.held() if not lock.handed_off and not lock.lost]
+        locks = [lock for lock in self.held() if not lock.handed_off and not lock.gone]
         if not locks:
             return True
         sent_at = time.monotonic()
@@ -266,7 +275,7 @@ class Heartbeat:
         def still_held() -> bool:
             with self._mutex:
                 mine = self._held.get(id(lock)) is lock
-            return mine and lock.held and not lock.handed_off and not lock.lost
+            return mine and lock.held and not lock.handed_off and not lock.gone
 
         self.engine.refill(lock.keys, lock.request, lock.token, only=masters,
                            still_held=still_held)
@@ -275,7 +284,7 @@ class Heartbeat:
         """A renewal found the key of a lock whose local lease is still valid
         gone: write the owner record again, with a higher fencing token, if
         Redis forgot it; lost if it was released or another execution has it."""
-        if lock.lost:
+        if lock.gone:
             return  # the lease ran out locally: too late to take anything back
         try:
             answer = self.engine.reclaim(lock.keys, lock.request, lock.token)

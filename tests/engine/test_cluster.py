@@ -69,7 +69,9 @@ def test_each_lock_lives_in_one_slot_and_locks_spread_over_every_primary(cluster
         keys = new_keys()
         assert len({slot_of(k) for k in (keys.lock, keys.fence, keys.fin, keys.queued,
                                          keys.done)}) == 1
-        assert take(engine, keys, f"t{i}").status is Acquire.GRANTED
+        # a minute's lease: the look at its node between the two takes makes a
+        # client of its own, which on a loaded machine took longer than 5 s
+        assert take(engine, keys, f"t{i}", lease_ms=60_000).status is Acquire.GRANTED
         node = cluster.node_of(keys.lock)
         assert owner_field(node.client(), keys.lock, "task") == f"t{i}"
         owners.add(node.port)
@@ -204,7 +206,9 @@ def test_a_half_migrated_slot_is_followed_by_ask_to_the_importing_node(cluster, 
     assert isinstance(engine.wire, ClusterWire)
     half_migrate_slot(slot, source, target)
     try:
-        assert sorted(target.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10)) \
+        # another test's lock may share the slot (one in 16,384): only this one's keys
+        moved = target.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        assert sorted(k for k in moved if k.startswith(keys.base + ":")) \
             == sorted([keys.lock, keys.fence, keys.fin])
         version = engine.wire.map_version
 
@@ -357,8 +361,15 @@ def test_a_round_one_primary_does_not_answer_leaves_its_locks_held(cluster):
         assert got.status is Acquire.GRANTED
         locks.append(SingletonLock(keys, task_id="t-" + exec_id[:6], task_name="t.x",
                                    exec_id=exec_id, token=got.token, lease=120.0,
-                                   started=time.monotonic(), held=True, hostname="w1@host"))
+                                   started=time.monotonic(), held=True, hostname="w1@host",
+                                   confirmation=got.confirmation))
         hb.add(locks[-1])
+    # each grant's confirmation (sent without waiting) read before the pause:
+    # one still on its way when the primary froze reaches it past the grant's
+    # window (1 s here), finds the key gone and its holder in doubt, as
+    # tests/engine/test_late_requests.py shows, which is not this round
+    engine.settle()
+    assert not locks[0].confirming and not locks[1].confirming
     try:
         # 60 s leases from take() (a pause and the cluster's rejoin fit in them
         # on a loaded machine): a round that got through makes them 120 s

@@ -28,8 +28,11 @@ from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Enqueue
 from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
+from celery_singleton_lock.exceptions import LockLostError
 from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.testing import DelayRelay
+from celery_singleton_lock.worker.heartbeat import Heartbeat
 from tests.deployments import valkey_server_binary
 from tests.support import RedisServer, missing, wait_for
 
@@ -216,36 +219,118 @@ def test_a_grant_whose_reply_never_came_is_waited_for_not_skipped_against(setup)
     other.close()
 
 
+def _holder(keys: LockKeys, task_id: str, answer: Any, started: float) -> SingletonLock:
+    """The lock a task holds on ``answer`` (a grant), as task.py makes it."""
+    assert answer.status is Acquire.GRANTED, answer
+    return SingletonLock(keys, task_id=task_id, task_name="t.x", exec_id=f"e-{task_id}",
+                         token=answer.token, lease=60.0, started=started, held=True,
+                         hostname="w@h", confirmation=answer.confirmation)
+
+
 def test_a_grant_its_holder_heard_of_is_confirmed_for_its_whole_lease(setup) -> None:
     """A grant whose reply came in time is confirmed at once (sent without
     waiting): its lock then lives its whole lease, and another execution is
-    refused by it without waiting."""
+    refused by it without waiting. Its holder, told so when the reply is
+    read, counts on the whole lease too, past the window an unconfirmed grant
+    has."""
     server, _, engine = setup
     keys = LockKeys("singleton:", uuid.uuid4().hex)
-    assert _take(engine, keys, "heard").status is Acquire.GRANTED
+    answer = _take(engine, keys, "heard")
+    lock = _holder(keys, "heard", answer, time.monotonic())
+    assert lock.confirming and answer.confirmation is not None
     engine.settle()  # the confirmation's reply read
+    assert not lock.confirming
     assert server.client().pttl(keys.lock) > 2 * BUDGET * 1000
     refused = _take(engine, keys, "duplicate")
     assert refused.status is Acquire.HELD and not refused.unconfirmed(int(BUDGET * 1000))
+    window = answer.confirmation.until
+    wait_for(lambda: time.monotonic() > window, 10, what="an unconfirmed grant's window to pass")
+    assert not lock.lost and not lock.in_doubt
     assert engine.release(keys, "e-heard", "heard") is True
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_without_a_socket_timeout_a_grant_has_no_deadline_and_lives_its_lease(
-        servers: dict[str, RedisServer], kind: str) -> None:
-    """``socket_timeout`` None: a call waits for its reply however long, so a
-    request has no deadline and a grant no confirmation bound; the lock lives
-    the whole lease from the grant, confirmed or not."""
-    which, native = KINDS[kind]
-    server = servers[which]
-    config = dataclasses.replace(SingletonConfig.defaults(server.url(0)), native=native,
-                                 redis_options={"socket_timeout": None})
-    engine = connect(config)
-    assert isinstance(engine, LockEngine)
+def test_a_grant_whose_confirmation_is_held_up_is_in_doubt_before_redis_frees_it(
+        setup) -> None:
+    """The grant's reply comes in time, but its confirmation is held in the path
+    (a server that stalls right after the grant does the same). Redis frees
+    the unconfirmed grant at its request's deadline and one more wait; by
+    then its holder no longer counts on it (``lost``, in doubt): before, it
+    counted on the whole lease (here a minute) while another execution could
+    take the key. The confirmation, let through late, changes nothing of the
+    new holder's, and a renewal round tells the first holder it is lost."""
+    server, relay, engine = setup
+    warm = LockKeys("singleton:", uuid.uuid4().hex)  # the server's clock heard first
+    assert _take(engine, warm, "warm").status is Acquire.GRANTED
+    assert engine.release(warm, "e-warm", "warm") is True
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    send_later = engine.wire.call_later
+
+    def held_up(*args: Any, **kw: Any) -> Any:
+        relay.hold()  # from the confirmation on, nothing reaches the server
+        return send_later(*args, **kw)
+
+    engine.wire.call_later = held_up  # type: ignore[method-assign]
     try:
-        keys = LockKeys("singleton:", uuid.uuid4().hex)
-        assert engine.wire.deadline_ms(keys.lock) == 0
-        assert _take(engine, keys, "a").status is Acquire.GRANTED
-        assert 30_000 < server.client().pttl(keys.lock) <= 60_000
+        started = time.monotonic()
+        lock = _holder(keys, "first", _take(engine, keys, "first"), started)
     finally:
-        engine.close()
+        engine.wire.call_later = send_later  # type: ignore[method-assign]
+    assert relay.held and lock.confirming
+    wait_for(lambda: not server.client().exists(keys.lock), 10, interval=0.01,
+             what="the unconfirmed grant freed by Redis")
+    # the holder stopped counting on it by the time Redis freed it
+    assert lock.lost and lock.in_doubt and not lock.gone, lock
+    with pytest.raises(LockLostError, match="not confirmed in time"):
+        lock.check()
+    other = connect(dataclasses.replace(engine.config, redis_url=server.url(0)))
+    try:
+        assert _take(other, keys, "second").status is Acquire.GRANTED
+        relay.let_through()
+        engine.settle()  # the late confirmation: the key is another's now
+        assert lock.lost
+        assert server.client().get(keys.lock).split("\n")[0] == "e-second"  # type: ignore[union-attr]
+        hb = Heartbeat(engine)
+        hb.add(lock)
+        try:
+            assert hb.renew_now() is True
+            assert lock.gone and not lock.in_doubt
+        finally:
+            hb.discard(lock)
+            hb.watch.close()
+        assert other.release(keys, "e-second", "second") is True
+    finally:
+        other.close()
+
+
+def test_the_renewer_reads_a_grants_confirmation_at_once(setup) -> None:
+    """A lock handed to the renewer while its confirmation's reply is still
+    to be read has it read at once, not with the process's next lock call
+    (for a long task, its renewal a third of a lease later)."""
+    _, _, engine = setup
+    first, keys = (LockKeys("singleton:", uuid.uuid4().hex) for _ in range(2))
+    earlier = _holder(first, "early", _take(engine, first, "early"), time.monotonic())
+    engine.settle()
+    hb = Heartbeat(engine)
+    hb.add(earlier)
+    try:
+        # the renewer asleep until its round, 20 s away (a third of the lease)
+        wait_for(lambda: _asleep(hb), 10, interval=0.01, what="the renewer asleep")
+        lock = _holder(keys, "soon", _take(engine, keys, "soon"), time.monotonic())
+        assert lock.confirming
+        hb.add(lock)
+        wait_for(lambda: not lock.confirming, 10, interval=0.01,
+                 what="the confirmation read by the renewer")
+        assert not lock.lost and hb.rounds == 0
+        hb.discard(lock)
+    finally:
+        hb.discard(earlier)
+        hb.watch.close()
+    assert engine.release(keys, "e-soon", "soon") is True
+    assert engine.release(first, "e-early", "early") is True
+
+
+def _asleep(hb: Heartbeat) -> bool:
+    """The renewer waits for its round: started, nothing of the wire's left
+    to read, no read of replies planned."""
+    return (hb._sleeping is not None and hb._settle_at is None
+            and not hb.engine.wire.unsettled)

@@ -216,6 +216,79 @@ def test_a_master_paused_past_the_lease_gives_no_double_grant_and_tokens_go_up(m
     wait_for(lambda: holder_on(paused, keys) == "C", 10, what="C's grant on master 4 too")
 
 
+def _holder_of(engine: RedlockEngine, keys: LockKeys, answer: Acquired, exec_id: str,
+               started: float) -> SingletonLock:
+    """The lock a task holds on ``answer``, as task.py makes it on Redlock."""
+    assert answer.status is Acquire.GRANTED, answer
+    return SingletonLock(keys, task_id="t", task_name="t.x", exec_id=exec_id,
+                         token=answer.token, lease=30.0, started=started, held=True,
+                         hostname="w1@host", margin=engine.lease_margin(30.0),
+                         confirmation=answer.confirmation)
+
+
+def test_a_grant_confirmed_on_a_majority_counts_its_whole_lease(masters, engine):
+    """Each master's grant lives a short window until confirmed (sent without
+    waiting); once a majority of the confirmations are answered the holder
+    counts on its whole lease, past that window."""
+    keys = new_keys()
+    answer = take(engine, keys, "t", "exec-ok")
+    lock = _holder_of(engine, keys, answer, "exec-ok", time.monotonic())
+    assert lock.confirming and answer.confirmation is not None
+    engine.settle()
+    wait_for(lambda: not lock.confirming, 10, what="a majority of the confirmations read")
+    window = answer.confirmation.until
+    wait_for(lambda: time.monotonic() > window, 10, what="an unconfirmed grant's window to pass")
+    assert not lock.lost
+    assert engine.release(keys, "exec-ok", "t") is True
+
+
+def test_a_grant_whose_confirmations_a_majority_never_ran_in_time_is_in_doubt(
+        masters, engine):
+    """The confirmations of the masters' grants are held on the way (a path
+    that holds them, masters that stall, alike): the grants expire
+    unconfirmed at the end of their window, and the lock then holds on no
+    majority. By the time Redis has freed them the holder no longer counts
+    on it (in doubt); before, it counted on its whole lease. Let through late,
+    the confirmations find the key gone, and a renewal round makes the lock
+    lost for good."""
+    keys = new_keys()
+    held_up: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    restore = []
+    for master in engine.masters:
+        wire = master.engine.wire
+        send_later = wire.call_later
+
+        def hold(*args: Any, _send: Any = send_later, **kw: Any) -> None:
+            held_up.append((_send, args, kw))
+
+        wire.call_later = hold  # type: ignore[method-assign]
+        restore.append((wire, send_later))
+    try:
+        answer = take(engine, keys, "t", "exec-f")
+        # a majority decides the grant; the others' grants (and confirmations) may follow
+        wait_for(lambda: len(held_up) == len(masters), 10, what="every grant's confirmation")
+    finally:
+        for wire, send_later in restore:
+            wire.call_later = send_later  # type: ignore[method-assign]
+    lock = _holder_of(engine, keys, answer, "exec-f", time.monotonic())
+    assert lock.confirming
+    wait_for(lambda: not any(m.client(2).exists(keys.lock) for m in masters), 10,
+             interval=0.01, what="the unconfirmed grants freed by their masters")
+    # the holder stopped counting on it by the time a majority had freed it
+    assert lock.lost and lock.in_doubt and not lock.gone, lock
+    for send, args, kw in held_up:
+        send(*args, **kw)
+    engine.settle()
+    hb = Heartbeat(engine)
+    hb.add(lock)
+    try:
+        wait_for(lambda: hb.renew_now() and lock.gone, 20, interval=0.2,
+                 what="a renewal round that finds the lock gone from a majority")
+    finally:
+        hb.discard(lock)
+        hb.watch.close()
+
+
 def test_a_master_restarted_empty_gives_a_second_execution_no_majority(masters, engine):
     """A holds all five; two masters restart empty (one after the other).
     B can take only those: refused, its lone grants given back; A still

@@ -47,7 +47,16 @@ from ...config import SingletonConfig
 from ...exceptions import ConfigurationError, QuorumError
 from ...keys import LockKeys
 from ..base import Engine, Entry, Watch
-from ..replies import Acquire, Acquired, Enqueued, Reclaimed, Release, Released, Renew
+from ..replies import (
+    Acquire,
+    Acquired,
+    Confirmation,
+    Enqueued,
+    Reclaimed,
+    Release,
+    Released,
+    Renew,
+)
 from ..request import Request
 from ..server import LockEngine
 from ..servers import CLIENT_DEFAULTS, make_clients
@@ -190,7 +199,8 @@ class RedlockEngine(Engine):
                     # it there too, after its acquire (not waited for)
                     self.majority.each(lambda e: e.raise_fence(keys, exec_id, token), only=late,
                               timeout=0.0)
-                return Acquired(Acquire.GRANTED, token=token)
+                return Acquired(Acquire.GRANTED, token=token, confirmation=_of_majority(
+                    [results[i].confirmation for i in grants], quorum, started))
             self._give_back(keys, exec_id, task_id, results)
             failed = {} if carried >= quorum else self.majority.failed(
                 results, lambda r: granted(r) and r.token == token)
@@ -446,3 +456,33 @@ class RedlockEngine(Engine):
         for engine in self._engines:
             engine.wire.close()
 
+
+def _of_majority(each: list[Optional[Confirmation]], quorum: int, started: float
+                 ) -> Optional[Confirmation]:
+    """The confirmation of a grant held on a majority, from each master's
+    (None: a grant without a deadline, which lives its lease from the grant):
+    the lock is surely held until the last moment ``quorum`` of the masters'
+    grants surely are, and confirmed once ``quorum`` of them are (its lease
+    from the earliest of their confirmations); in doubt at once when too
+    few can be any more. None when a majority needs no confirmation."""
+    if sum(c is None for c in each) >= quorum:
+        return None
+    untils = sorted((float("inf") if c is None else c.until for c in each), reverse=True)
+    sent = [started if c is None else c.sent_at for c in each]
+    out = Confirmation(untils[quorum - 1], min(sent))
+    mutex = threading.Lock()
+    counts = {"renewed": sum(c is None for c in each), "other": 0}
+
+    def heard(answer: Renew, _sent_at: float) -> None:
+        with mutex:
+            counts["renewed" if answer is Renew.RENEWED else "other"] += 1
+            renewed, other = counts["renewed"], counts["other"]
+        if answer is Renew.RENEWED and renewed == quorum:
+            out.answered(Renew.RENEWED)
+        elif answer is not Renew.RENEWED and len(each) - other == quorum - 1:
+            out.answered(answer)  # a majority can no longer confirm it
+
+    for confirmation in each:
+        if confirmation is not None:
+            confirmation.listen(heard)
+    return out
