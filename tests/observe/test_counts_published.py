@@ -1,14 +1,23 @@
-"""Where a process's counts are written: to the lock Redis of the engine that
-counted them, whichever engines the process made before."""
+"""Where a process's counts and held locks are written: to the lock Redis of
+the engine that counted or holds them, whichever engines the process made
+before."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
 from typing import Any, Iterator
 
 import pytest
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.engine.registry import connect
+from celery_singleton_lock.keys import LockKeys
+from celery_singleton_lock.lock import SingletonLock
 from celery_singleton_lock.observe import monitor
 from celery_singleton_lock.observe.monitor import read_counts
 from celery_singleton_lock.testing import RedisServer
@@ -51,6 +60,95 @@ def test_two_deployments_in_one_process_each_get_their_own_counts(
             monitor.count(second, "refused", "t.second", "duplicate")
             publisher.flush()
             assert counted(second) == {("refused", "t.second"): 3}
+        finally:
+            first.close()
+            second.close()
+
+
+@pytest.fixture
+def own_publisher(monkeypatch: pytest.MonkeyPatch) -> monitor.Publisher:
+    """A publisher of the test's own as the process's, whose thread never
+    starts (a thread that is not started stands in for it): only the test's
+    flushes write, none races them with a snapshot of before."""
+    publisher = monitor.Publisher()
+    publisher._thread = threading.Thread(target=lambda: None)
+    monkeypatch.setattr(monitor, "PUBLISHER", publisher)
+    return publisher
+
+
+class Held:
+    """What a worker's renewer hands the publisher (``Heartbeat.held``): the
+    locks this process holds through one engine now."""
+
+    def __init__(self) -> None:
+        self.locks: list[SingletonLock] = []
+
+    def __call__(self) -> list[SingletonLock]:
+        return list(self.locks)
+
+
+def holding(prefix: str, task_id: str) -> SingletonLock:
+    return SingletonLock(LockKeys(prefix, uuid.uuid4().hex), task_id=task_id,
+                         task_name="t.hold", token=1, lease=300.0,
+                         started=time.monotonic(), held=True)
+
+
+def held_entries(engine: Any) -> dict[str, list[str]]:
+    """This deployment's held-locks hash, as Redis has it (stale or not):
+    field -> the task ids of its locks."""
+    raw = engine.read_hash(monitor.held_key(engine.config.key_prefix))
+    return {field: [lock["id"] for lock in json.loads(value)["locks"]]
+            for field, value in raw.items()}
+
+
+@pytest.mark.parametrize("layout", ["two servers", "two prefixes"])
+def test_each_deployments_held_locks_entry_goes_when_its_locks_end(
+        own_publisher: monitor.Publisher, layout: str) -> None:
+    """A worker process holding locks of two deployments (two lock Redis
+    servers, or two key prefixes on one) publishes each one's held locks to
+    its own hash, and removes each entry at the first flush after that
+    deployment's last lock ended: the second deployment's as well as the
+    first's (where counts of no engine go), not left for the hash's TTL
+    to end; and a deployment whose entry went shows its locks again when it
+    holds again."""
+    with contextlib.ExitStack() as stack:
+        first_server = stack.enter_context(RedisServer())
+        second_server = (first_server if layout == "two prefixes"
+                         else stack.enter_context(RedisServer()))
+        first = connect(SingletonConfig.defaults(first_server.url(2)))
+        second = connect(SingletonConfig.defaults(second_server.url(2),
+                                                  key_prefix="other:"))
+        first_held, second_held = Held(), Held()
+        field = f"{monitor.NODE.hostname}|{os.getpid()}"
+        try:
+            monitor.count(first, "acquired", "t.hold")  # the first engine counted with
+            monitor.count(second, "acquired", "t.hold")
+            own_publisher.held_from(first, first_held)
+            own_publisher.held_from(second, second_held)
+            first_held.locks = [holding("singleton:", "a")]
+            second_held.locks = [holding("other:", "b")]
+            own_publisher.flush()
+            assert held_entries(first) == {field: ["a"]}
+            assert held_entries(second) == {field: ["b"]}
+
+            second_held.locks = []  # the second deployment's last lock ended
+            own_publisher.flush()
+            assert held_entries(second) == {}  # now, not when the hash expires
+            assert held_entries(first) == {field: ["a"]}
+            own_publisher.flush()  # nothing to write for the second: still nothing
+            assert held_entries(second) == {}
+
+            second_held.locks = [holding("other:", "c")]  # it holds again: shown
+            own_publisher.flush()
+            assert held_entries(second) == {field: ["c"]}
+            second_held.locks = []
+            own_publisher.flush()
+            assert held_entries(second) == {}
+
+            first_held.locks = []  # and the first's goes the same way
+            own_publisher.flush()
+            assert held_entries(first) == {}
+            assert held_entries(second) == {}
         finally:
             first.close()
             second.close()
