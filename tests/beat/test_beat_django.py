@@ -134,7 +134,7 @@ def test_two_real_beats_over_postgresql_keep_every_rule_of_django_celery_beat(
             {"name": "every", "every": 1},
             {"name": "oneoff", "every": 2, "one_off": True},
             {"name": "later", "every": 1, "start_in": 8},
-            {"name": "expiring", "every": 1, "expires_in": 6},
+            {"name": "expiring", "every": 1, "expires_in": 10},
             {"name": "clocked", "clocked_in": 5},
         ]))
 
