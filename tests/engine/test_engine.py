@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from celery_singleton_lock import LockLostError, SingletonConfig
+from celery_singleton_lock.engine.calls import marker_task
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Enqueue, Reclaim, Release, Released
 from celery_singleton_lock.engine.request import Lease, Request
@@ -69,6 +70,30 @@ def test_grant_records_the_owner_and_a_second_task_sees_it(engine, r):
     assert other.holder.task_id == "task-a" and other.holder.exec_id == "exec-a"
     assert other.holder.pid == os.getpid() and other.holder.hostname == "w1@host"
     assert 4000 < r.pttl(keys.lock) <= 5000
+
+
+@pytest.mark.parametrize("path", [{}, {"throttle_ms": 60_000}, {"slots": 2}],
+                         ids=["run", "throttle", "limit"])
+def test_a_host_or_task_name_with_a_newline_leaves_the_record_whole(engine, r, path):
+    """docs/redis-keys.md: the owner record's fields are joined by newlines, so
+    the fields users write (the worker's host name, the task's name) go with
+    each newline made a space: the record reads back field by field, the
+    task that holds the key is named to another, and the throttle window
+    names its opener's task."""
+    keys = new_keys()
+    got = engine.acquire(keys, Request("task-a", "exec-a", Lease.of_ms(5000), "w1\n@host", 0,
+                                       "t.\nx", **path))
+    assert got.status is Acquire.GRANTED
+    owner = owner_record(r, keys.slot(got.slot).lock)
+    assert (owner["host"], owner["name"], owner["task"], owner["exec"]) == (
+        "w1 @host", "t. x", "task-a", "exec-a")
+    assert int(owner["pid"]) == os.getpid() and owner["lease"] == "5000"
+    if not path:
+        other = take(engine, keys, "task-b")
+        assert other.status is Acquire.HELD
+        assert (other.holder.task_id, other.holder.hostname) == ("task-a", "w1 @host")
+    if "throttle_ms" in path:
+        assert r.get(keys.throttle).split("\n")[::2] == ["t. x", "task-a"]
 
 
 def test_release_is_owner_checked(engine, r):
@@ -232,6 +257,42 @@ def test_a_counter_ahead_of_the_clock_is_counted_on(engine, r, slots):
     assert 300_000 < r.pttl(keys.fence) <= 5_000 + 300_000
 
 
+def test_a_counter_outlives_a_long_lease_by_a_tenth_of_it_at_least(redis_server, r):
+    """docs/fencing.md#retention: a key's fencing counter outlives its lock by
+    ``singleton_fence_ttl``, but by a tenth of the lease at least: 1 s of
+    retention under a 60 s lease keeps it 66 s, from the grant and from each
+    renewal (renew.lua counts the same), on a lock and under a limit.
+    (Without a socket timeout no confirmation renews a grant at once: the
+    TTL read first is the grant's own.)"""
+    engine = connect(SingletonConfig.defaults(redis_server.url(2), fence_ttl=1.0,
+                                              redis_options={"socket_timeout": None}))
+    try:
+        for slots in (1, 2):
+            keys = new_keys()
+            got = take(engine, keys, "task-a", "exec-a", lease_ms=60_000, slots=slots)
+            assert got.status is Acquire.GRANTED
+            assert 60_000 < r.pttl(keys.fence) <= 66_000
+            r.pexpire(keys.fence, 1_000)
+            assert engine.renew([(keys.slot(got.slot).lock, "exec-a", 60_000)]) == [1]
+            assert 60_000 < r.pttl(keys.fence) <= 66_000
+    finally:
+        engine.close()
+
+
+def test_a_renewal_keeps_the_keys_counter_whatever_the_prefix(engine, r):
+    """renew.lua extends each lock's fencing counter with its lease; the
+    counter's key is the lock's up to its last ``:lock`` (calls.fence_of),
+    so a prefix that holds ``:lock`` itself and a slot of a
+    ``singleton_limit`` (``...:lock:2``) find the key's one counter."""
+    keys = LockKeys("jobs:lock:", uuid.uuid4().hex)
+    assert take(engine, keys, "other", "e-other", lease_ms=30_000, slots=2).slot == 1
+    assert take(engine, keys, "task-a", "exec-a", lease_ms=30_000, slots=2).slot == 2
+    for lock, exec_id in ((keys.lock, "e-other"), (keys.slot(2).lock, "exec-a")):
+        r.pexpire(keys.fence, 1_000)
+        assert engine.renew([(lock, exec_id, 30_000)]) == [1]
+        assert 30_000 < r.pttl(keys.fence) <= 30_000 + 300_000
+
+
 def test_a_raised_fence_carries_a_higher_token_only_for_its_holder(engine, r):
     """fence.lua (Redlock puts the token it hands out on each master with it):
     the counter and the owner record's token go up to the token, never down,
@@ -300,6 +361,37 @@ def test_a_full_rate_window_refuses_new_task_ids_but_not_a_retry(engine, r, slot
     assert third.status is Acquire.RATE_LIMITED and third.holder.task_id == "a"
     assert 50_000 < third.reopens_ms <= 60_000
     assert take(engine, keys, "a", "e-a2", slots=slots, rate=rate, retries=1).status \
+        is Acquire.GRANTED
+
+
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_rate_of_one_start_a_window_refuses_the_next_task_id(engine, r, slots):
+    """``singleton_rate="1/m"``: one start is a rate too (config.parse_rate);
+    once a task id started, the next is refused until the window admits it,
+    on a lock and under ``singleton_limit``."""
+    keys = new_keys()
+    rate = (1, 60_000)
+    got = take(engine, keys, "a", "e-a", slots=slots, rate=rate)
+    assert got.status is Acquire.GRANTED
+    engine.release(keys.slot(got.slot), "e-a", "a", finished=False)
+    second = take(engine, keys, "b", "e-b", slots=slots, rate=rate)
+    assert second.status is Acquire.RATE_LIMITED and second.holder.task_id == "a"
+    assert 50_000 < second.reopens_ms <= 60_000
+
+
+def test_under_a_rate_a_send_replaced_while_queued_does_not_run(engine, r):
+    """``replace`` with ``singleton_rate``: acquire.lua is then given every
+    key, the superseded ids' hash among them; a task a later send replaced
+    while it was queued is told so when it starts, and the later one runs."""
+    keys = new_keys()
+    rate = (5, 60_000)
+    assert engine.enqueue(keys, "x", "queue", 5000, "t.x", replace=(0, 0)).status \
+        == Enqueue.TAKEN
+    assert engine.enqueue(keys, "y", "queue", 5000, "t.x", replace=(0, 0)).status \
+        == Enqueue.REPLACED
+    late = take(engine, keys, "x", "e-x", scope="queue", replace=True, rate=rate)
+    assert late.status is Acquire.REPLACED and late.holder.task_id == "y"
+    assert take(engine, keys, "y", "e-y", scope="queue", replace=True, rate=rate).status \
         is Acquire.GRANTED
 
 
@@ -767,6 +859,20 @@ def test_queue_marker_passes_to_its_execution_and_refuses_others(engine, r):
     assert engine.enqueue(keys, "q3", "queue", 5000).status == Enqueue.TAKEN
     assert engine.unqueue(keys, "q-other") is False
     assert engine.unqueue(keys, "q3") is True
+
+
+def test_queued_by_names_the_task_whose_send_took_the_key(engine, r):
+    """``queued_by``: the id of the task whose send took the key, from the
+    send-time marker (its task's name, a newline, its id: an id may hold any
+    character, a newline too); a marker left by 0.1.0 holds the id alone
+    (CHANGELOG), read as an id with no name; no marker: ''."""
+    keys = new_keys()
+    assert engine.queued_by(keys) == ""
+    assert engine.enqueue(keys, "order\n42", "queue", 5000, "t.x").status == Enqueue.TAKEN
+    assert engine.queued_by(keys) == "order\n42"
+    r.set(keys.queued, "sent-by-0.1", px=5000)
+    assert engine.queued_by(keys) == "sent-by-0.1"
+    assert marker_task("sent-by-0.1") == ("", "sent-by-0.1")
 
 
 @pytest.mark.parametrize("scope", ["queue", "queue_and_run"])
@@ -1280,6 +1386,24 @@ def test_a_lock_granted_ahead_of_the_clock_is_written_back_above_its_token(engin
     assert int(owner_field(r, keys.lock, "token")) == held + 1
 
 
+def test_a_lock_written_back_keeps_its_finish_ttl(engine, r):
+    """reclaim.lua writes the owner record anew with the fields a grant
+    writes, the finish marker's TTL among them (release.lua reads it there):
+    a copy that waited on a lock written back is dropped by the finish
+    marker its release leaves, which lives ``singleton_finished_ttl`` (60 s
+    here)."""
+    keys = new_keys()
+    held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000).token
+    r.delete(keys.lock, keys.fence)  # forgotten, as by a server restarted empty
+    assert engine.reclaim(keys, *reclaim_args("task-a", "exec-a", held)).status \
+        is Reclaim.WRITTEN_BACK
+    assert owner_field(r, keys.lock, "fin") == "60000"
+    assert take(engine, keys, "task-a", "exec-copy").status is Acquire.SAME_TASK
+    assert engine.release(keys, "exec-a", "task-a") is True
+    assert r.get(keys.fin) == "task-a" and 30_000 < r.pttl(keys.fin) <= 60_000
+    assert take(engine, keys, "task-a", "exec-copy").status is Acquire.FINISHED
+
+
 def test_slots_written_back_ahead_of_the_clock_each_come_above_the_counter(engine, r):
     """``singleton_limit``: two slots granted ahead of the clock, forgotten with
     their counter. The later-granted slot is written back first and recreates
@@ -1454,18 +1578,20 @@ def test_a_write_back_leaves_the_lease_the_counters_retention_and_the_back_hash(
     """reclaim.lua's TTLs: a lock written back lives its lease; its counter the
     lease and the retention (``singleton_fence_ttl``, 300 s by default); the
     ``back`` hash a lease and a second. A holder's key found still its own has
-    its lease renewed to the lease asked for, no longer."""
-    from celery_singleton_lock.engine.calls import back_ms, fence_ttl_ms
-
+    its lease renewed to the lease asked for, no longer. (The figures are
+    written out: ``back_ms`` and ``fence_ttl_ms`` are what is checked.)"""
     keys = new_keys()
     held = take(engine, keys, "task-a", "exec-a", lease_ms=30_000).token
     r.delete(keys.lock, keys.fence)  # forgotten, as by a server restarted empty
+    sent = time.monotonic()
     back = engine.reclaim(keys, *reclaim_args("task-a", "exec-a", held))
+    back_left = r.pttl(keys.back)
+    since_ms = (time.monotonic() - sent) * 1000
     assert back.status is Reclaim.WRITTEN_BACK
+    # a lease and a second, less only the time it took to ask
+    assert 31_000 - since_ms - 1 <= back_left <= 31_000
     assert 20_000 < r.pttl(keys.lock) <= 30_000
-    counter = fence_ttl_ms(30_000, 300_000)
-    assert counter - 10_000 < r.pttl(keys.fence) <= counter
-    assert back_ms(30_000) - 10_000 < r.pttl(keys.back) <= back_ms(30_000)
+    assert 30_000 + 300_000 - 10_000 < r.pttl(keys.fence) <= 30_000 + 300_000
     r.pexpire(keys.lock, 5_000)
     again = engine.reclaim(keys, *reclaim_args("task-a", "exec-a", held))
     assert again.status is Reclaim.OURS and 20_000 < r.pttl(keys.lock) <= 30_000

@@ -1,5 +1,7 @@
 """A pool child forked while a thread of the main process was inside one of our
-critical sections starts free; a long Redis outage leaves no connection behind.
+critical sections starts free; a long Redis outage leaves no connection behind;
+through an outage (engine/outage.py) calls fail at once, what is owed goes
+once the server answers, and a probe that hears nothing gives up.
 
 Engine-level and process-level proofs; the real-worker forms are in test_chaos.py.
 """
@@ -9,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import select
 import signal
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -20,13 +24,19 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfig, SingletonTask
+from celery_singleton_lock.engine.outage import (
+    RedisUnanswered,
+    failing_over,
+    owed_on,
+    unreachable,
+)
 from celery_singleton_lock.engine.registry import connect, engine_for
-from celery_singleton_lock.engine.replies import Acquire
+from celery_singleton_lock.engine.replies import Acquire, Release, Released
 from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.process import ForkSafeLock
-from tests.support import RedisServer, wait_for
+from tests.support import RedisServer, free_port, wait_for
 
 
 def take(engine: LockEngine, keys: LockKeys, task_id: str) -> Any:
@@ -214,3 +224,226 @@ def test_children_forked_while_a_thread_makes_engines_make_their_own_at_once():
         stop.set()
         thread.join(5)
     assert codes == [0] * 40
+
+
+class Answers:
+    """``answered`` of a release sent without waiting: what it was told."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[Any, Any]] = []
+        self.told = threading.Event()
+
+    def __call__(self, released: Any, error: Any) -> None:
+        self.got.append((released, error))
+        self.told.set()
+
+
+def ask(engine: LockEngine, keys: LockKeys, task_id: str, exec_id: str) -> Any:
+    return engine.acquire(keys, Request(task_id=task_id, exec_id=exec_id,
+                                        lease=Lease.of_ms(30_000), hostname="h", retries=0,
+                                        task_name="t.x"))
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def held_then_stopped(own_redis: RedisServer) -> tuple[Any, LockKeys]:
+    """An engine holding a lock (its confirmation read) on ``own_redis``,
+    then the server stopped (kill -9)."""
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
+    held = LockKeys("singleton:", uuid.uuid4().hex)
+    try:
+        assert ask(engine, held, "a", "ea").status is Acquire.GRANTED
+        engine.settle()
+    except BaseException:
+        engine.close()
+        raise
+    own_redis.stop()
+    return engine, held
+
+
+def test_calls_to_a_stopped_redis_fail_at_once_and_what_is_owed_goes_once_it_answers(
+        own_redis: RedisServer):
+    """engine/outage.py: the first call to a stopped server finds it refusing
+    (an outage that is not silent: nothing was read); every later call fails
+    at once, naming the server, without a connection made; an acquire that
+    failed is owed as its undo (sent twice) and a release sent without
+    waiting is owed; once the server answers, the owed calls go, in one
+    outage, the release is told its answer as a repeat, and calls go through.
+    A second outage of the same wire is waited out the same way."""
+    engine, held = held_then_stopped(own_redis)
+    try:
+        with pytest.raises(redis.ConnectionError) as first:
+            ask(engine, LockKeys("singleton:", uuid.uuid4().hex), "b", "eb")
+        assert not isinstance(first.value, RedisUnanswered)
+        outage = engine.wire.outage
+        assert (outage.down, outage.silent, outage.count, outage.owed) == (True, False, 1, 1)
+        made = engine.wire.connections
+        for _ in range(3):
+            with pytest.raises(RedisUnanswered) as unanswered:
+                ask(engine, LockKeys("singleton:", uuid.uuid4().hex), "c", "ec")
+            told = re.match(f"the lock Redis at {re.escape(engine.wire.name)} has not answered "
+                            r"for (\d+\.\d) s", str(unanswered.value))
+            assert told and float(told.group(1)) < 60  # since it began
+        assert engine.wire.connections == made and outage.owed == 1
+        answers = Answers()
+        engine.release_later(held, "ea", "a", answers)  # never raises into the task
+        assert outage.owed == 2 and answers.got == []
+        own_redis.start()  # same port, empty: every owed call finds its key free
+        assert answers.told.wait(15), "the owed release was never sent"
+        wait_for(lambda: not outage.down, 5, what="calls to go through again")
+        assert answers.got == [(Released(Release.FREE, repeated=True), None)]
+        assert (outage.owed, outage.count, outage.since) == (0, 1, None)
+        # on the fresh server: the undo twice, the release once, nothing else
+        assert evalsha_calls(own_redis.client(0)) == 3
+        assert ask(engine, held, "d", "ed").status is Acquire.GRANTED
+        engine.settle()
+        # a second outage of the same wire is waited out the same way
+        own_redis.stop()
+        with pytest.raises(redis.ConnectionError):
+            ask(engine, LockKeys("singleton:", uuid.uuid4().hex), "e", "ee")
+        assert (outage.down, outage.count) == (True, 2)
+        own_redis.start()
+        wait_for(lambda: not outage.down, 15, what="calls to go through after the second")
+        assert ask(engine, held, "f", "ef").status is Acquire.GRANTED
+    finally:
+        engine.close()
+
+
+def test_an_acquire_a_frozen_redis_did_not_answer_is_undone_once_it_runs(
+        own_redis: RedisServer):
+    """A frozen server (SIGSTOP) reads nothing, and runs what is in its
+    buffers once it runs again: the acquire whose reply did not come in time
+    begins a silent outage, and is undone twice (the second after the first
+    one's reply), so nothing of it is left; a release owed meanwhile goes
+    too. The server's own counts: the abandoned acquire, two undos, the
+    release."""
+    engine = connect(SingletonConfig.defaults(own_redis.url(0),
+                                              redis_options={"socket_timeout": 0.5}))
+    held, lost = (LockKeys("singleton:", uuid.uuid4().hex) for _ in range(2))
+    client = own_redis.client(0)
+    try:
+        assert ask(engine, held, "a", "ea").status is Acquire.GRANTED
+        engine.settle()
+        before = evalsha_calls(client)
+        own_redis.pause()
+        try:
+            with pytest.raises(redis.TimeoutError):
+                ask(engine, lost, "b", "eb")
+            outage = engine.wire.outage
+            assert (outage.down, outage.silent, outage.owed) == (True, True, 1)
+            with pytest.raises(RedisUnanswered):
+                ask(engine, lost, "b", "eb2")
+            answers = Answers()
+            engine.release_later(held, "ea", "a", answers)
+            assert outage.owed == 2
+        finally:
+            own_redis.resume()
+        assert answers.told.wait(15), "the owed release was never sent"
+        wait_for(lambda: not outage.down, 5, what="calls to go through again")
+        assert answers.got == [(Released(Release.RELEASED, repeated=True), None)]
+        assert not client.exists(held.lock) and not client.exists(lost.lock)
+        assert evalsha_calls(client) - before == 4
+    finally:
+        engine.close()
+
+
+def test_an_outage_with_calls_owed_is_given_up_five_times_later_and_they_are_told(
+        own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch):
+    """A server that does not come back: the probe gives up after
+    ``PROBE_GIVE_UP`` (shortened here), five times as long with calls owed;
+    each owed call's ``answered`` is told it was not sent (a ConnectionError
+    naming the server), and the next call tries for real."""
+    from celery_singleton_lock.engine import outage as outage_module
+
+    monkeypatch.setattr(outage_module, "PROBE_GIVE_UP", 0.3)
+    engine, held = held_then_stopped(own_redis)
+    try:
+        answers = Answers()
+        began = time.monotonic()
+        engine.release_later(held, "ea", "a", answers)
+        engine.settle()  # it met the connection the server closed: sent again, refused
+        outage = engine.wire.outage
+        assert outage.down and outage.owed == 1
+        assert answers.told.wait(20), "the owed release was never given up"
+        assert time.monotonic() - began >= 5 * 0.3
+        ((released, error),) = answers.got
+        assert released is None and isinstance(error, redis.ConnectionError)
+        told = re.match(f"the lock Redis at {re.escape(engine.wire.name)} did not answer "
+                        r"for (\d+) s", str(error))
+        assert told and int(told.group(1)) < 60  # since it began
+        wait_for(lambda: not outage.down, 5, what="the outage given up")
+        assert outage.owed == 0
+        with pytest.raises(redis.ConnectionError) as again:
+            ask(engine, LockKeys("singleton:", uuid.uuid4().hex), "b", "eb")
+        assert not isinstance(again.value, RedisUnanswered), "not tried for real"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("error,unanswered,over", [
+    (redis.ConnectionError("Connection refused"), True, False),
+    (redis.TimeoutError("Timeout reading from socket"), True, False),
+    (redis.AuthenticationError("invalid password"), False, False),
+    (redis.exceptions.AuthorizationError("NOPERM"), False, False),
+    (redis.exceptions.MaxConnectionsError("Too many connections"), False, False),
+    (redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"), False, True),
+    (redis.exceptions.TryAgainError("TRYAGAIN Multiple keys request during rehashing"),
+     False, True),
+    (redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
+     False, True),
+    # a ConnectionError to redis-py, and a failover's (a restart's) answer
+    (redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"), True, True),
+    (redis.ResponseError("MASTERDOWN Link with MASTER is down"), False, True),
+    (redis.ResponseError("LOADING Redis is loading the dataset in memory"), False, True),
+    (redis.ResponseError("READONLY You can't write against a read only replica."),
+     False, True),
+    (redis.ResponseError("ERR Error running script"), False, False),
+    (redis.ResponseError("NOSCRIPT No matching script"), False, False),
+    (redis.ResponseError("WRONGTYPE Operation against a key"), False, False),
+    (ValueError("CLUSTERDOWN"), False, False),
+], ids=lambda v: (f"{type(v).__name__}-{str(v).split(' ', 1)[0]}" if isinstance(v, Exception)
+                  else "yes" if v else "no"))
+def test_what_begins_an_outage_and_what_is_sent_again(error: Exception, unanswered: bool,
+                                                      over: bool) -> None:
+    """engine/outage.py: no answer (refused, timed out) and a failover's
+    answer (redis-py's classes, or an older one's plain ResponseError whose
+    text starts with the code) keep an owner-checked call for later; an error
+    that shows the server answered (a wrong password, a refused user, a full
+    client table) or refused the call itself does not."""
+    assert unreachable(error) is unanswered
+    assert failing_over(error) is over
+    assert owed_on(error) is (unanswered or over)
+
+
+def test_a_release_a_demoted_primary_refuses_is_sent_again_once_it_takes_writes(
+        own_redis: RedisServer):
+    """A failover's answer: the primary, demoted to a replica (``REPLICAOF``
+    a primary that is nowhere), answers READONLY; the release did not run.
+    It is owed, and sent again every little while the server answers the
+    probe but refuses it (calls fail at once meanwhile), until the server is
+    a primary again: then it frees the key, and calls go through."""
+    engine = connect(SingletonConfig.defaults(own_redis.url(0)))
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    client = own_redis.client(0)
+    try:
+        assert ask(engine, keys, "a", "ea").status is Acquire.GRANTED
+        engine.settle()
+        client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        before = evalsha_calls(client)
+        with pytest.raises(redis.exceptions.ReadOnlyError):
+            engine.release(keys, "ea", "a")
+        outage = engine.wire.outage
+        assert (outage.down, outage.silent, outage.owed) == (True, False, 1)
+        with pytest.raises(RedisUnanswered):
+            ask(engine, LockKeys("singleton:", uuid.uuid4().hex), "b", "eb")
+        wait_for(lambda: evalsha_calls(client) >= before + 3, 10,
+                 what="the owed release sent again, and refused again")
+        assert client.exists(keys.lock) and outage.down and outage.owed == 1
+        client.execute_command("REPLICAOF", "NO", "ONE")
+        wait_for(lambda: not outage.down, 10, what="the owed release taken")
+        assert not client.exists(keys.lock) and outage.owed == 0
+        assert ask(engine, keys, "c", "ec").status is Acquire.GRANTED
+    finally:
+        engine.close()
