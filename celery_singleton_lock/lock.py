@@ -139,6 +139,11 @@ class SingletonLock:
                 and self._clock() > doubt)
 
     @property
+    def confirm_until(self) -> Optional[float]:
+        """While :attr:`confirming`: when the grant's window ends (monotonic)."""
+        return self._doubt_after if self.confirming else None
+
+    @property
     def confirming(self) -> bool:
         """The grant's confirmation has not said yet that the lock is ours."""
         return self._doubt_after is not None and self._lost_reason is None

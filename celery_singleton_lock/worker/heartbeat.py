@@ -81,16 +81,22 @@ class Heartbeat:
 
     def add(self, lock: SingletonLock) -> None:
         """Renew ``lock`` from now on. A grant whose confirmation is still to be
-        read has it read at once (:meth:`_step` settles), not with the
-        process's next lock call, which may be the task's release: until then
-        the lock counts only on the grant's short window."""
+        read has it read within :data:`SETTLE_WITHIN`, or half of what is left
+        of the grant's short window if that is sooner (:meth:`_step` settles),
+        not only with the process's next lock call: a long task makes none
+        until its renewal, and until the answer is read the lock counts only
+        on that window. One wake-up serves every lock taken meanwhile; a short
+        task's release reads the answer first anyway."""
         with self._mutex.lock:
             self._held[id(lock)] = lock
-            now = time.monotonic()
-            if lock.confirming and (self._settle_at is None or self._settle_at > now):
-                self._settle_at = now
-                if self._thread is not None:
-                    os.write(self._wake_w, b"s")
+            until = lock.confirm_until
+            if until is not None:
+                now = time.monotonic()
+                due = now + max(min(SETTLE_WITHIN, (until - now) / 2), 0.0)
+                if self._settle_at is None or self._settle_at > due:
+                    self._settle_at = due  # the renewer's wait is shortened to it
+                    if self._thread is not None:
+                        os.write(self._wake_w, b"s")
             if self._thread is None:  # set back to None if the renewer ever ends
                 self._thread = threading.Thread(
                     target=self._run, name="singleton-heartbeat", daemon=True
