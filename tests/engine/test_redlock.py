@@ -106,14 +106,10 @@ def answers(server: RedisServer) -> bool:
         return False
 
 
-def test_a_majority_won_after_the_validity_time_is_given_back_everywhere(
-        masters, engine, monkeypatch):
-    """docs/deployments.md: a grant won by a majority only once the validity
-    time (the lease less the drift allowed) had passed is no grant: by then a
-    master's copy may have expired and another holder won. It is given back
-    on every master and the caller told why; the next task is granted. The
-    engine's clock is moved on a lease between the majority's answers and the
-    decision (a process stalled there)."""
+def stall_after_the_majority(engine: RedlockEngine, monkeypatch: pytest.MonkeyPatch,
+                             seconds: float) -> None:
+    """The engine's clock moved on ``seconds`` between the majority's answers
+    (once the token is carried) and the decision: a process stalled there."""
     import celery_singleton_lock.engine.redlock.engine as module
 
     real_carry, stalled = engine._carry, []
@@ -129,10 +125,21 @@ def test_a_majority_won_after_the_validity_time_is_given_back_everywhere(
 
         @staticmethod
         def monotonic() -> float:
-            return time.monotonic() + (31.0 if stalled else 0.0)
+            return time.monotonic() + (seconds if stalled else 0.0)
 
     monkeypatch.setattr(engine, "_carry", carry_then_stall)
     monkeypatch.setattr(module, "time", Clock())
+
+
+def test_a_majority_won_after_the_validity_time_is_given_back_everywhere(
+        masters, engine, monkeypatch):
+    """docs/deployments.md: a grant won by a majority only once the validity
+    time (the lease less the drift allowed) had passed is no grant: by then a
+    master's copy may have expired and another holder won. It is given back
+    on every master and the caller told why; the next task is granted. The
+    engine's clock is moved on a lease between the majority's answers and the
+    decision (a process stalled there)."""
+    stall_after_the_majority(engine, monkeypatch, 31.0)
     keys = new_keys()
     with pytest.raises(QuorumError, match="too late"):
         take(engine, keys, "stalled")
@@ -560,6 +567,343 @@ def test_a_release_sent_without_waiting_is_answered_once(masters, engine):
     engine.settle()
     wait_for(lambda: told, 5, what="the release's answer")
     assert told == [(Released(Release.RELEASED), None)]
+
+
+def test_a_release_sent_without_waiting_is_answered_as_most_masters_found_the_key(
+        masters, engine, monkeypatch):
+    """docs/concepts.md: the reply of a release sent without waiting, read
+    later, tells the task its lock was lost when the lease had run out or
+    another execution had the key. On Redlock the answer is what most masters
+    found, told once: gone from three of five (two freed it) is FREE, another
+    execution's on three is TAKEN; with two masters failing and the key gone
+    from the three that answer, FREE (three answers are a majority); with
+    three failing, a QuorumError. A master's failure is its engine's answer
+    to the release (a connection error), as its outage gives up."""
+    def release_later(keys: LockKeys) -> tuple[Optional[Released], Optional[Exception]]:
+        told: list[tuple[Optional[Released], Optional[Exception]]] = []
+        got = threading.Event()
+
+        def answered(reply: Optional[Released], error: Optional[Exception]) -> None:
+            told.append((reply, error))
+            got.set()
+
+        engine.release_later(keys, "exec-a", "A", answered)
+        engine.settle()  # each master's thread reads the reply it owes
+        assert got.wait(30), "no answer"
+        # every master's reply read (a call queued behind each settle)
+        engine.settle()
+        assert engine.majority.each(lambda e: True, timeout=30) == [True] * len(masters)
+        assert len(told) == 1, told
+        return told[0]
+
+    def taken_everywhere(keys: LockKeys) -> None:
+        assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED
+        wait_for(lambda: all(holder_on(s, keys) == "A" for s in masters), 5,
+                 what="the grant on every master")
+
+    gone, other, fewer, failing = new_keys(), new_keys(), new_keys(), new_keys()
+    for keys in (gone, other, fewer, failing):
+        taken_everywhere(keys)
+    for s in masters[:3]:
+        s.client(2).delete(gone.lock, other.lock, fewer.lock)
+    for m in engine.masters[:3]:
+        assert take(m.engine, other, "B", "exec-b").status is Acquire.GRANTED
+    assert release_later(gone) == (Released(Release.FREE), None)
+    assert release_later(other) == (Released(Release.TAKEN), None)
+
+    def fails(keys: LockKeys, exec_id: str, task_id: str, answered: Any, **_: Any) -> None:
+        answered(None, redis.ConnectionError("down"))
+
+    def raises(*args: Any, **kw: Any) -> None:
+        raise redis.ConnectionError("refused")
+
+    for m in engine.masters[3:]:
+        monkeypatch.setattr(m.engine, "release_later", fails)
+    assert release_later(fewer) == (Released(Release.FREE), None)
+    monkeypatch.setattr(engine.masters[2].engine, "release_later", raises)
+    reply, error = release_later(failing)
+    assert reply is None and isinstance(error, QuorumError), (reply, error)
+    assert sorted(error.failed) == sorted(f"127.0.0.1:{s.port}" for s in masters[2:]), error
+    assert "refused" in error.failed[f"127.0.0.1:{masters[2].port}"], error.failed
+    assert (error.answered, error.needed) == (2, 3), str(error)
+
+
+def test_a_release_sent_without_waiting_leaves_on_every_master_what_the_task_asked(
+        masters, engine):
+    """The end of a task on Redlock (task.py sends its release without
+    waiting) leaves on every master what it leaves on one server: the done
+    window (``singleton_done_ttl``: the task's name and id) and, for an
+    ``acks_late`` task, the finish record that drops a redelivered copy;
+    a release that is not a finish leaves neither."""
+    def release(keys: LockKeys, **kw: Any) -> None:
+        told: list[Any] = []
+        engine.release_later(keys, "exec-a", "A", lambda *a: told.append(a), **kw)
+        engine.settle()
+        wait_for(lambda: told, 10, what="the release's answer")
+        engine.settle()
+        assert engine.majority.each(lambda e: True, timeout=30) == [True] * len(masters)
+        assert told == [(Released(Release.RELEASED), None)], told
+
+    done, unfinished = new_keys(), new_keys()
+    for keys in (done, unfinished):
+        assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED
+        wait_for(lambda keys=keys: all(holder_on(s, keys) == "A" for s in masters), 5,
+                 what="the grant on every master")
+    release(done, always_record=True, done_ms=60_000, task_name="t.x", finished=True)
+    release(unfinished, always_record=True, done_ms=0, task_name="t.x", finished=False)
+    for s in masters:
+        c = s.client(2)
+        assert c.get(done.done) == "t.x\nA" and 0 < c.pttl(done.done) <= 60_000
+        assert c.get(done.fin) == "A"
+        assert not c.exists(done.lock, unfinished.lock, unfinished.fin, unfinished.done)
+
+
+def test_a_token_is_handed_out_only_once_a_majority_carries_it(masters, engine, monkeypatch):
+    """docs/deployments.md: the token a grant hands out is the largest of its
+    majority's, written as the counter of every granting master that gave
+    less, and handed out only once a majority carries it. Each master's
+    counter is set apart so that their grants differ; every write of the
+    token but the first one (then the first two) is held until the acquire
+    has answered: with the master that gave it and one more, two of five
+    carry it, and the acquire raises once its time is up, the grant given
+    back; with two more, three carry it and it is granted at once, each of
+    the three holding the token."""
+    held_up = threading.Event()
+    let_through = [0]
+    mutex = threading.Lock()
+    for m in engine.masters:
+        real = m.engine.raise_fence
+
+        def raise_fence(keys: LockKeys, exec_id: str, token: int, _real: Any = real) -> bool:
+            with mutex:
+                go = let_through[0] > 0
+                let_through[0] -= 1
+            if not go:
+                assert held_up.wait(60)
+            return bool(_real(keys, exec_id, token))
+
+        monkeypatch.setattr(m.engine, "raise_fence", raise_fence)
+
+    def counters_apart(keys: LockKeys) -> None:
+        for n, s in enumerate(masters):
+            s.client(2).set(keys.fence, 4 * 10**15 + 1000 * n, px=600_000)
+
+    short = new_keys()
+    counters_apart(short)
+    let_through[0] = 1
+    try:
+        with pytest.raises(QuorumError, match="could not be put on a majority"):
+            take(engine, short, "A", "exec-a")
+    finally:
+        held_up.set()
+    wait_for(lambda: all(holder_on(s, short) is None for s in masters), 10,
+             what="the grant given back on every master")
+
+    held_up.clear()
+    keys = new_keys()
+    counters_apart(keys)
+    let_through[0] = 2
+    try:
+        got = take(engine, keys, "B", "exec-b")
+        assert got.status is Acquire.GRANTED
+        carrying = [n for n, s in enumerate(masters)
+                    if int(s.client(2).get(keys.fence)) >= got.token]
+        assert len(carrying) >= 3, (got.token, carrying)
+    finally:
+        held_up.set()
+    assert engine.release(keys, "exec-b", "B") is True
+
+
+def test_a_refusal_names_the_execution_most_masters_hold_the_key_for(
+        masters, engine, monkeypatch):
+    """docs/deployments.md: a refused acquire's answer is the refusal a
+    majority gave, its holder named. Two executions of one task id (a
+    redelivered copy) hold the key: the first on master 0, the second on
+    masters 2 to 4; master 1 is free. However the refusals come, the second
+    is named; master 0 answers first (the others wait for it), so naming the
+    first answer would name the first execution."""
+    keys = new_keys()
+    assert take(engine.masters[0].engine, keys, "T", "exec-x").status is Acquire.GRANTED
+    for m in engine.masters[2:]:
+        assert take(m.engine, keys, "T", "exec-y").status is Acquire.GRANTED
+    first_answered = threading.Event()
+    real = engine.masters[0].engine.acquire
+
+    def first(*args: Any, **kw: Any) -> Any:
+        try:
+            return real(*args, **kw)
+        finally:
+            first_answered.set()
+
+    monkeypatch.setattr(engine.masters[0].engine, "acquire", first)
+    for m in engine.masters[2:]:
+        def after_first(*args: Any, _real: Any = m.engine.acquire, **kw: Any) -> Any:
+            assert first_answered.wait(30)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(m.engine, "acquire", after_first)
+    answer = take(engine, keys, "U", "exec-u")
+    assert answer.status is Acquire.HELD, answer
+    assert (answer.holder.task_id, answer.holder.exec_id) == ("T", "exec-y"), answer.holder
+    monkeypatch.undo()
+    wait_for(lambda: holder_on(masters[1], keys) is None, 5,
+             what="the lone grant on master 1 given back")
+
+
+def test_the_owner_is_read_from_a_bare_majority_and_fewer_is_an_error_naming_the_rest(
+        masters, engine):
+    """docs/deployments.md: ``celery singleton release`` asks every master who
+    holds the key. With two of five stopped the three left are a majority and
+    name the holder; with three stopped, a QuorumError names the three, two
+    having answered of the three needed."""
+    keys = new_keys()
+    assert take(engine, keys, "A", "exec-a").status is Acquire.GRANTED
+    for s in masters[:2]:
+        s.stop()
+    record = engine.owner(keys)
+    assert (record["task"], record["exec"]) == ("A", "exec-a"), record
+    masters[2].stop()
+    with pytest.raises(QuorumError, match="reading the owner of") as info:
+        engine.owner(keys)
+    assert sorted(info.value.failed) == sorted(f"127.0.0.1:{s.port}" for s in masters[:3])
+    assert (info.value.answered, info.value.needed) == (2, 3), str(info.value)
+
+
+def test_a_grants_confirmation_is_its_majoritys():
+    """A grant on Redlock is confirmed once a majority of its masters'
+    confirmations found it (its lease from the earliest of them), in doubt
+    once too few can, and told each once; until then the holder counts on it
+    until the last moment a majority of the masters' grants surely live (the
+    third latest of five windows, the third latest of four). A master's grant
+    without a deadline (no confirmation) counts as confirmed, living its lease
+    from the grant; a majority of them needs no confirmation at all."""
+    from celery_singleton_lock.engine.redlock.engine import _of_majority
+    from celery_singleton_lock.engine.replies import Confirmation
+
+    def heard(out: Any) -> list[Renew]:
+        told: list[Renew] = []
+        out.listen(lambda answer, _sent_at: told.append(answer))
+        return told
+
+    each = [Confirmation(10.0 + n, 1.0 + n) for n in range(5)]
+    out = _of_majority(each, 3, 100.0)
+    assert (out.until, out.sent_at) == (12.0, 1.0)
+    told = heard(out)
+    for n, answer, after in [(0, Renew.RENEWED, []), (1, Renew.RENEWED, []),
+                             (2, Renew.ABSENT, []), (3, Renew.RENEWED, [Renew.RENEWED]),
+                             (4, Renew.ABSENT, [Renew.RENEWED])]:
+        each[n].answered(answer)
+        assert told == after, (n, told)
+
+    each = [Confirmation(10.0 + n, 1.0 + n) for n in range(5)]
+    told = heard(_of_majority(each, 3, 100.0))
+    for n, answer, after in [(0, Renew.ABSENT, []), (1, Renew.RENEWED, []),
+                             (2, Renew.ABSENT, []), (3, Renew.ABSENT, [Renew.ABSENT]),
+                             (4, Renew.RENEWED, [Renew.ABSENT])]:
+        each[n].answered(answer)
+        assert told == after, (n, told)
+
+    assert _of_majority([Confirmation(10.0 + n, 1.0) for n in range(4)], 3, 100.0).until == 11.0
+
+    each = [None] + [Confirmation(10.0 + n, 2.0 + n) for n in range(4)]
+    out = _of_majority(each, 3, 100.0)
+    assert (out.until, out.sent_at) == (12.0, 2.0)
+    told = heard(out)
+    each[1].answered(Renew.RENEWED)
+    assert told == []
+    each[2].answered(Renew.RENEWED)
+    assert told == [Renew.RENEWED]
+    assert _of_majority([None, None, None, Confirmation(10.0, 1.0), Confirmation(11.0, 1.0)],
+                        3, 100.0) is None
+    assert _of_majority([None, None, Confirmation(10.0, 1.0), Confirmation(11.0, 1.0),
+                         Confirmation(12.0, 1.0)], 3, 100.0) is not None
+
+
+@pytest.mark.parametrize("stall,granted", [(3562.2, True), (3582.0, False)])
+def test_a_grant_is_given_only_within_the_validity_time(masters, engine, monkeypatch,
+                                                        stall, granted):
+    """docs/deployments.md: an acquire is granted when a majority granted and
+    the time since the request left is below the lease less the drift allowed
+    (1 % of it plus 2 ms: 36.002 s of a lease of an hour). The engine's clock
+    is moved on between the majority's answers and the decision: 1.8 s short
+    of the validity time the grant stands; 18 s past it, though still within
+    the lease, it is given back."""
+    assert engine.lease_margin(3600.0) == pytest.approx(36.002, abs=1e-9)
+    assert engine.lease_margin(30.0) == pytest.approx(0.302, abs=1e-9)
+    stall_after_the_majority(engine, monkeypatch, stall)
+    keys = new_keys()
+    if granted:
+        assert take(engine, keys, "A", "exec-a", lease_ms=3_600_000).status is Acquire.GRANTED
+        monkeypatch.undo()
+        assert engine.release(keys, "exec-a", "A") is True
+    else:
+        with pytest.raises(QuorumError, match="too late"):
+            take(engine, keys, "A", "exec-a", lease_ms=3_600_000)
+        monkeypatch.undo()
+        wait_for(lambda: all(holder_on(m, keys) is None for m in masters), 10, interval=0.01,
+                 what="the grant given back on every master")
+
+
+def test_a_master_that_grants_after_the_decision_gets_the_token_too(masters, engine,
+                                                                     monkeypatch):
+    """docs/deployments.md: a master that had not answered when a majority
+    decided the grant gets the token as its counter too, not waited for. Four
+    masters' counters are set far above master 4's; master 4's acquire is held
+    until the grant is handed out, then grants below the token: its counter is
+    raised to it after."""
+    keys = new_keys()
+    for s in masters[:4]:
+        s.client(2).set(keys.fence, 4 * 10**15, px=600_000)
+    go = threading.Event()
+    real = engine.masters[4].engine.acquire
+
+    def late(*args: Any, **kw: Any) -> Any:
+        assert go.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine.masters[4].engine, "acquire", late)
+    try:
+        got = take(engine, keys, "A", "exec-a")
+    finally:
+        go.set()
+    assert got.status is Acquire.GRANTED and got.token > 4 * 10**15
+    late_master = masters[4].client(2)
+    wait_for(lambda: holder_on(masters[4], keys) == "A"
+             and int(late_master.get(keys.fence) or 0) >= got.token, 10,
+             what="the late grant's counter raised to the token")
+    assert int(owner_field(late_master, keys.lock, "token") or 0) >= got.token
+    assert engine.release(keys, "exec-a", "A") is True
+
+
+@pytest.mark.parametrize("request_", [{"slots": 2}, {"replace": True}])
+def test_slots_and_replace_are_refused_by_the_redlock_engine_itself(engine, request_):
+    """A limit of two slots or a replacing send cannot hold on a majority (each
+    master would grant its own slot): the engine refuses them too, naming the
+    setting, whatever let them through."""
+    from celery_singleton_lock.exceptions import ConfigurationError
+
+    request = Request(task_id="A", exec_id="exec-a", lease=Lease.of_ms(30_000), **request_)
+    with pytest.raises(ConfigurationError) as info:
+        engine.acquire(new_keys(), request)
+    assert info.value.setting == ("singleton_limit" if "slots" in request_
+                                  else "singleton_on_duplicate"), info.value
+
+
+def test_counts_live_on_the_first_master_and_a_call_waits_two_timeouts_and_connects(
+        masters, engine):
+    """docs/deployments.md: counts, held-lock lists and beat's buffered ticks
+    are kept on the first master of the URL; each master's client times out
+    after 0.5 s (and connects within 0.5 s), so a call waits at most 2 s (a
+    broken connection is tried once more); with 30 s of each, 120 s."""
+    kwargs = engine.client.connection_pool.connection_kwargs
+    assert kwargs["port"] == masters[0].port, kwargs
+    assert engine.call_timeout == pytest.approx(2.0)
+    slow = connect(SingletonConfig.defaults(redlock_url(masters), redis_options={
+        "socket_timeout": 30.0, "socket_connect_timeout": 30.0}))
+    try:
+        assert slow.call_timeout == pytest.approx(120.0)
+    finally:
+        slow.close()
 
 
 def test_send_time_keys_are_taken_on_a_majority(masters, engine):
