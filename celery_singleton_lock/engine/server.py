@@ -286,11 +286,16 @@ class LockEngine(Engine):
             return send(self.wire.deadline_ms(key))
         except LateRequestError as exc:
             received = now_us()
-            wire = self.wire.wire_for(key) if isinstance(self.wire, ClusterWire) else self.wire
+            wire = self._wire_of(key)
             wire.clock.heard(sent, divmod(exc.server_ms * 1000, 1_000_000), received)
             if received - sent >= wire.budget * 500_000:
                 raise
             return send(self.wire.deadline_ms(key))
+
+    def _wire_of(self, key: str) -> Wire:
+        """The wire of the server holding ``key`` (on a Cluster, its slot's
+        node): whose clock its deadlines are counted on."""
+        return self.wire.wire_for(key) if isinstance(self.wire, ClusterWire) else self.wire
 
     def _acquire_once(self, keys: LockKeys, request: Request, deadline: int = 0) -> Acquired:
         confirm_by = self._confirm_by(deadline)
@@ -349,8 +354,8 @@ class LockEngine(Engine):
         it: confirmed now, its lease from now (renew.lua), sent without
         waiting; its reply is read with this process's next call, and what it
         found goes to the holder (:class:`.Confirmation`)."""
-        wire = self.wire.wire_for(keys.lock) if isinstance(self.wire, ClusterWire) else self.wire
-        confirmation = Confirmation(wire.clock.local_time_of(confirm_by), time.monotonic())
+        clock = self._wire_of(keys.lock).clock
+        confirmation = Confirmation(clock.local_time_of(confirm_by), time.monotonic())
         self.wire.call_later(self._renew, *renew_call([(keys.lock, exec_id, lease_ms)],
                                                       self._keep_ms),
                              _confirmed(keys.lock, confirmation))

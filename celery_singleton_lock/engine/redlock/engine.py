@@ -465,22 +465,26 @@ def _of_majority(each: list[Optional[Confirmation]], quorum: int, started: float
     grants surely are, and confirmed once ``quorum`` of them are (its lease
     from the earliest of their confirmations); in doubt at once when too
     few can be any more. None when a majority needs no confirmation."""
-    if sum(c is None for c in each) >= quorum:
+    without = sum(c is None for c in each)
+    if without >= quorum:
         return None
     untils = sorted((float("inf") if c is None else c.until for c in each), reverse=True)
-    sent = [started if c is None else c.sent_at for c in each]
-    out = Confirmation(untils[quorum - 1], min(sent))
+    out = Confirmation(untils[quorum - 1],
+                       min(started if c is None else c.sent_at for c in each))
     mutex = threading.Lock()
-    counts = {"renewed": sum(c is None for c in each), "other": 0}
+    renewed, other = without, 0
 
     def heard(answer: Renew, _sent_at: float) -> None:
+        nonlocal renewed, other
         with mutex:
-            counts["renewed" if answer is Renew.RENEWED else "other"] += 1
-            renewed, other = counts["renewed"], counts["other"]
-        if answer is Renew.RENEWED and renewed == quorum:
-            out.answered(Renew.RENEWED)
-        elif answer is not Renew.RENEWED and len(each) - other == quorum - 1:
-            out.answered(answer)  # a majority can no longer confirm it
+            if answer is Renew.RENEWED:
+                renewed += 1
+                decided = renewed == quorum
+            else:
+                other += 1
+                decided = len(each) - other == quorum - 1  # a majority no longer can
+        if decided:
+            out.answered(answer)
 
     for confirmation in each:
         if confirmation is not None:
