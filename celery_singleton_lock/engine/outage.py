@@ -136,11 +136,6 @@ class Outage:
         self._owed: list[Owed] = []
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
-        #: the outage began with a call that got no reply (not a refused
-        #: connection): the server may still run commands it has read
-        self.silent = False
-        #: outages seen by this wire (each began with an unanswered call)
-        self.count = 0
 
     @property
     def down(self) -> bool:
@@ -169,8 +164,6 @@ class Outage:
                 self._owed.append(owed)
             if self.since is None:
                 self.since = time.monotonic()
-                self.silent = isinstance(error, redis.TimeoutError)
-                self.count += 1
                 logger.warning("Lock Redis at %s did not answer (%s): lock calls fail at once "
                                "until it answers again", self._name(), describe(error))
             if self._thread is None or not self._thread.is_alive():

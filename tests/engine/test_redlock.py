@@ -462,6 +462,38 @@ def test_too_few_masters_is_a_backend_error_naming_them(masters, engine):
     assert engine.renew([(keys.lock, "exec-a", 30_000)]) == [Renew.UNANSWERED]
 
 
+@pytest.mark.parametrize("held, stopped, refused", [
+    (3, 1, True),   # one grant, three refusals, one master down: refused
+    (2, 2, False),  # one grant, two refusals, two down: the two could have granted
+])
+def test_an_acquire_with_masters_down_is_refused_only_when_the_rest_could_not_grant(
+        masters, engine, held, stopped, refused):
+    """docs/deployments.md: an acquire is refused when the masters that
+    answered leave no majority to grant it, however the masters that did not
+    answer would have; while they could still make one, it is an error naming
+    them (the task retries), not a refusal (the task would be skipped). Either
+    way the lone grant on the last master is given back."""
+    keys = new_keys()
+    for m in engine.masters[:held]:
+        assert take(m.engine, keys, "T", "exec-t").status is Acquire.GRANTED
+    down = masters[held:held + stopped]
+    for s in down:
+        s.stop()
+    if refused:
+        answer = take(engine, keys, "U", "exec-u")
+        assert answer.status is Acquire.HELD, answer
+        assert (answer.holder.task_id, answer.holder.exec_id) == ("T", "exec-t"), answer.holder
+    else:
+        with pytest.raises(QuorumError, match=r"not decided \(1 master\(s\) granted it, "
+                                              r"2 refused") as info:
+            take(engine, keys, "U", "exec-u")
+        assert sorted(info.value.failed) == sorted(f"127.0.0.1:{s.port}" for s in down)
+        assert (info.value.answered, info.value.needed) == (3, 3), str(info.value)
+    wait_for(lambda: holder_on(masters[-1], keys) is None, 5,
+             what="the lone grant on the last master given back")
+    assert [holder_on(s, keys) for s in masters[:held]] == ["T"] * held
+
+
 def test_a_call_is_decided_by_the_first_majority_of_one_kind_and_not_before():
     """Five masters: three that granted decide an acquire, three that refused
     decide it, three that failed decide it; two of each, or a split, wait for

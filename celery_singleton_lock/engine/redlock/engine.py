@@ -216,7 +216,9 @@ class RedlockEngine(Engine):
             # out of reach even had every master that failed granted: a holder
             # decided it, not an outage
             return self._most_given(refusals)
-        raise QuorumError(f"lock {keys.base} not decided", self.majority.failed(
+        raise QuorumError(
+            f"lock {keys.base} not decided ({len(grants)} master(s) granted it, "
+            f"{len(refusals)} refused: neither is a majority)", self.majority.failed(
             results, lambda r: isinstance(r, Acquired)), len(grants) + len(refusals), quorum)
 
     def _carry(self, keys: LockKeys, exec_id: str, token: int, results: list[Any],
