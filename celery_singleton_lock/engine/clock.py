@@ -6,8 +6,14 @@ nothing of an abandoned call is left behind it (a request held in a network
 path, a relay or a kernel's retransmission queue past its caller's timeout).
 
 The estimate comes from ``TIME`` replies: one read with every new connection
-(in the same write as the scripts' ``SCRIPT LOAD``), each native grant's, and
-each refusal of a late request (which carries the server's clock).
+(in the same write as the scripts' ``SCRIPT LOAD``), each native grant's,
+each refusal of a late request (which carries the server's clock), and one
+sent with a call whenever the last is older than :data:`REFRESH_US` (in the
+call's own write). The two clocks may run apart by up to :data:`DRIFT_PPM`
+(NTP slews a clock at most half that): the moment a grant's holder counts
+on it until (:meth:`ServerClock.local_time_of`) comes sooner by that rate
+with the age of the reply it is drawn from, so an old reply is never
+trusted as if it were new.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ AHEAD_US = 2_000
 MARGIN_US, MARGIN_MAX_US = 100, 1_000
 #: grants the estimate is made of: the least delayed of them counts
 WINDOW = 8
+#: how far apart the two clocks may run, per million (0.1 %; NTP slews a
+#: clock by 0.05 % at most; a clock set, not slewed, is a step: see heard())
+DRIFT_PPM = 1_000
+#: a call carries a ``TIME`` of its own when the last reply is older than
+#: this (µs): a bound drawn from it is then off by at most 30 ms
+REFRESH_US = 30_000_000
 
 
 def now_us() -> int:
@@ -46,8 +58,8 @@ class ServerClock:
 
     def __init__(self) -> None:
         #: (server µs less this process's monotonic µs as the request left,
-        #: its round trip µs), latest last
-        self.heard_from: deque[tuple[int, int]] = deque(maxlen=WINDOW)
+        #: its round trip µs, this process's monotonic µs as it left), latest last
+        self.heard_from: deque[tuple[int, int, int]] = deque(maxlen=WINDOW)
         #: what a proposal adds to this process's monotonic clock
         self._ahead = 0
 
@@ -55,16 +67,28 @@ class ServerClock:
     def known(self) -> bool:
         return bool(self.heard_from)
 
+    def stale(self) -> bool:
+        """Whether the last reply heard is older than :data:`REFRESH_US`
+        (False before anything was heard: there is nothing to refresh)."""
+        heard = self.heard_from
+        return bool(heard) and now_us() - heard[-1][2] > REFRESH_US
+
     def low(self) -> int:
         """A lower bound of the server clock now (µs; 0 before anything was
         heard): the clock a reply carried was read by the server before that
         reply arrived here, so the server's clock is at least that plus the
         time since the reply arrived. The best (highest) of the last
-        :data:`WINDOW` replies counts."""
+        :data:`WINDOW` replies counts.
+
+        The drift allowed is not counted here: this bounds a request's
+        deadline, and one a little late lets a request held past its caller's
+        wait through by that much at most (its grant, never confirmed,
+        expires by :meth:`local_time_of`'s bound), where counting it would
+        refuse the first call after half an hour without one as too late."""
         heard = self.heard_from
         if not heard:
             return 0
-        return time.monotonic_ns() // 1000 + max(o - t for o, t in heard)
+        return now_us() + max(o - t for o, t, _ in heard)
 
     def deadline_ms(self, budget: float) -> int:
         """The server clock (ms) past which a request sent now is one its
@@ -81,13 +105,16 @@ class ServerClock:
     def local_time_of(self, server_ms: int) -> float:
         """A moment of this process's monotonic clock (seconds) before which
         the server's clock has surely not reached ``server_ms``: a reply's
-        clock was read after its request left, so the server's clock runs at
-        most that far ahead of this one (the least of the last
+        clock was read after its request left, so the server's clock was at
+        most that far ahead of this one then, and has gained at most the
+        drift allowed since (the latest such moment of the last
         :data:`WINDOW` replies counts). ``-inf`` before anything was heard."""
         heard = self.heard_from
         if not heard:
             return float("-inf")
-        return (server_ms * 1000 - min(o for o, _ in heard)) / 1_000_000
+        target = server_ms * 1000
+        return max(target - o + max(target - o - s, 0) * -DRIFT_PPM // (1_000_000 + DRIFT_PPM)
+                   for o, _, s in heard) / 1_000_000
 
     def propose(self) -> int:
         """A token at or a little above the server clock as a request sent
@@ -101,11 +128,11 @@ class ServerClock:
         answered, with the server's ``TIME`` ``reply``, at ``received``."""
         heard = self.heard_from
         offset = server_us(reply) - sent
-        if heard and max(o - t for o, t in heard) > offset:
+        if heard and max(o - t for o, t, _ in heard) > offset:
             # the server's clock is behind what an earlier reply proved it
             # had reached: it was set back. What was heard before no longer holds
             heard.clear()
-        heard.append((offset, received - sent))
-        trips = [t for _, t in heard]
+        heard.append((offset, received - sent, sent))
+        trips = [t for _, t, _ in heard]
         margin = min(MARGIN_MAX_US, max(MARGIN_US, trips[-1] - min(trips)))
-        self._ahead = min(o for o, _ in heard) + margin
+        self._ahead = min(o for o, _, _ in heard) + margin

@@ -50,6 +50,8 @@ logger = logging.getLogger("celery_singleton_lock")
 #: the errors after which a command may or may not have run, and the
 #: connection is no longer in step: disconnect, and repeat the command once
 BROKEN = (redis.ConnectionError, redis.TimeoutError)
+#: sent before a call whose wire's estimate of the server clock is stale
+_TIME = ("TIME",)
 
 #: what the wire sends: a script by its SHA, or plain commands written at once
 Call = Union[Script, Commands]
@@ -350,12 +352,15 @@ class Wire:
         tried once more; no reply in time is not (the server may run the
         command yet): the outage begins.
         """
+        if not before and self.clock.stale():
+            before = _TIME  # the server's clock again, in the same write
         data, count = pack_call(script, keys, args)
         if before or after:
             data = (pack(before) if before else b"") + data + (pack(after) if after else b"")
         replies = count + (1 if before else 0) + (1 if after else 0)
         for attempt in (1, 2):
             link, owed = self._take(force)
+            sent = now_us()
             try:
                 link.send(data, replies)
             except BaseException as exc:
@@ -369,7 +374,8 @@ class Wire:
                 raise
             try:
                 self._read_owed(link, owed)
-                reply, late = _exchange(link, script, data, replies, count, before, after)
+                reply, first, late = _exchange(link, script, data, replies, count, before,
+                                               after)
             except BROKEN as exc:
                 self._give(link, broken=True)
                 if attempt == 2 or isinstance(exc, redis.TimeoutError):
@@ -381,6 +387,8 @@ class Wire:
                 self._give(link)  # closed if a reply is still owed on it
                 raise
             self._give(link)
+            if before is _TIME and not isinstance(first, redis.ResponseError):
+                self.clock.heard(sent, first, now_us())
             return reply, attempt == 2, late
         raise AssertionError("unreachable")
 
@@ -522,10 +530,10 @@ def _read_or_error(link: Link) -> Any:
 
 
 def _exchange(link: Link, script: Call, data: bytes, replies: int, count: int,
-              before: Sequence[Any], after: Sequence[Any]) -> tuple[Any, Any]:
+              before: Sequence[Any], after: Sequence[Any]) -> tuple[Any, Any, Any]:
     """Read every reply of ``data``, written already (``replies`` replies:
     ``before``'s, the call's ``count``, ``after``'s): (the call's reply,
-    ``after``'s). A server that lost the script gets it loaded and the
+    ``before``'s, ``after``'s). A server that lost the script gets it loaded and the
     write sent once more."""
     for loaded in (False, True):
         if loaded:
@@ -542,9 +550,9 @@ def _exchange(link: Link, script: Call, data: bytes, replies: int, count: int,
             continue  # sent again, in step: every reply of the first write was read
         if error is not None:
             raise error
-        if isinstance(first, redis.ResponseError):
+        if isinstance(first, redis.ResponseError) and before is not _TIME:
             logger.warning("%s sent before %s failed: %s", before[0], script.name, first)
-        return reply, late
+        return reply, first, late
     raise AssertionError("unreachable")
 
 

@@ -173,7 +173,7 @@ def test_a_refusal_by_a_server_whose_clock_was_set_forward_is_sent_again(setup) 
     assert _take(engine, warm, "warm").status is Acquire.GRANTED
     assert engine.release(warm, "e-warm", "warm") is True
     clock = engine.wire.clock  # type: ignore[union-attr]
-    shifted = [(offset - 60_000_000, trip) for offset, trip in clock.heard_from]
+    shifted = [(offset - 60_000_000, trip, sent) for offset, trip, sent in clock.heard_from]
     clock.heard_from.clear()
     clock.heard_from.extend(shifted)
     keys = LockKeys("singleton:", uuid.uuid4().hex)
