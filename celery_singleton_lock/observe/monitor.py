@@ -218,8 +218,9 @@ class Publisher:
         for key, engine, counts, source in work:
             self._flush_one(key, engine, counts, source, quiet)
         with self._mutex:  # nothing left to write through it: forgotten
-            for key, _engine, _counts, source in work:
-                if (source is None and key not in self._counts
+            for key, _engine, _counts, _source in work:
+                # a source registered since the snapshot counts (held_from)
+                if (key not in self._held_sources and key not in self._counts
                         and key not in self._held_written and key != self._first):
                     self._engines.pop(key, None)
 

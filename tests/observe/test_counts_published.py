@@ -152,3 +152,41 @@ def test_each_deployments_held_locks_entry_goes_when_its_locks_end(
         finally:
             first.close()
             second.close()
+
+
+def test_a_renewer_registered_during_a_flush_has_its_held_locks_published(
+        own_publisher: monitor.Publisher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's renewer of a second deployment registers with the publisher
+    while a flush is writing (its first lock taken meanwhile): the flush
+    began with nothing to hold for that engine, but the engine is kept, and
+    the next flush publishes its held lock. (Before, the flush's end forgot
+    the engine as having nothing left to write, and its held locks were not
+    published until the process counted with it again: never, for one long
+    task.)"""
+    with RedisServer() as server:
+        first = connect(SingletonConfig.defaults(server.url(2)))
+        second = connect(SingletonConfig.defaults(server.url(2), key_prefix="other:"))
+        second_held = Held()
+        second_held.locks = [holding("other:", "b")]
+        field = f"{monitor.NODE.hostname}|{os.getpid()}"
+        try:
+            monitor.count(first, "acquired", "t.hold")  # the first engine counted with
+            monitor.count(second, "acquired", "t.hold")
+            real = first.update_hash
+            registered = []
+
+            def writing(*args: Any, **kw: Any) -> Any:
+                if not registered:  # the renewer of the second registers now
+                    own_publisher.held_from(second, second_held)
+                    registered.append(True)
+                return real(*args, **kw)
+
+            monkeypatch.setattr(first, "update_hash", writing)
+            own_publisher.flush()
+            assert registered
+            assert id(second) in own_publisher._engines
+            own_publisher.flush()
+            assert held_entries(second) == {field: ["b"]}
+        finally:
+            first.close()
+            second.close()
