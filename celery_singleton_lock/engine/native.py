@@ -165,12 +165,13 @@ class Native:
         done_by = answers[4] if done else None
         now = server_us(answers[-1])
 
-        handed = False
+        handed = copied = False
         if holder is not None and holder.endswith("\n" + task_id):
             fields = fields_of(holder)
             if len(fields) > FIELDS and fields[FIELDS] == task_id:
                 if fields[1] != "" and fields[1] == str(retries):
                     handed = True  # the retry takes back the key its attempt kept
+                    copied = fields[2] == "1"
                 elif fields[0] == exec_id:
                     # this execution asked again (a reply lost on the way): its lease
                     # anew, its own record's only (compared: the key may have changed
@@ -215,8 +216,11 @@ class Native:
             token = max(now + 1, last + 1 if last is not None else 0)
         seen = str(proposed) if created else counter
         if handed:
-            # the retry takes back the key its earlier attempt handed off to it
+            # the retry takes back the key its earlier attempt handed off to it,
+            # and the mark of a copy that attempt saw (it waits for the finish)
             record = new_record(exec_id, token, now, rest)
+            if copied:
+                record = with_copies(record)
             written: Optional[str] = record
             if self.send([("SET", keys.lock, record, "IFEQ", holder, "PX", lease_ms)]
                          )[0][0] != "OK":

@@ -86,6 +86,9 @@ local record = redis.call('GET', lock)
 -- true when this task's retry takes back the key its earlier attempt kept: the
 -- checks below are for everyone else, and the grant at the end follows at once
 local handed = false
+-- the copies mark of the record a retry takes back: a redelivered copy seen
+-- by an earlier attempt still waits for the task's finish marker
+local kept_copies = ''
 -- the task id ends the record: only a record that ends with ours is read field by field
 if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
   -- exec, handoff, copies, then nine fields, then the task id
@@ -94,6 +97,7 @@ if record and string.sub(record, -#task_id - 1) == '\n' .. task_id then
     if handoff == string.match(ARGV[4], REST_RETRIES) then
       -- the retried execution takes back the key its earlier attempt kept for it
       handed = true
+      kept_copies = copies
     elseif exec == exec_id then
       local t = redis.call('TIME')
       if too_late(deadline, t) then return {8, clock_ms(t)} end
@@ -167,8 +171,9 @@ if own_queued and not handed then
 end
 local now = clock_us(t)
 local token = grant_token(fence, now, fence_ms)
-redis.call('SET', lock, new_record(exec_id, token, now, ARGV[4]), 'PX',
-  grant_ttl(ARGV[3], confirm_by, t))
+local granted = new_record(exec_id, token, now, ARGV[4])
+if kept_copies == '1' then granted = with_copies(granted, exec_id, '', '') end
+redis.call('SET', lock, granted, 'PX', grant_ttl(ARGV[3], confirm_by, t))
 if throttle then
   -- a start opens the window; a retry of the task that opened it keeps it
   local ends = string.format('%.0f', math.floor(tonumber(now) / 1000) + tonumber(ARGV[6]))

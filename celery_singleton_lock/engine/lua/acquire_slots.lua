@@ -37,13 +37,16 @@ local rate = ARGV[8] and KEYS[#KEYS]
 local nslots = #KEYS - 4 - (rate and 1 or 0)
 local deadline, confirm_by = ARGV[6], ARGV[7]
 
-local function grant(slot)
+-- (copies: the mark of the record a retry takes back, kept: a copy seen by
+-- an earlier attempt still waits for the task's finish marker)
+local function grant(slot, copies)
   local t = redis.call('TIME')
   if too_late(deadline, t) then return {8, clock_ms(t)} end
   local now = clock_us(t)
   local token = grant_token(fence, now, ARGV[5])
-  redis.call('SET', KEYS[4 + slot], new_record(exec_id, token, now, ARGV[4]), 'PX',
-    grant_ttl(ARGV[3], confirm_by, t))
+  local granted = new_record(exec_id, token, now, ARGV[4])
+  if copies == '1' then granted = with_copies(granted, exec_id, '', '') end
+  redis.call('SET', KEYS[4 + slot], granted, 'PX', grant_ttl(ARGV[3], confirm_by, t))
   if rate then
     redis.call('ZADD', rate, 'NX', math.floor(tonumber(now) / 1000), task_id)
     redis.call('PEXPIRE', rate, ARGV[9])
@@ -61,7 +64,8 @@ for slot = 1, nslots do
     local exec, handoff, copies, holder = string.match(record, RECORD_EXEC_HANDOFF_COPIES_TASK)
     if holder == task_id then
       if handoff == string.match(ARGV[4], REST_RETRIES) then
-        return grant(slot)  -- the retry takes back the slot its attempt kept for it
+        -- the retry takes back the slot its attempt kept for it
+        return grant(slot, copies)
       end
       if exec == exec_id then
         local t = redis.call('TIME')
