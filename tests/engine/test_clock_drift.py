@@ -33,6 +33,7 @@ def _heard(clock: ServerClock, offset_us: int, age_us: int, trip_us: int = 100) 
     clock.heard(sent, divmod(sent + offset_us, 1_000_000), sent + trip_us)
 
 
+@pytest.mark.unit  # no server
 def test_bounds_drawn_from_an_old_reply_widen_by_the_drift_allowed() -> None:
     """A reply an hour old bounds the server's clock 3.6 s looser than a
     fresh one with the same offset: the moment before which the server
@@ -53,6 +54,7 @@ def test_bounds_drawn_from_an_old_reply_widen_by_the_drift_allowed() -> None:
                                                          abs=0.001)
 
 
+@pytest.mark.unit  # no server
 def test_a_clock_is_stale_only_once_its_last_reply_is_older_than_the_refresh() -> None:
     clock = ServerClock()
     assert not clock.stale()  # nothing heard: nothing to refresh
