@@ -159,10 +159,9 @@ class SingletonLock:
 
     def check(self) -> None:
         """Raise :class:`LockLostError` if this execution may no longer hold the lock."""
-        if self.lost:
+        if self.lost:  # with no reason given, only in doubt
             raise LockLostError(self.key, self.token, self._lost_reason or (
-                "its grant was not confirmed in time (Redis may have freed it)"
-                if self.in_doubt else "lost"))
+                "its grant was not confirmed in time (Redis may have freed it)"))
 
     @property
     def request(self) -> Request:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from celery_singleton_lock import LockLostError
-from celery_singleton_lock.engine.replies import Confirmation, Renew
+from celery_singleton_lock.engine.replies import Confirmation, Release, Released, Renew
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 
@@ -115,7 +117,8 @@ def test_an_unconfirmed_grant_counts_only_until_redis_may_free_it():
     lock.check()
     clock.now += 0.2
     assert (lock.lost, lock.in_doubt, lock.gone) == (True, True, False)
-    with pytest.raises(LockLostError, match="not confirmed in time"):
+    with pytest.raises(LockLostError, match=re.escape(
+            f"lock {lock.key} (token 5) was lost: its grant was not confirmed in time")):
         lock.check()
     assert "in doubt" in repr(lock)
 
@@ -180,3 +183,27 @@ def test_a_renewal_before_the_confirmations_answer_clears_the_doubt():
     assert not lock.lost and not lock.confirming
     clock.now += 29.0
     assert not lock.lost
+
+
+@pytest.mark.parametrize("answer, error, reason", [
+    (Released(Release.RELEASED), None, None),
+    (Released(Release.FREE, repeated=True), None, None),  # the first attempt freed it
+    (None, ConnectionError("gone"), None),  # it frees by its lease: nothing known
+    (Released(Release.FREE), None, "at release the lease had run out (the key was free)"),
+    (Released(Release.TAKEN), None, "at release another execution held the key"),
+    (Released(Release.TAKEN, repeated=True), None,
+     "at release another execution held the key (the release was repeated after a lost "
+     "reply: the first attempt may have freed it before that execution took it)"),
+])
+def test_what_a_release_found_tells_the_lock(answer, error, reason):
+    """Read after the task returned: a release that found the key free (not
+    repeated) or another execution's says the lock was lost before the end,
+    and why; a release that freed it, repeated and found it free, or got no
+    answer, says nothing of the kind."""
+    clock = Clock()
+    lock = held(clock)
+    lock.released(answer, error)
+    assert lock.gone is (reason is not None)
+    if reason is not None:
+        with pytest.raises(LockLostError, match=re.escape(f"was lost: {reason}")):
+            lock.check()
