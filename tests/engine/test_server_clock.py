@@ -65,6 +65,11 @@ def test_the_least_the_server_clock_reads_now_is_its_reply_plus_the_time_since()
     after = local_us()
     assert (before + 5 * SECOND - 300 + 2 * SECOND) // 1000 <= deadline
     assert deadline <= (after + 5 * SECOND - 300 + 2 * SECOND) // 1000
+    before = local_us()
+    deadline = clock.deadline_ms(0.25)  # a wait under a second has one too
+    after = local_us()
+    assert (before + 5 * SECOND - 300 + SECOND // 4) // 1000 <= deadline
+    assert deadline <= (after + 5 * SECOND - 300 + SECOND // 4) // 1000
     assert clock.deadline_ms(0.0) == 0
 
 
