@@ -49,8 +49,14 @@ def test_readme_opens_with_the_demo_and_test_commands_ci_runs():
     assert "examples/payment_callbacks/run_demo.py" in demo
     assert (ROOT / demo.split("&& python ", 1)[1].strip()).exists()
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().strip().splitlines()]
-    # CI runs the README's test command, the long runs, then the oldest supported stack
-    assert ci[-3:] == [tests, "python -m pytest -m long -n 1", "python -m nox -s oldest"]
+    # CI runs the README's test command, the long runs, then the oldest supported
+    # stack, on the oldest Python declared where the machine has it
+    start = ci.index(tests)
+    assert ci[start + 1] == "python -m pytest -m long -n 1"
+    rest = [line for line in ci[start + 2:] if not line.startswith("#")]
+    assert ('python -m nox -s oldest --force-python "$oldest_python" --download-python never'
+            in rest), rest
+    assert rest[-3:] == ["else", "python -m nox -s oldest", "fi"], rest
     assert "`python -m pytest -m long -n 1`" in text
 
 
