@@ -166,3 +166,32 @@ def test_same_id_sent_again_after_finish_is_dropped(app, worker, redis_server, r
              what="both deliveries handled and acknowledged")
     assert [e["tag"] for e in events.starts() if e["id"] == res.id] == ["done"]
     assert app.AsyncResult(res.id).get(timeout=5)["tag"] == "done"
+
+
+def test_a_task_id_sent_twice_whose_first_run_retried_runs_once_and_its_retry(
+        app, worker, redis_server, events, key):
+    """The same task id sent twice (a repeated webhook under its idempotency
+    key as task id; no ``acks_late``): the second delivery waits for the
+    running first one, which retries; the retry runs and succeeds, and the
+    waiting delivery is then dropped, not run a second time. (Before, the
+    retry's take-back of the key dropped the mark the waiting delivery had
+    left, the retry's end left no finish marker, and the waiting delivery,
+    asking after it, ran the task again.)"""
+    task = app.tasks["t.retrier"]
+    call = dict(attempts=1, countdown=0.2, seconds=120.0, tag="pay")
+    res = task.apply_async((key,), call)
+    wait_for(lambda: events.starts("pay#0"), 15, what="the first run")
+    task.apply_async((key,), call, task_id=res.id)  # the same id, again
+    wait_for(lambda: f"t.retrier[{res.id}] waits for its running original" in worker.logs(),
+             30, what="the second delivery waiting for the first")
+    events.client.set(f"finish:{key}", 1)  # the first run ends and retries
+    assert res.get(timeout=30)["tag"] == "pay#1"
+    wait_for(lambda: f"Dropped redelivered t.retrier[{res.id}]" in worker.logs()
+             or len(events.starts("pay#0")) > 1, 30, what="the waiting delivery handled")
+    runs = [e["tag"] for e in events.starts() if e["id"] == res.id]
+    assert runs == ["pay#0", "pay#1"], f"the task ran again after its retry: {runs}"
+    # no delivery of it is left to run (a retry's own "retry:" line is no end,
+    # so settled() does not apply)
+    wait_for(lambda: not in_broker(redis_server, worker.queue, res.id), 30,
+             what="no message of the task left in the broker")
+    assert [e["tag"] for e in events.starts() if e["id"] == res.id] == ["pay#0", "pay#1"]
