@@ -159,7 +159,11 @@ class Store:
         return GRANTED, free[0]
 
     def granted(self, ex: Execution, slot: int, token: int) -> None:
-        self.owners[slot] = Owner(ex.exec_id, ex.task_id, token)
+        # a retry taking back the key its attempt kept keeps the mark of a copy
+        # that attempt saw: the copy still waits for the task's finish marker
+        kept = self.owners.get(slot)
+        copies = kept is not None and kept.task_id == ex.task_id and kept.copies
+        self.owners[slot] = Owner(ex.exec_id, ex.task_id, token, copies=copies)
         self.fence = True
 
     def release(self, ex: Execution) -> bool:
