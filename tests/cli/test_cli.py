@@ -515,30 +515,35 @@ def test_purge_keeps_a_live_holders_lock_without_force_as_release_does(scene):
     pass) while the stale lock of a dead process goes; --force frees both."""
     fenced = scene.app.tasks["t.fenced"]
     key = f"alive-{uuid.uuid4().hex}"
-    running = fenced.delay(key, 30.0, f"purge-{key}")
-    alive = fenced.singleton_keys(key)
-    wait_for(lambda: scene.locks.exists(alive.lock), 20, what="lock taken")
-    stale = fenced.singleton_keys(f"ps-{SECRET}")
-    hold_stale(scene.server, stale, "t.fenced")
-    dry = json.loads(cli(scene, "purge", "--task", "t.fenced", "--json").stdout)
-    assert {(e["key"], e["action"]) for e in dry["keys"]} == {
-        (alive.base, "would keep: may run"), (stale.base, "would delete")}
+    # runs until revoked: three CLI runs take half a minute on a loaded machine,
+    # and a task that ended meanwhile would leave no live lock to keep
+    running = fenced.delay(key, 600.0, f"purge-{key}")
+    try:
+        alive = fenced.singleton_keys(key)
+        wait_for(lambda: scene.locks.exists(alive.lock), 20, what="lock taken")
+        stale = fenced.singleton_keys(f"ps-{SECRET}")
+        hold_stale(scene.server, stale, "t.fenced")
+        dry = json.loads(cli(scene, "purge", "--task", "t.fenced", "--json").stdout)
+        assert {(e["key"], e["action"]) for e in dry["keys"]} == {
+            (alive.base, "would keep: may run"), (stale.base, "would delete")}
 
-    kept = cli(scene, "purge", "--task", "t.fenced", "--yes")
-    assert kept.returncode == 1, kept.stdout + kept.stderr
-    assert "kept 1 lock(s) whose holder may still run" in kept.stdout
-    [kept_line] = [line for line in kept.stdout.splitlines() if line.startswith("kept 1 ")]
-    assert alive.base in kept_line and "--force" in kept_line
-    assert kept.stdout.splitlines()[-1] == "deleted 1 key(s)"
-    assert scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
+        kept = cli(scene, "purge", "--task", "t.fenced", "--yes")
+        assert kept.returncode == 1, kept.stdout + kept.stderr
+        assert "kept 1 lock(s) whose holder may still run" in kept.stdout
+        [kept_line] = [line for line in kept.stdout.splitlines() if line.startswith("kept 1 ")]
+        assert alive.base in kept_line and "--force" in kept_line
+        assert kept.stdout.splitlines()[-1] == "deleted 1 key(s)"
+        assert scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
 
-    hold_stale(scene.server, stale, "t.fenced")
-    forced = cli(scene, "purge", "--task", "t.fenced", "--yes", "--force", "--json")
-    assert forced.returncode == 0, forced.stdout + forced.stderr
-    assert {(e["key"], e["live"], e["action"]) for e in json.loads(forced.stdout)["keys"]} == {
-        (alive.base, "alive", "deleted"), (stale.base, "dead", "deleted")}
-    assert not scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
-    running.revoke(terminate=True)
+        hold_stale(scene.server, stale, "t.fenced")
+        forced = cli(scene, "purge", "--task", "t.fenced", "--yes", "--force", "--json")
+        assert forced.returncode == 0, forced.stdout + forced.stderr
+        assert {(e["key"], e["live"], e["action"])
+                for e in json.loads(forced.stdout)["keys"]} == {
+            (alive.base, "alive", "deleted"), (stale.base, "dead", "deleted")}
+        assert not scene.locks.exists(alive.lock) and not scene.locks.exists(stale.lock)
+    finally:
+        running.revoke(terminate=True)
 
 
 def test_purge_dry_run_and_yes_agree_on_what_goes_and_on_the_exit_code(scene):
