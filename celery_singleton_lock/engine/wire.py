@@ -433,10 +433,10 @@ class Wire:
 
     def _read_owed(self, link: Link, owed: list[_Pending]) -> None:
         """Read the replies of ``owed`` (commands sent earlier on ``link``), in
-        order, and tell each its answer. A connection that broke or got no
-        reply in time takes the rest with it (each handled as
-        :meth:`_lost` says) and the error is raised: the calling command was
-        on it too."""
+        order, and tell each its answer. A connection that broke, got no
+        reply in time or whose read was interrupted takes the rest with it
+        (each handled as :meth:`_lost` says) and the error is raised: the
+        calling command was on it too."""
         for i, pending in enumerate(owed):
             try:
                 reply = read_replies(link, pending.count)
@@ -454,7 +454,16 @@ class Wire:
                 else:
                     pending.answer(None, exc)
                 continue
-            pending.answer(reply, None)
+            except BaseException as exc:
+                # interrupted (a soft time limit, a signal): the connection is
+                # closed with the rest unread; each told, as an interrupted write's
+                self._lost(owed[i:], exc)
+                raise
+            try:
+                pending.answer(reply, None)
+            except BaseException as exc:  # its handler interrupted: the same for the rest
+                self._lost(owed[i + 1:], exc)
+                raise
 
     def _lost(self, owed: Sequence[_Pending], error: BaseException) -> None:
         """The connection ``owed`` were sent on is gone before their replies

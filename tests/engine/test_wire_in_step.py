@@ -8,12 +8,24 @@ Redis (``OOM``), a Cluster whose other primary is down (``CLUSTERDOWN``), a
 slot moving (``TRYAGAIN``), a demoted primary (``READONLY``). A reply left
 unread is the next call's first reply: that call acts on another call's
 answer (a stale ``OK`` read as a grant's reply, a grant read as a release's).
+
+After those, each way of calling (a call, one with a command before and
+after, several at once, one whose reply is read later) when something goes
+wrong between the write and its reply: a server that lost its scripts, a
+reply lost with its connection, a connection the server closed, a server
+that refuses, freezes or was demoted, a call interrupted. Whether each call
+is sent again, kept for when the server answers, or told, and whether it is
+told it was repeated. A script that counts its runs in its key shows what
+the server ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import socket
+import threading
 import uuid
 from typing import Any, Iterator, Optional
 
@@ -23,6 +35,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_singleton_lock import SingletonConfig
+from celery_singleton_lock.engine.commands import COMMANDS
+from celery_singleton_lock.engine.outage import RedisUnanswered
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire
 from celery_singleton_lock.engine.request import Lease, Request
@@ -30,7 +44,7 @@ from celery_singleton_lock.engine.scripts import Script
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.engine.wire import Wire
 from celery_singleton_lock.keys import LockKeys
-from tests.support import RedisServer
+from tests.support import RedisServer, ReplyDroppingProxy, free_port, wait_for
 
 
 def _script(name: str, source: str) -> Script:
@@ -205,3 +219,522 @@ def test_a_full_redis_mid_grant_leaves_every_later_call_its_own_reply(own_redis)
     assert isinstance(engine.wire, Wire)
     _in_step(engine.wire)
     engine.close()
+
+
+#: a script that counts its runs in its key: how many times the server ran a call
+COUNT = _script("count", "return redis.call('INCR', KEYS[1])")
+
+
+class Told:
+    """``answered`` of a call sent without waiting: what it was told."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[Any, Any, bool]] = []
+        self.told = threading.Event()
+
+    def __call__(self, reply: Any, error: Any, repeated: bool) -> None:
+        self.got.append((reply, error, repeated))
+        self.told.set()
+
+
+def _counting_wire(port: int, timeout: float = 5) -> Wire:
+    client = redis.Redis(port=port, decode_responses=True, socket_timeout=timeout)
+    return Wire(client, (COUNT, ECHO))
+
+
+def test_a_server_that_lost_its_scripts_runs_each_call_once_whatever_the_way(
+        own_redis: RedisServer) -> None:
+    """SCRIPT FLUSH (a restart without persistence, a failover to a replica
+    that never loaded them) before each way of calling: a call, one with a
+    command before and after, several at once, two whose replies are read later.
+    Each answers NOSCRIPT, gets its script loaded and is sent once more: every
+    call gets its own reply, none is told it was repeated, and the server ran
+    each exactly once (the count of its key)."""
+    admin = own_redis.client()
+    key = f"count:{uuid.uuid4().hex}"
+    wire = _counting_wire(own_redis.port)
+    try:
+        assert wire.call(COUNT, [key], []) == (1, False)
+        admin.script_flush()
+        assert wire.call(COUNT, [key], []) == (2, False)
+        admin.script_flush()
+        assert wire.call_with(COUNT, [key], [], before=("EVAL", ECHO.source, 0, "b"),
+                              after=("EVAL", ECHO.source, 0, "a")) == (3, False, "a")
+        admin.script_flush()
+        assert wire.call_many(COUNT, [([key], []), ([key], [])],
+                              after=("EVAL", ECHO.source, 0, "w")) == ([4, 5], "w")
+        admin.script_flush()
+        told, next_told = Told(), Told()
+        wire.call_later(COUNT, [key], [], told)
+        wire.call_later(COUNT, [key], [], next_told)
+        assert wire.unsettled == 2
+        wire.settle()
+        assert told.got == [(6, None, False)] and next_told.got == [(7, None, False)]
+        assert admin.get(key) == "7" and wire.unsettled == 0
+        assert not wire.down and wire.discarded == 0
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def test_a_reply_lost_with_its_connection_is_had_by_sending_the_call_again(
+        own_redis: RedisServer) -> None:
+    """The connection breaks after the server ran the command and before its
+    reply arrives (a proxy drops it): each way of calling sends it again on a
+    new connection (every script is safe to repeat) and says so. A call
+    waits for the second reply; several at once are all sent again; one
+    whose reply was read later is sent again by whoever read it, and told
+    its second reply as a repeat. The counts: the server ran each twice."""
+    proxy = ReplyDroppingProxy(own_redis.port)
+    admin = own_redis.client()
+    keys = [f"count:{uuid.uuid4().hex}" for _ in range(5)]
+    wire = _counting_wire(proxy.port)
+    try:
+        assert wire.call(COUNT, [keys[0]], []) == (1, False)
+        proxy.drop_after = keys[1].encode()
+        assert wire.call(COUNT, [keys[1]], []) == (2, True)
+        proxy.drop_after = keys[2].encode()
+        assert wire.call_many(COUNT, [([keys[2]], []), ([keys[2]], [])]) == ([3, 4], None)
+        proxy.drop_after = keys[3].encode()
+        told = Told()
+        wire.call_later(COUNT, [keys[3]], [], told)
+        wire.settle()  # reads the reply that never comes
+        assert told.got == [(2, None, True)]
+        # read by the next call instead: sent again, and so is that call
+        proxy.drop_after = keys[4].encode()
+        later = Told()
+        wire.call_later(COUNT, [keys[4]], [], later)
+        reply, repeated = wire.call(COUNT, [keys[0]], [])
+        assert later.got == [(2, None, True)]
+        assert repeated is True and str(reply) == admin.get(keys[0])
+        assert [admin.get(k) for k in keys[1:]] == ["2", "4", "2", "2"]
+        assert proxy.dropped == 4 and not wire.down and wire.discarded == 0
+        _in_step(wire)
+    finally:
+        wire.close()
+        proxy.close()
+
+
+def test_replies_a_frozen_server_does_not_send_in_time_owe_a_release_and_tell_the_rest(
+        own_redis: RedisServer) -> None:
+    """Two calls sent without waiting to a frozen server (SIGSTOP), a release
+    (``owe``) and another, then several calls at once that read their
+    replies: none comes within the socket timeout. The calls fail with the
+    timeout, not sent again, and an outage begins (so it does on wires
+    that owed nothing, for several calls at once and for one); the release is
+    kept, the other call told at once that it got no reply (it may yet run).
+    Once the server runs again the release is sent and told its reply as a
+    repeat, and calls go through."""
+    admin = own_redis.client()
+    owed_key, other_key, call_key = (f"count:{uuid.uuid4().hex}" for _ in range(3))
+    wire, alone, single = (_counting_wire(own_redis.port, timeout=0.5) for _ in range(3))
+    try:
+        assert wire.call(COUNT, [call_key], []) == (1, False)
+        for w in (alone, single):
+            assert w.call(ECHO, [], ["connect"]) == ("connect", False)
+        own_redis.pause()
+        try:
+            # nothing owed on their connections: the calls' own timeout begins it
+            with pytest.raises(redis.TimeoutError) as timed_out:
+                alone.call_many(COUNT, [([call_key], [])])
+            assert not isinstance(timed_out.value, RedisUnanswered)
+            with pytest.raises(redis.TimeoutError) as timed_out:
+                single.call(COUNT, [call_key], [])
+            assert not isinstance(timed_out.value, RedisUnanswered)
+            for w in (alone, single):
+                assert (w.down, w.outage.owed) == (True, 0)
+            release, other = Told(), Told()
+            wire.call_later(COUNT, [owed_key], [], release, owe=True)
+            wire.call_later(COUNT, [other_key], [], other)
+            assert wire.unsettled == 2
+            with pytest.raises(redis.TimeoutError) as timed_out:
+                wire.call_many(COUNT, [([call_key], []), ([call_key], [])])
+            assert not isinstance(timed_out.value, RedisUnanswered)  # not sent twice
+            assert (wire.down, wire.outage.owed) == (True, 1)
+            ((reply, error, repeated),) = other.got
+            assert reply is None and isinstance(error, redis.TimeoutError) and repeated
+            assert release.got == [] and wire.unsettled == 0
+        finally:
+            own_redis.resume()
+        assert release.told.wait(15), "the owed release was never sent"
+        wait_for(lambda: not wire.down, 5, what="calls to go through again")
+        # the frozen server ran what it had read too: the release ran twice,
+        # the calls once each
+        assert release.got == [(2, None, True)] and admin.get(owed_key) == "2"
+        assert wire.outage.owed == 0 and len(other.got) == 1
+        assert admin.get(other_key) == "1"
+        wait_for(lambda: not (alone.down or single.down), 5,
+                 what="the other wires' calls to go through")
+        assert wire.call(COUNT, [call_key], []) == (6, False)
+        assert wire.discarded == 0
+        _in_step(wire)
+    finally:
+        for w in (wire, alone, single):
+            w.close()
+
+
+def test_calls_to_a_server_that_refuses_begin_an_outage_and_a_release_is_owed(
+        own_redis: RedisServer) -> None:
+    """The server is down before anything could be sent (the connection is
+    refused). A release sent without waiting (``owe``) begins the outage and
+    is kept, then sent once the server answers again, told its reply as a
+    repeat; another call sent without waiting meanwhile is told at once that
+    the server does not answer; several calls at once, or one, on a wire of
+    their own fail with the refused connection and begin that wire's
+    outage."""
+    admin = own_redis.client()
+    owed_key, other_key, many_key = (f"count:{uuid.uuid4().hex}" for _ in range(3))
+    wire, fresh = _counting_wire(own_redis.port), _counting_wire(own_redis.port)
+    plain = _counting_wire(own_redis.port)
+    own_redis.stop()
+    try:
+        release = Told()
+        wire.call_later(COUNT, [owed_key], [], release, owe=True)
+        assert wire.down and wire.outage.owed == 1 and release.got == []
+        other = Told()
+        wire.call_later(COUNT, [other_key], [], other)
+        ((reply, error, repeated),) = other.got
+        assert reply is None and isinstance(error, RedisUnanswered) and repeated
+        assert wire.outage.owed == 1 and wire.unsettled == 0
+        with pytest.raises(redis.ConnectionError) as refused:
+            fresh.call_many(COUNT, [([many_key], []), ([many_key], [])])
+        assert not isinstance(refused.value, RedisUnanswered)
+        assert fresh.down
+        with pytest.raises(RedisUnanswered):
+            fresh.call_many(COUNT, [([many_key], [])])
+        with pytest.raises(redis.ConnectionError) as refused:
+            plain.call(COUNT, [many_key], [])
+        assert not isinstance(refused.value, RedisUnanswered) and plain.down
+        own_redis.start()
+        assert release.told.wait(15), "the owed release was never sent"
+        wait_for(lambda: not (wire.down or fresh.down or plain.down), 5,
+                 what="calls to go through again")
+        assert release.got == [(1, None, True)] and len(other.got) == 1
+        assert admin.get(owed_key) == "1" and admin.get(other_key) is None
+        assert fresh.call_many(COUNT, [([many_key], []), ([many_key], [])]) == ([1, 2], None)
+        assert plain.call(COUNT, [many_key], []) == (3, False)
+        for w in (wire, fresh, plain):
+            assert w.discarded == 0
+            _in_step(w)
+    finally:
+        for w in (wire, fresh, plain):
+            w.close()
+
+
+def test_a_release_sent_without_waiting_that_a_demoted_primary_refuses_is_owed(
+        own_redis: RedisServer) -> None:
+    """Calls sent without waiting whose replies say a failover is under way
+    (``READONLY``: the primary was demoted): a release (``owe``) is kept and
+    sent once the server takes writes again, told its reply then; another
+    call is told the error (it did not run, and is not a repeat). The same
+    when the demoted server also lost the scripts: each call answers
+    NOSCRIPT first, is sent again with its script, and gets READONLY."""
+    admin = own_redis.client()
+    keys = [f"count:{uuid.uuid4().hex}" for _ in range(4)]
+    wire = _counting_wire(own_redis.port)
+    try:
+        assert wire.call(ECHO, [], ["connect"]) == ("connect", False)
+        for lost_scripts in (False, True):
+            owed_key, other_key = keys[2:] if lost_scripts else keys[:2]
+            if lost_scripts:
+                admin.script_flush()
+            admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+            other, release = Told(), Told()
+            wire.call_later(COUNT, [other_key], [], other)
+            wire.call_later(COUNT, [owed_key], [], release, owe=True)
+            wire.settle()
+            assert wire.down and wire.outage.owed == 1 and release.got == []
+            ((reply, error, repeated),) = other.got
+            assert reply is None and isinstance(error, redis.ReadOnlyError), other.got
+            assert not repeated  # not sent twice: it never ran
+            admin.execute_command("REPLICAOF", "NO", "ONE")
+            assert release.told.wait(15), "the owed release was never sent"
+            wait_for(lambda: not wire.down, 5, what="calls to go through again")
+            assert release.got == [(1, None, True)]
+            assert admin.get(owed_key) == "1" and admin.get(other_key) is None
+        assert wire.discarded == 0
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def test_the_first_deadline_of_a_wire_reads_the_servers_clock_once_it_answers(
+        own_redis: RedisServer) -> None:
+    """A request's deadline needs the server's clock: the first one a wire
+    gives connects to learn it (a deadline a budget ahead of the server's
+    clock), and later ones connect no more. Without a budget (no socket
+    timeout) there is no deadline and nothing connects; a stopped server
+    refuses that first connection (an outage begins), and while it does not
+    answer the next try fails at once, connecting nothing."""
+    server_ms = int(own_redis.client().time()[0]) * 1000
+    wire = _counting_wire(own_redis.port, timeout=0.5)
+    unbounded = Wire(redis.Redis(port=own_redis.port, decode_responses=True,
+                                 socket_timeout=None), (COUNT,))
+    try:
+        deadline = wire.deadline_ms()
+        assert server_ms + 500 <= deadline < server_ms + 500 + 60_000
+        assert wire.connections == 1 and wire.clock.known
+        assert wire.deadline_ms() >= deadline and wire.connections == 1
+        assert (unbounded.deadline_ms(), unbounded.connections) == (0, 0)
+        _in_step(wire)
+    finally:
+        wire.close()
+        unbounded.close()
+    own_redis.stop()
+    refused = _counting_wire(own_redis.port)
+    try:
+        with pytest.raises(redis.ConnectionError) as first:
+            refused.deadline_ms()
+        assert not isinstance(first.value, RedisUnanswered) and refused.down
+        with pytest.raises(RedisUnanswered):
+            refused.deadline_ms()
+        assert refused.connections == 1 and not refused.clock.known
+    finally:
+        own_redis.start()
+        wait_for(lambda: not refused.down, 10, what="the refused wire's outage to end")
+        refused.close()
+
+
+def test_a_user_not_allowed_time_gets_no_deadline_and_keeps_the_replies_owed(
+        own_redis: RedisServer) -> None:
+    """An ACL user allowed the scripts but not ``TIME``: the wire never learns
+    the server's clock, so requests go without a deadline (0), each asking
+    anew on a connection of its own; replies owed to calls sent without
+    waiting stay with their connection and are told."""
+    admin = own_redis.client()
+    admin.execute_command("ACL", "SETUSER", "notime", "on", ">pw", "~*", "+@all", "-time")
+    key = f"count:{uuid.uuid4().hex}"
+    wire = Wire(redis.Redis(port=own_redis.port, username="notime", password="pw",
+                            decode_responses=True, socket_timeout=5), (COUNT,))
+    try:
+        assert wire.call(COUNT, [key], []) == (1, False)
+        assert not wire.clock.known
+        told = Told()
+        wire.call_later(COUNT, [key], [], told)
+        assert wire.deadline_ms() == 0 and wire.unsettled == 1
+        wire.settle()
+        assert told.got == [(2, None, False)] and admin.get(key) == "2"
+        assert wire.discarded == 0 and not wire.clock.known
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def test_plain_commands_written_at_once_read_every_reply_and_raise_the_first_error(
+        own_redis: RedisServer) -> None:
+    """The native path's calls: plain commands in one write (no script). Their
+    replies come back as a list, one each (one command's alone); when some answer with an error,
+    every reply is still read (the connection stays in step, the next call
+    gets its own) and the first error is raised. The same for such calls
+    sent without waiting: told the list, or the first error."""
+    admin = own_redis.client()
+    key, text = (f"cmd:{uuid.uuid4().hex}" for _ in range(2))
+    admin.set(text, "not a number")
+    wire = _counting_wire(own_redis.port)
+    try:
+        assert wire.call(COMMANDS, [], [("INCR", key), ("INCRBY", key, 2), ("GET", key)]) == (
+            [1, 3, "3"], False)
+        with pytest.raises(redis.ResponseError, match="not an integer") as first:
+            wire.call(COMMANDS, [], [("INCR", key), ("INCR", text), ("INCR", key),
+                                     ("HGET", text, "f"), ("INCR", key)])
+        assert not isinstance(first.value, redis.exceptions.DataError)
+        assert admin.get(key) == "6"  # every command ran
+        assert wire.call(COMMANDS, [], [("INCR", key)]) == (7, False)  # one: its reply
+        told, failed = Told(), Told()
+        wire.call_later(COMMANDS, [], [("INCR", key), ("GET", key)], told)
+        wire.call_later(COMMANDS, [], [("INCR", key), ("HGET", text, "f"), ("INCR", text)],
+                        failed)
+        assert wire.call(COUNT, [key], []) == (10, False)
+        assert told.got == [([8, "8"], None, False)]
+        ((reply, error, repeated),) = failed.got
+        assert reply is None and not repeated and "WRONGTYPE" in str(error)
+        assert wire.discarded == 0
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def _reset(wire: Wire) -> bool:
+    """The connection owing replies (a call sent without waiting on it) was
+    reset by the server: TCP state CLOSE, the next write on it fails."""
+    sock = wire._unsettled[-1][0].conn._sock
+    return sock is not None and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == 7
+
+
+def test_a_connection_the_server_closed_is_made_anew_and_what_was_sent_on_it_sent_again(
+        own_redis: RedisServer) -> None:
+    """The server closes the wire's idle connection (``CLIENT KILL``; a
+    ``timeout`` setting, a proxy dropping idle connections); a call sent
+    without waiting is written on it and never reaches the server, which
+    resets the connection. The next write on it fails: the call that made it
+    (a call, several at once, another sent without waiting) sends what was
+    owed on it again once it is connected anew, each told its reply as a repeat,
+    then itself; no outage begins. The counts: each ran once."""
+    admin = own_redis.client()
+    keys = [f"count:{uuid.uuid4().hex}" for _ in range(7)]
+    wire = _counting_wire(own_redis.port)
+    try:
+        assert wire.call(COUNT, [keys[0]], []) == (1, False)
+        made = wire.connections
+
+        def killed_then_sent_later(key: str) -> Told:
+            assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+            told = Told()
+            wire.call_later(COUNT, [key], [], told)
+            wait_for(lambda: _reset(wire), 5, what="the server to reset the connection")
+            assert told.got == []
+            return told
+
+        told = killed_then_sent_later(keys[1])
+        assert wire.call(COUNT, [keys[2]], []) == (1, True)
+        assert told.got == [(1, None, True)]
+        told = killed_then_sent_later(keys[3])
+        assert wire.call_many(COUNT, [([keys[4]], []), ([keys[4]], [])]) == ([1, 2], None)
+        assert told.got == [(1, None, True)]
+        told = killed_then_sent_later(keys[5])
+        last = Told()
+        wire.call_later(COUNT, [keys[6]], [], last)
+        assert told.got == [(1, None, True)] and last.got == [(1, None, True)]
+        assert [admin.get(k) for k in keys] == ["1", "1", "1", "1", "2", "1", "1"]
+        assert not wire.down and wire.discarded == 0
+        assert wire.connections == made  # the same connection, connected anew
+        wire.settle()
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+class Interrupt(BaseException):
+    """What a signal handler raises in the middle of a call (a Ctrl-C, a
+    shutdown): not an error of the call, and nothing of the wire catches it."""
+
+
+class Interrupting(redis.connection.Connection):
+    """A connection whose next write (``interrupt_send``) or next read
+    (``interrupt_read``) is interrupted."""
+
+    interrupt_send = False
+    interrupt_read = False
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if Interrupting.interrupt_send:
+            Interrupting.interrupt_send = False
+            raise Interrupt()
+        super().send_packed_command(command, check_health)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if Interrupting.interrupt_read:
+            Interrupting.interrupt_read = False
+            raise Interrupt()
+        return super().read_response(*args, **kwargs)
+
+
+def test_a_call_interrupted_between_its_reads_leaves_no_reply_to_the_next(
+        own_redis: RedisServer) -> None:
+    """A call is interrupted while replies are still owed on its connection
+    (here by the handler of a reply read before its own; a write
+    interrupted likewise): the connection is closed, never reused, and
+    counted as discarded when a reply was left on it; the next call gets its
+    own reply. A call sent without waiting whose reply was owed on a write
+    that was interrupted is told so (it may have run), and so is one whose
+    reply the next call was reading when it was interrupted (a soft time
+    limit raised into the task), or whose reply came after one whose handler
+    was interrupted (before, neither was ever told)."""
+
+    def interrupted(reply: Any, error: Any, repeated: bool) -> None:
+        raise Interrupt()
+
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        connection_class=Interrupting, port=own_redis.port, decode_responses=True,
+        socket_timeout=5))
+    wire = Wire(client, (ECHO,))
+    try:
+        assert wire.call(ECHO, [], ["connect"]) == ("connect", False)
+        wire.call_later(ECHO, [], ["a"], interrupted)
+        with pytest.raises(Interrupt):
+            wire.call(ECHO, [], ["b"])
+        assert wire.discarded == 1 and wire.call(ECHO, [], ["c"]) == ("c", False)
+        wire.call_later(ECHO, [], ["d"], interrupted)
+        with pytest.raises(Interrupt):
+            wire.call_many(ECHO, [([], ["e"])])
+        assert wire.discarded == 2 and wire.call(ECHO, [], ["f"]) == ("f", False)
+        wire.call_later(ECHO, [], ["g"], interrupted)
+        after = Told()
+        wire.call_later(ECHO, [], ["h"], after)
+        with pytest.raises(Interrupt):
+            wire.settle()  # closed as broken: not counted
+        # the call behind the interrupted handler is told its reply went unread
+        ((reply, error, repeated),) = after.got
+        assert reply is None and repeated and isinstance(error, redis.ConnectionError)
+        assert wire.discarded == 2 and wire.call(ECHO, [], ["i"]) == ("i", False)
+        told = Told()
+        wire.call_later(ECHO, [], ["j"], told)
+        Interrupting.interrupt_send = True
+        with pytest.raises(Interrupt):
+            wire.call(ECHO, [], ["k"])
+        ((reply, error, repeated),) = told.got
+        assert reply is None and repeated and isinstance(error, redis.ConnectionError)
+        assert str(error).startswith("the connection was closed before the reply was read")
+        assert wire.discarded == 2 and wire.call(ECHO, [], ["l"]) == ("l", False)
+        told = Told()
+        wire.call_later(ECHO, [], ["m"], told)
+        Interrupting.interrupt_read = True  # as the next call reads m's reply
+        with pytest.raises(Interrupt):
+            wire.call(ECHO, [], ["n"])
+        ((reply, error, repeated),) = told.got
+        assert reply is None and repeated and isinstance(error, redis.ConnectionError)
+        assert str(error).startswith("the connection was closed before the reply was read")
+        assert wire.call(ECHO, [], ["o"]) == ("o", False)
+        _in_step(wire)
+    finally:
+        Interrupting.interrupt_send = Interrupting.interrupt_read = False
+        wire.close()
+
+
+class _TwiceDroppingProxy(ReplyDroppingProxy):
+    """Loses the reply to the next write holding ``drop_after`` twice: the
+    first connection and the one made to send it again."""
+
+    def __init__(self, target_port: int) -> None:
+        self.drops_left = 0
+        super().__init__(target_port)
+
+    def _up(self, client: socket.socket, upstream: socket.socket, state: dict[str, bool]) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self._lock:
+                    if self.drop_after is not None and self.drop_after in data:
+                        self.drops_left -= 1
+                        if self.drops_left <= 0:
+                            self.drop_after = None
+                        state["drop"] = True
+                upstream.sendall(data)
+
+
+def test_a_call_whose_connection_breaks_twice_is_not_sent_a_third_time(
+        own_redis: RedisServer) -> None:
+    """A call (or several at once) whose reply is lost, then lost again on the
+    new connection that sent it again: it fails with that connection's error
+    and begins an outage, after two runs on the server, not three; once the
+    probe hears the server calls go through."""
+    proxy = _TwiceDroppingProxy(own_redis.port)
+    admin = own_redis.client()
+    one, many = (f"count:{uuid.uuid4().hex}" for _ in range(2))
+    wire = _counting_wire(proxy.port)
+    try:
+        assert wire.call(ECHO, [], ["connect"]) == ("connect", False)
+        for key, call in ((one, lambda k: wire.call(COUNT, [k], [])),
+                          (many, lambda k: wire.call_many(COUNT, [([k], [])]))):
+            proxy.drop_after, proxy.drops_left = key.encode(), 2
+            with pytest.raises(redis.ConnectionError) as broken:
+                call(key)
+            # the second connection's own error, not one made up after it
+            assert str(broken.value) == "Connection closed by server."
+            assert admin.get(key) == "2" and proxy.drops_left == 0
+            wait_for(lambda: not wire.down, 10, what="the probe to hear the server")
+        assert proxy.dropped == 4 and wire.discarded == 0
+        assert wire.call(COUNT, [one], []) == (3, False)
+        _in_step(wire)
+    finally:
+        wire.close()
+        proxy.close()
