@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -1050,6 +1051,46 @@ def test_a_lost_reply_is_repeated_safely(redis_server, r):
         proxy.close()
 
 
+def test_a_send_time_key_whose_reply_never_came_is_freed_once_redis_answers(redis_server, r):
+    """enqueue: the send-time key was taken at the server, but the reply never
+    came back (the path went silent: ``socket_timeout``, and the call raises).
+    The sender cannot know whether Redis took the key; its task goes out
+    without it, so the key is given back (owner-checked, ``unqueue``) once
+    Redis answers again, not left to turn later sends away for its TTL."""
+    from tests.support import ReplyDroppingProxy
+
+    class ReplyHoldingProxy(ReplyDroppingProxy):
+        """The reply to the marked command, and all after it on that
+        connection, never arrive; the connection stays open."""
+
+        def _down(self, upstream: Any, client: Any, state: dict[str, bool]) -> None:
+            with contextlib.suppress(OSError):
+                while data := upstream.recv(65536):
+                    if state["drop"]:
+                        self.dropped += 1
+                        continue
+                    client.sendall(data)
+
+    proxy = ReplyHoldingProxy(redis_server.port)
+    try:
+        engine = connect(dataclasses.replace(
+            SingletonConfig.defaults(proxy.url(2)),
+            redis_options={"socket_timeout": 0.5, "socket_connect_timeout": 0.5}))
+        engine.enqueue(new_keys(), "warm", "queue", 1000)  # connected, scripts loaded
+        keys = new_keys()
+        proxy.drop_after = b"EVALSHA"
+        with pytest.raises(redis.TimeoutError):
+            engine.enqueue(keys, "q1", "queue", 60_000)
+        assert proxy.dropped >= 1
+        assert marker_task(r.get(keys.queued))[1] == "q1"  # taken at the server
+        wait_for(lambda: not r.exists(keys.queued), 10, interval=0.02,
+                 what="the send-time key given back")
+        assert engine.enqueue(keys, "q2", "queue", 60_000).status is Enqueue.TAKEN
+        engine.close()
+    finally:
+        proxy.close()
+
+
 def test_a_forked_child_gets_its_own_pid_engine_and_execution_ids(redis_server):
     """Identity is refreshed at fork: no exec id or engine is shared with the parent."""
     from celery import Celery
@@ -1100,6 +1141,23 @@ def test_a_release_sent_without_waiting_frees_the_key_and_is_answered_later(engi
     assert take(engine, new_keys(), "b").status is Acquire.GRANTED
     assert answers.got == [(Released(Release.RELEASED), None)]
     assert engine.unsettled == 1  # what is owed now: the new grant's confirmation
+
+
+def test_a_release_sent_without_waiting_leaves_the_finish_marker_a_finish_leaves(engine, r):
+    """release_later is how every task's end frees its lock: a finished task
+    whose copy waited leaves the finish marker (the copy is dropped by it);
+    with ``always_record`` it leaves one though no copy was seen."""
+    keys, other = new_keys(), new_keys()
+    take(engine, keys, "task-a", "exec-a")
+    assert take(engine, keys, "task-a", "exec-copy").status is Acquire.SAME_TASK
+    take(engine, other, "task-b", "exec-b")
+    answers = Answers()
+    engine.release_later(keys, "exec-a", "task-a", answers)
+    engine.release_later(other, "exec-b", "task-b", answers, always_record=True)
+    engine.settle()
+    assert answers.got == [(Released(Release.RELEASED), None)] * 2
+    assert r.get(keys.fin) == "task-a" and r.get(other.fin) == "task-b"
+    assert take(engine, keys, "task-a", "exec-copy").status is Acquire.FINISHED
 
 
 def test_a_release_that_finds_the_lock_gone_is_reported_when_read(engine, r):

@@ -140,6 +140,25 @@ def test_a_grant_that_reaches_redis_after_its_caller_gave_up_is_refused(setup) -
     assert engine.release(keys, "e-next", "next") is True
 
 
+def test_a_slot_asked_for_late_is_not_granted(setup) -> None:
+    """``singleton_limit`` (acquire_slots.lua, on every path): a request for a
+    slot held in the path past its deadline takes no slot when it reaches
+    the server, not even one that would expire at once (no keyspace event
+    for the first slot's key at all)."""
+    server, relay, engine = setup
+    warm = LockKeys("singleton:", uuid.uuid4().hex)
+    assert _take(engine, warm, "warm", slots=2).status is Acquire.GRANTED
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    events = _Events(server, keys.lock)
+    ran = _written(server, "evalsha")
+    _held_past_the_deadline(relay, lambda: _take(engine, keys, "late", slots=2))
+    wait_for(lambda: _written(server, "evalsha") > ran, 10,
+             what="the held request to reach the server")
+    assert events.read() == [], events.seen
+    assert server.client().get(keys.lock) is None
+    assert server.client().get(keys.slot(2).lock) is None
+
+
 def test_a_send_time_key_that_reaches_redis_late_is_not_taken(setup) -> None:
     """The queue scopes' send-time key (enqueue.lua) held past its deadline: no
     marker is left to turn later sends away for ``singleton_queue_ttl``."""
@@ -160,6 +179,25 @@ def test_a_send_time_key_that_reaches_redis_late_is_not_taken(setup) -> None:
             return None
 
     assert wait_for(sent, 15, interval=0.05, what="the key taken").status is Enqueue.TAKEN
+
+
+def test_a_write_back_that_reaches_redis_late_writes_nothing(setup) -> None:
+    """A renewal found the held lock forgotten (its key and counter gone, as
+    after a restart empty); the write-back (reclaim) is held in the path past
+    its deadline: its caller gave up (its renewer tries again), and when it
+    reaches the server it writes no lock for a call nobody waits on."""
+    server, relay, engine = setup
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    token = _take(engine, keys, "held").token
+    engine.settle()
+    server.client().delete(keys.lock, keys.fence)
+    request = Request("held", "e-held", Lease(60.0), "w@h", task_name="t.x", done=False)
+    ran = _written(server, "evalsha", "get")
+    _held_past_the_deadline(relay, lambda: engine.reclaim(keys, request, token))
+    wait_for(lambda: _written(server, "evalsha", "get") > ran, 10,
+             what="the held request to reach the server")
+    assert server.client().get(keys.lock) is None
+    assert server.client().get(keys.fence) is None
 
 
 def test_a_refusal_by_a_server_whose_clock_was_set_forward_is_sent_again(setup) -> None:

@@ -4,6 +4,7 @@ is stopped with SIGSTOP to make WAIT fall short."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Any, Iterator
@@ -15,7 +16,7 @@ from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire, Renew
 from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.engine.server import LockEngine
-from celery_singleton_lock.exceptions import TooFewReplicasError
+from celery_singleton_lock.exceptions import TooFewReplicasError, UnconfirmedHolderError
 from celery_singleton_lock.keys import LockKeys
 from tests.conftest import Events
 from tests.support import RedisServer, Worker, discard, owner_field, wait_for
@@ -215,3 +216,149 @@ def test_no_replica_at_all_follows_its_own_setting(pair, caplog):
     with pytest.raises(TooFewReplicasError):
         take(strict, LockKeys("singleton:", "none3"))
     assert not primary.client(2).exists(LockKeys("singleton:", "none3").lock)
+
+
+def _plain(primary: RedisServer, **conf: Any) -> LockEngine:
+    """An engine with no socket timeout: its requests carry no deadline, so
+    its grants live their whole lease from the start (none to confirm), and
+    a grant in its way is never one that expires at its request's deadline."""
+    return engine_for(primary, redis_options={"socket_timeout": None}, **conf)
+
+
+def grant_waiting_on_wait(pair: Any) -> tuple[LockKeys, threading.Thread,
+                                               list[BaseException]]:
+    """Task t1's execution e1 is granted a new key and waits on WAIT for a
+    replica that is paused (1 s, policy release: it is given back then), in a
+    thread: (the keys, the thread, what its acquire raised once it ends)."""
+    primary, replica = pair
+    replica.pause()
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    first = engine_for(primary, wait_replicas=1, wait_timeout=1000, wait_policy="release")
+    given_back: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            first.acquire(keys, Request("t1", "e1", Lease.of_ms(60_000), "w1@host",
+                                        task_name="t.x"))
+        except BaseException as exc:
+            given_back.append(exc)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    admin = primary.client(2)
+    wait_for(lambda: admin.exists(keys.waiting("e1")) and admin.exists(keys.lock), 10,
+             interval=0.005, what="the grant marked while it waits on WAIT")
+    return keys, holder, given_back
+
+
+def test_an_execution_refused_by_a_grant_waiting_on_wait_takes_the_key_once_it_is_given_back(
+        pair):
+    """acquire: the holder in the way is granted but WAIT has not confirmed
+    it (its marker, ``LockKeys.waiting``); the refused execution is not
+    turned away by a holder that may never run: it looks again every
+    PENDING_POLL s, and when that grant is given back (WAIT fell short,
+    policy release) it takes the key itself (here ``singleton_wait_no_replica
+    = proceed`` keeps its own grant)."""
+    primary, _ = pair
+    keys, holder, given_back = grant_waiting_on_wait(pair)
+    admin = primary.client(2)
+    # it looks again for its own wait_timeout and PENDING_MARGIN_MS (3.9 s) at
+    # most: well past the 1 s the grant in its way waits on WAIT
+    second = _plain(primary, wait_replicas=1, wait_timeout=1900, wait_policy="release",
+                    wait_no_replica="proceed")
+    got = second.acquire(keys, Request("t2", "e2", Lease.of_ms(60_000), "w1@host",
+                                       task_name="t.x"))
+    holder.join(10)
+    assert [type(e) for e in given_back] == [TooFewReplicasError]
+    assert isinstance(given_back[0], TooFewReplicasError)
+    assert (given_back[0].key, given_back[0].acked, given_back[0].wanted) == (keys.base, 0, 1)
+    assert got.status is Acquire.GRANTED, got
+    assert owner_field(admin, keys.lock, "exec") == "e2"
+
+
+@pytest.mark.parametrize("slots", [1, 2], ids=["lock", "limit"])
+def test_a_grant_left_waiting_on_wait_is_waited_for_no_longer_than_wait_and_its_margin(
+        pair, slots):
+    """A holder whose grant still waits on WAIT when another execution meets
+    it (here its marker stays: a holder that died waiting) is looked at again
+    for WAIT's timeout and PENDING_MARGIN_MS, no longer: then
+    :class:`.UnconfirmedHolderError` names the key, that holder and the time
+    waited. Under a limit, the marked holder is found in whichever slot it
+    holds (slot 2 here, slot 1 a running holder's). Once its marker is gone
+    (its grant confirmed) the holder is a running one: refused at once."""
+    primary, _ = pair
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    plain = _plain(primary)
+    marked = "e1" if slots == 1 else "e2"
+    for n in range(1, slots + 1):
+        got = plain.acquire(keys, Request(f"t{n}", f"e{n}", Lease.of_ms(60_000), "w1@host",
+                                          task_name="t.x", slots=slots))
+        assert (got.status, got.slot) == (Acquire.GRANTED, n)
+    admin = primary.client(2)
+    admin.set(keys.waiting(marked), marked, px=8_000)
+    waiting = _plain(primary, wait_replicas=1, wait_timeout=100)
+    request = Request("t9", "e9", Lease.of_ms(60_000), "w1@host", task_name="t.x", slots=slots)
+    started = time.monotonic()
+    with pytest.raises(UnconfirmedHolderError) as info:
+        waiting.acquire(keys, request)
+    waited = time.monotonic() - started
+    assert (info.value.key, info.value.holder) == (keys.base, marked)
+    assert 2.1 <= info.value.waited <= waited, (info.value.waited, waited)
+    admin.delete(keys.waiting(marked))
+    refused = waiting.acquire(keys, request)
+    assert refused.status is Acquire.HELD and refused.holder is not None
+    assert refused.holder.exec_id in {"e1", "e2"}
+
+
+def test_a_grant_given_back_after_wait_fell_short_leaves_no_finish_for_a_copy(pair):
+    """A redelivered copy of the task meets the grant while it waits on WAIT
+    (SAME_TASK: it waits for the original). The grant is given back (too few
+    replicas) as a task that did not run, not one that finished: no finish
+    marker drops the copy, which takes the key when it asks again."""
+    primary, _ = pair
+    keys, holder, given_back = grant_waiting_on_wait(pair)
+    admin = primary.client(2)
+    copies = _plain(primary)
+    copy = Request("t1", "e-copy", Lease.of_ms(60_000), "w1@host", task_name="t.x")
+    assert copies.acquire(keys, copy).status is Acquire.SAME_TASK
+    assert owner_field(admin, keys.lock, "copies") == "1"
+    holder.join(10)
+    assert [type(e) for e in given_back] == [TooFewReplicasError]
+    assert not admin.exists(keys.lock) and not admin.exists(keys.fin)
+    assert copies.acquire(keys, copy).status is Acquire.GRANTED
+
+
+def test_a_wait_the_server_refuses_acknowledges_nothing(pair):
+    """WAIT answered with an error (here the lock user may not run it) is no
+    replica's acknowledgment, though the replica is in sync and would have
+    acknowledged: with policy release each grant is given back
+    and TooFewReplicasError says 0 of 1, as often as it happens (a second
+    grant on the same engine, within the no-replica warning's 30 s, too)."""
+    primary, _ = pair
+    primary.client().acl_setuser("locks", enabled=True, passwords=["+s3cret"], keys=["*"],
+                                 channels=["*"], commands=["+@all", "-wait"])
+    engine = connect(SingletonConfig.defaults(
+        f"redis://locks:s3cret@127.0.0.1:{primary.port}/2", wait_replicas=1,
+        wait_timeout=100, wait_policy="release"))
+    for n in range(2):
+        keys = LockKeys("singleton:", uuid.uuid4().hex)
+        with pytest.raises(TooFewReplicasError) as info:
+            take(engine, keys)
+        assert (info.value.key, info.value.acked, info.value.wanted) == (keys.base, 0, 1), n
+        assert not primary.client(2).exists(keys.lock)
+
+
+def test_a_grant_wait_confirmed_is_confirmed_for_its_whole_lease(pair):
+    """A grant WAIT confirmed is also confirmed by its holder (its lease
+    renewed from now, sent without waiting): once that reply is read its
+    lock lives its whole lease, not only the window an unconfirmed grant has
+    (its request's deadline and one more wait, 4 s here)."""
+    primary, _ = pair
+    engine = engine_for(primary, wait_replicas=1, wait_timeout=2000)
+    keys, exec_id = LockKeys("singleton:", uuid.uuid4().hex), uuid.uuid4().hex
+    got = engine.acquire(keys, Request("t1", exec_id, Lease.of_ms(60_000), "w1@host",
+                                       task_name="t.x"))
+    assert got.status is Acquire.GRANTED and got.confirmation is not None
+    engine.settle()
+    assert primary.client(2).pttl(keys.lock) > 50_000
+    assert owner_field(primary.client(2), keys.lock, "exec") == exec_id
