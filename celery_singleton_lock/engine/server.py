@@ -264,11 +264,16 @@ class LockEngine(Engine):
 
     def _pending(self, keys: LockKeys, answer: Acquired, slots: int) -> str:
         """The execution id of a holder in the way of this refusal whose grant
-        still waits on WAIT, or ''."""
+        still waits on WAIT, or ''. Under a limit, '?' when a slot is free by
+        now: a grant in the way was given back since the refusal (during this
+        request's own WAIT), and the caller asks again."""
         if slots == 1:
             execs = [answer.holder.exec_id] if answer.holder is not None else []
         else:
-            execs = [self.owner(slot).get("exec", "") for slot in keys.slots(slots)]
+            owners = [self.owner(slot) for slot in keys.slots(slots)]
+            if not all(owners):
+                return "?"
+            execs = [owner.get("exec", "") for owner in owners]
         for exec_id in execs:
             if exec_id and self.client.execute_command(
                     "GET", keys.waiting(exec_id)) is not None:

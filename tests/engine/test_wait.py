@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -225,30 +225,54 @@ def _plain(primary: RedisServer, **conf: Any) -> LockEngine:
     return engine_for(primary, redis_options={"socket_timeout": None}, **conf)
 
 
-def grant_waiting_on_wait(pair: Any) -> tuple[LockKeys, threading.Thread,
-                                               list[BaseException]]:
-    """Task t1's execution e1 is granted a new key and waits on WAIT for a
-    replica that is paused (1 s, policy release: it is given back then), in a
+def grant_waiting_on_wait(pair: Any, keys: Optional[LockKeys] = None, slots: int = 1
+                          ) -> tuple[LockKeys, threading.Thread, list[BaseException]]:
+    """Task t1's execution e1 is granted a key (under a limit of ``slots``:
+    slot ``slots``, the others held already) and waits on WAIT for a replica
+    that is paused (1 s, policy release: it is given back then), in a
     thread: (the keys, the thread, what its acquire raised once it ends)."""
     primary, replica = pair
     replica.pause()
-    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    keys = keys or LockKeys("singleton:", uuid.uuid4().hex)
     first = engine_for(primary, wait_replicas=1, wait_timeout=1000, wait_policy="release")
     given_back: list[BaseException] = []
 
     def hold() -> None:
         try:
             first.acquire(keys, Request("t1", "e1", Lease.of_ms(60_000), "w1@host",
-                                        task_name="t.x"))
+                                        task_name="t.x", slots=slots))
         except BaseException as exc:
             given_back.append(exc)
 
     holder = threading.Thread(target=hold)
     holder.start()
     admin = primary.client(2)
-    wait_for(lambda: admin.exists(keys.waiting("e1")) and admin.exists(keys.lock), 10,
-             interval=0.005, what="the grant marked while it waits on WAIT")
+    wait_for(lambda: admin.exists(keys.waiting("e1")) and admin.exists(keys.slot(slots).lock),
+             10, interval=0.005, what="the grant marked while it waits on WAIT")
     return keys, holder, given_back
+
+
+def test_under_a_limit_a_refusal_meeting_a_grant_given_back_takes_the_freed_slot(pair):
+    """Under a limit of two, slot 1 runs a task and slot 2's grant waits on
+    WAIT; another execution asks meanwhile and is refused, then waits out
+    its own WAIT, during which slot 2's grant is given back (too few
+    replicas). It takes the freed slot. (Before, the refusal was read again
+    after its WAIT, found slot 2 empty and no marked holder, and stood: the
+    task was skipped as a duplicate with a slot free.)"""
+    primary, _ = pair
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    running = _plain(primary).acquire(keys, Request("t0", "e0", Lease.of_ms(60_000),
+                                                    "w1@host", task_name="t.x", slots=2))
+    assert (running.status, running.slot) == (Acquire.GRANTED, 1)
+    keys, holder, given_back = grant_waiting_on_wait(pair, keys, slots=2)
+    second = _plain(primary, wait_replicas=1, wait_timeout=1900, wait_policy="release",
+                    wait_no_replica="proceed")
+    got = second.acquire(keys, Request("t2", "e2", Lease.of_ms(60_000), "w1@host",
+                                       task_name="t.x", slots=2))
+    holder.join(10)
+    assert [type(e) for e in given_back] == [TooFewReplicasError]
+    assert (got.status, got.slot) == (Acquire.GRANTED, 2), got
+    assert owner_field(primary.client(2), keys.slot(2).lock, "exec") == "e2"
 
 
 def test_an_execution_refused_by_a_grant_waiting_on_wait_takes_the_key_once_it_is_given_back(
