@@ -2,8 +2,9 @@
 deployment: a Hypothesis state machine drives several executions of one key
 through the :class:`~celery_singleton_lock.engine.base.Engine` interface
 (grant, renewal, release, write-back, hand-off to a retry, a redelivered
-copy, slots under ``singleton_limit``, a lease left to lapse, late calls of
-executions that no longer hold the key, and under ``singleton_scope``
+copy, a copy followed by the task's retry taking its key back, slots
+under ``singleton_limit``, a lease left to lapse, late calls of executions
+that no longer hold the key, and under ``singleton_scope``
 ``queue``/``queue_and_run`` (one slot; one server, Sentinel, Cluster) a
 send that takes the key with a send-time marker, the run that takes it over
 from the marker, an unqueue) and through faults (an empty restart, of the
@@ -853,6 +854,21 @@ class ModelMachine(RuleBasedStateMachine):
         if got:
             ex.handed = retries
             ex.native = False  # the native path forgets it: its later calls are scripts
+
+    @precondition(lambda self: any(e.live and not e.handed for e in self.executions()))
+    @rule(pick=st.integers(0, 99), engine=st.integers(0, 1), retries=st.integers(1, 3))
+    def copy_then_retry(self, pick: int, engine: int, retries: int) -> None:
+        """A copy of a running task's id arrives (it waits for the task), then
+        the task retries and its retry takes the key back: the copy's mark
+        passes to the retry, whose end leaves the finish marker the copy
+        waits for (three steps the other rules seldom line up)."""
+        live = [e for e in self.executions(live=True) if not e.handed]
+        holder = live[pick % len(live)]
+        self.acquire(self.new_execution(engine, holder.task_id, 0, holder.scope), "copy")
+        self.hand_off(live.index(holder), retries)
+        if holder.handed:
+            self.acquire(self.new_execution(engine, holder.task_id, holder.handed,
+                                            holder.scope), "retry")
 
     @precondition(lambda self: bool(self.executions(live=True)))
     @rule(pick=st.integers(0, 99))
