@@ -658,14 +658,17 @@ def test_a_call_interrupted_between_its_reads_leaves_no_reply_to_the_next(
         with pytest.raises(Interrupt):
             wire.call_many(ECHO, [([], ["e"])])
         assert wire.discarded == 2 and wire.call(ECHO, [], ["f"]) == ("f", False)
+        before, after = Told(), Told()
+        wire.call_later(ECHO, [], ["f2"], before)
         wire.call_later(ECHO, [], ["g"], interrupted)
-        after = Told()
         wire.call_later(ECHO, [], ["h"], after)
         with pytest.raises(Interrupt):
             wire.settle()  # closed as broken: not counted
-        # the call behind the interrupted handler is told its reply went unread
+        # the call behind the interrupted handler is told its reply went unread;
+        # the one before it was told its reply, once
         ((reply, error, repeated),) = after.got
         assert reply is None and repeated and isinstance(error, redis.ConnectionError)
+        assert [got[0] for got in before.got] == ["f2"]
         assert wire.discarded == 2 and wire.call(ECHO, [], ["i"]) == ("i", False)
         told = Told()
         wire.call_later(ECHO, [], ["j"], told)
