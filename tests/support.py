@@ -252,10 +252,13 @@ class _Proxy:
 
 class ReplyDroppingProxy(_Proxy):
     """A proxy that can lose one reply: the command reaches Redis and runs, then
-    the client's connection breaks before the answer arrives."""
+    the client's connection breaks before the answer arrives (``drops_left``
+    set above 1 with ``drop_after``: the replies to that many writes holding
+    it, on whichever connections they come)."""
 
     def __init__(self, target_port: int) -> None:
         self.drop_after: Optional[bytes] = None  # drop the reply to the next command with this
+        self.drops_left = 0
         self.dropped = 0
         self._lock = threading.Lock()
         super().__init__(target_port)
@@ -265,7 +268,9 @@ class ReplyDroppingProxy(_Proxy):
             while data := client.recv(65536):
                 with self._lock:
                     if self.drop_after is not None and self.drop_after in data:
-                        self.drop_after = None
+                        self.drops_left -= 1
+                        if self.drops_left <= 0:
+                            self.drop_after = None
                         state["drop"] = True
                 upstream.sendall(data)
 

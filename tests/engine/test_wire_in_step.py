@@ -21,7 +21,6 @@ the server ran.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import socket
@@ -694,33 +693,13 @@ def test_a_call_interrupted_between_its_reads_leaves_no_reply_to_the_next(
         wire.close()
 
 
-class _TwiceDroppingProxy(ReplyDroppingProxy):
-    """Loses the reply to the next write holding ``drop_after`` twice: the
-    first connection and the one made to send it again."""
-
-    def __init__(self, target_port: int) -> None:
-        self.drops_left = 0
-        super().__init__(target_port)
-
-    def _up(self, client: socket.socket, upstream: socket.socket, state: dict[str, bool]) -> None:
-        with contextlib.suppress(OSError):
-            while data := client.recv(65536):
-                with self._lock:
-                    if self.drop_after is not None and self.drop_after in data:
-                        self.drops_left -= 1
-                        if self.drops_left <= 0:
-                            self.drop_after = None
-                        state["drop"] = True
-                upstream.sendall(data)
-
-
 def test_a_call_whose_connection_breaks_twice_is_not_sent_a_third_time(
         own_redis: RedisServer) -> None:
     """A call (or several at once) whose reply is lost, then lost again on the
     new connection that sent it again: it fails with that connection's error
     and begins an outage, after two runs on the server, not three; once the
     probe hears the server calls go through."""
-    proxy = _TwiceDroppingProxy(own_redis.port)
+    proxy = ReplyDroppingProxy(own_redis.port)
     admin = own_redis.client()
     one, many = (f"count:{uuid.uuid4().hex}" for _ in range(2))
     wire = _counting_wire(proxy.port)
