@@ -115,6 +115,36 @@ class Beat(Protocol):
         """Send ``entry``'s ``tick`` now."""
 
 
+class _LateWait:
+    """``skip``: a tick waiting for the run of the late tick before it
+    (:meth:`Overlap._wait_for_late_run`). Times in ms; the deadline on the
+    beat's clock."""
+
+    def __init__(self, entry: Any, tick: dt.datetime, deadline: int, cap: int,
+                 late_tick: Optional[int]) -> None:
+        self.entry = entry
+        self.tick = tick
+        #: skipped if the late run still runs (or has not started) then
+        self.deadline = min(deadline, cap)
+        #: the tick after this one: waiting past it cannot send this one
+        #: (that tick is decided then, and stands for this one)
+        self.cap = cap
+        #: the late tick's nominal time (absent from a note an older beat wrote)
+        self.late_tick = late_tick
+        #: the late run was seen holding the key
+        self.started = False
+
+    def running(self, record: Mapping[str, str]) -> None:
+        """The late run holds the key (``record``): the tick waits as long as
+        that run started late, by its grant's time (a worker slow to pick the
+        late tick up counts too), up to the cap."""
+        at = str(record.get("at", ""))
+        if self.late_tick is not None and at.isdigit():
+            late = to_ms(self.tick) + int(at) - self.late_tick
+            self.deadline = min(max(self.deadline, late), self.cap)
+        self.started = True
+
+
 class Overlap:
     """The overlap modes of one scheduler's entries: what its beat does with a
     tick whose entry's previous run still runs (``skip``, ``buffer_one``,
@@ -129,9 +159,8 @@ class Overlap:
         self._buffered: dict[str, Any] = {}  # entries this beat polls a buffered tick of
         self._queued: dict[str, Any] = {}  # buffer_all entries this beat polls the queue of
         self._stopped: dict[str, str] = {}  # task id this beat last cancelled/terminated
-        # skip: a tick waiting for the late run before it, by entry: (entry, tick,
-        # the moment in ms, beat clock, after which it is skipped if that still runs)
-        self._late_waits: dict[str, tuple[Any, dt.datetime, int]] = {}
+        # skip: a tick waiting for the late run before it, by entry
+        self._late_waits: dict[str, _LateWait] = {}
         self._adopt_at = 0.0  # monotonic time of the next look for others' buffers
         self._adopt_failing = False  # the last look failed (said once, not every second)
 
@@ -182,7 +211,7 @@ class Overlap:
             delay = min(delay, BUFFER_POLL)
         if self._late_waits:
             # polled like a buffer, and looked at once more at the earliest deadline
-            until = min(d for _, _, d in self._late_waits.values()) - to_ms(self.singleton_now())
+            until = min(w.deadline for w in self._late_waits.values()) - to_ms(self.singleton_now())
             delay = min(delay, BUFFER_POLL, max(until / 1000, 0.0))
         if waiting:
             delay = min(delay, max(self._adopt_at - time.monotonic(), 0.0))
@@ -232,7 +261,8 @@ class Overlap:
                            entry.name, tick_name(tick), exc)
             return False
         if not record:
-            return False
+            # skip: the tick before, sent late, may not have started yet
+            return overlap == "skip" and self._wait_for_late_run(entry, tick, record)
         if overlap == "buffer_one":
             self._buffer(entry, tick, "the previous run still runs")
             return True
@@ -308,17 +338,23 @@ class Overlap:
 
     def _wait_for_late_run(self, entry: Any, tick: dt.datetime,
                            record: Mapping[str, str]) -> bool:
-        """``skip``, a run in the way: True when the tick before was sent late
-        (:meth:`note_if_late` named this tick), the run then taken for that
-        one's. The tick waits for it as long as that run started late (by its
-        grant's time in ``record``, so a worker slow to pick the late tick up
-        counts too; at least as long as the send was late): sent once the run
-        ended, skipped if it still runs then (started on time, it would have
-        run into this tick as well). Sent late in turn, it notes that for the
-        tick after it."""
+        """``skip``: True when the tick before was sent late (:meth:`note_if_late`
+        named this tick) and its run is still to end; the tick then waits for it.
+
+        ``record``: the run in the way, taken for the late one's; the tick waits
+        for it as long as that run started late (by its grant's time, so a
+        worker slow to pick the late tick up counts too; at least as long as
+        the send was late): sent once the run ended, skipped if it still runs
+        then (started on time, it would have run into this tick as well).
+        Empty: no run in the way, but the late tick's own run may not have
+        started yet (no run marker: its message waits for a worker). Sent now,
+        this tick would meet it at the workers and one of the two would be
+        refused; so it waits for that run to start and end, at most until the
+        tick after it. Sent late in turn, it notes that for the tick after it."""
         prefix = get_config(self.scheduler.app).key_prefix
+        engine = engine_for(self.scheduler.app)
         try:
-            raw = engine_for(self.scheduler.app).read(late_key(prefix, entry.name))
+            raw = engine.read(late_key(prefix, entry.name))
         except redis.RedisError:
             return False
         try:
@@ -326,41 +362,82 @@ class Overlap:
             following, deadline = parts[0], parts[1]
         except (ValueError, IndexError):
             return False
-        at = str(record.get("at", ""))
-        if len(parts) > 2 and at.isdigit():  # the late tick's run started this late
-            deadline = max(deadline, following + int(at) - parts[2])
-        if following != to_ms(tick) or to_ms(self.singleton_now()) >= deadline:
+        if following != to_ms(tick):
             return False
-        self._late_waits[entry.name] = (entry, tick, deadline)
+        late_tick = parts[2] if len(parts) > 2 else None
+        after = tick_after(entry.schedule, tick)
+        if after is None:
+            return False
+        wait = _LateWait(entry, tick, deadline, to_ms(after), late_tick)
+        if not record and late_tick is not None and self._tick_decided(entry, late_tick):
+            # started since the look at the key (or started and ended, or was
+            # decided against): the key once more, now the marker was seen
+            record = self._holder(entry) or {}
+            if not record:
+                return False
+        if record:
+            wait.running(record)
+        elif late_tick is None:
+            return False  # a note without the late tick's time: nothing to wait for
+        else:
+            # it will have started later than this tick's time, so later than a
+            # period after its own: its wait reaches the cap once it starts
+            wait.deadline = wait.cap
+        if to_ms(self.singleton_now()) >= wait.deadline:
+            return False
+        self._late_waits[entry.name] = wait
         self.scheduler.singleton_stats["waited_for_late_run"] += 1
-        logger.info("Beat entry %r tick %s waits: the run of the tick before it still runs, "
-                    "sent %.2f s late; this tick is sent when that run ends, skipped if it "
-                    "still runs at %s", entry.name, tick_name(tick),
-                    (deadline - following) / 1000, tick_name(from_ms(deadline)))
+        logger.info("Beat entry %r tick %s waits: the run of the tick before it, sent %.2f s "
+                    "late, %s; this tick is sent when that run ends, skipped if it still "
+                    "runs at %s", entry.name, tick_name(tick), (deadline - following) / 1000,
+                    "still runs" if wait.started else "has not started yet",
+                    tick_name(from_ms(wait.deadline)))
         return True
+
+    def _holder(self, entry: Any) -> Optional[Mapping[str, str]]:
+        """The owner record of the entry's run's key; {} when free; None when
+        Redis does not answer."""
+        keys = self._task_keys(entry)
+        try:
+            return engine_for(self.scheduler.app).owner(keys) if keys is not None else {}
+        except redis.RedisError:
+            return None
+
+    def _tick_decided(self, entry: Any, tick_ms: int) -> bool:
+        """Whether the run marker of ``entry``'s tick at ``tick_ms`` is there
+        (the worker writes it once the run's lock is granted, or the run was
+        decided against). Unseen (Redis failing): taken as there."""
+        key = run_key(get_config(self.scheduler.app).key_prefix, entry.name, from_ms(tick_ms))
+        try:
+            return engine_for(self.scheduler.app).read(key) is not None
+        except redis.RedisError:
+            return True
 
     def _send_after_late_runs(self) -> None:
         """Send each tick waiting for a late run once that run ended; skip it
-        if the run still runs at its deadline."""
-        for name, (entry, tick, deadline) in list(self._late_waits.items()):
-            keys = self._task_keys(entry)
-            try:
-                running = keys is not None and bool(engine_for(self.scheduler.app).owner(keys))
-            except redis.RedisError:
-                running = True  # unseen: looked at again, and skipped at the deadline
-            if running and to_ms(self.singleton_now()) < deadline:
+        if the run still runs (or has not started) at its deadline."""
+        for name, wait in list(self._late_waits.items()):
+            # the marker before the key: a run granted in between is seen holding it
+            decided = wait.started or wait.late_tick is None or self._tick_decided(
+                wait.entry, wait.late_tick)
+            record = self._holder(wait.entry)  # None: unseen, looked at again
+            if record:
+                wait.running(record)
+            # free once it started (seen holding the key, or its marker there): it ended
+            running = record is None or bool(record) or not decided
+            if running and to_ms(self.singleton_now()) < wait.deadline:
                 continue
             del self._late_waits[name]
-            decided = self.scheduler.last_decided(name)
-            if running or (decided is not None and decided > tick):
+            last = self.scheduler.last_decided(name)
+            if running or (last is not None and last > wait.tick):
                 self.scheduler.singleton_stats["overlap_skipped"] += 1
                 logger.info("Beat entry %r tick %s skipped: the previous run still runs "
-                            "(waited for it until %s)", name, tick_name(tick),
-                            tick_name(from_ms(deadline)))
+                            "(waited for it until %s)", name, tick_name(wait.tick),
+                            tick_name(from_ms(wait.deadline)))
                 continue
             logger.info("Beat entry %r tick %s sent: the late run before it ended", name,
-                        tick_name(tick))
-            self._send(entry, tick, self.scheduler.producer)
+                        tick_name(wait.tick))
+            self._send(wait.entry, wait.tick, self.scheduler.producer)
 
     # -- buffer_one, cancel_other, terminate_other: one tick waits -------------------
 

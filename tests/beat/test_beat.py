@@ -27,6 +27,7 @@ from celery.schedules import crontab, schedule
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.beat.scheduler import BeatConfig, beat_config
 from celery_singleton_lock.beat.ticks import buffer_key, claim_key, interval_ticks, ticks_around
+from celery_singleton_lock.config import get_config
 from celery_singleton_lock.engine.registry import connect, engine_for
 from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.exceptions import ConfigurationError
@@ -514,13 +515,16 @@ def test_overlapping_ticks_of_a_long_singleton_task_are_skipped_or_buffered_and_
 def test_after_a_late_start_or_restart_no_tick_is_skipped_for_the_late_run(
         redis_server, beat_worker, beats, events, r, clean_stats):
     """Three beats brought up late in a period, killed (-9) together and
-    brought up again, up to five times; a 0.9 s SingletonTask every 1.5 s
-    under ``skip`` (the default). The first tick after each start is sent as
-    the beats come up, late, and its run still runs when the next tick comes:
-    that tick waits for it (at most as long as the first was late) and runs
-    right after it instead of being skipped. Every tick from the first after
-    a start on runs, each once, never two at once. (Before, the second tick
-    after a start was skipped whenever the start fell late in the period.)"""
+    brought up again until three starts came late enough (at most ten); a
+    0.9 s SingletonTask every 1.5 s under ``skip`` (the default). The first
+    tick after each start is sent as the beats come up, late, and its run
+    still runs (or has not even started, a worker slow to pick it up) when
+    the next tick comes: that tick waits for it (at most as long as the first
+    was late) and runs right after it instead of being skipped. Every tick
+    from the first after a start on runs, each once, never two at once.
+    (Before, the second tick after a start was skipped whenever the start
+    fell late in the period, and one after a run not started yet was refused
+    at the worker.)"""
     period, run = 1.5, 0.9
     key = uuid.uuid4().hex[:8]
     sched = {"late": {"task": "t.tick_hold", "every": period,
@@ -532,7 +536,7 @@ def test_after_a_late_start_or_restart_no_tick_is_skipped_for_the_late_run(
     step = dt.timedelta(seconds=period)
     startup = 1.5  # launch to first send, measured at each start
     cycles: list[dict[str, Any]] = []
-    while len(cycles) < 5 and sum(c["overlapped"] for c in cycles) < 3:
+    while len(cycles) < 10 and sum(c["overlapped"] for c in cycles) < 3:
         # launch so the beats come up about 1.1 s into a period: the first run
         # (0.9 s) then still runs when the next tick comes, 0.4 s later
         time.sleep((1.1 - (time.time() + startup)) % period)
@@ -552,17 +556,13 @@ def test_after_a_late_start_or_restart_no_tick_is_skipped_for_the_late_run(
         wait_for(lambda: len(runs("end")) == len(runs()), 15, what="the runs to end")
         ends = {e["id"]: e["at"] for e in runs("end")}
         mine = [e for e in runs() if e["at"] >= first["at"]]
-        # the first run had not started yet at the next tick's time (a worker
-        # slower than a period to pick it up): not the case at hand; the next
-        # tick, sent with the key free, is refused by that run at the worker,
-        # as docs/beat.md's table says for a run that starts between the
-        # beat's check and the message's arrival
-        unstarted = first["at"] > (t0 + step).timestamp()
         cycles.append({
-            "wanted": [tick_name(t0 + n * step) for n in range(3) if n != 1 or not unstarted],
+            "wanted": [tick_name(t0 + n * step) for n in range(3)],
             "ran": [e["singleton_beat_tick"] for e in mine],
-            # the first run still ran at the next tick's nominal time
-            "overlapped": not unstarted and ends[first["id"]] > (t0 + step).timestamp(),
+            # the first run had not ended (or not even started) at the next
+            # tick's nominal time
+            "overlapped": ends[first["id"]] > (t0 + step).timestamp(),
+            "unstarted": first["at"] > (t0 + step).timestamp(),
             "late": first["at"] - t0.timestamp(),
             "next_after": [e["at"] - (t0 + step).timestamp() for e in mine
                            if e["singleton_beat_tick"] == tick_name(t0 + step)],
@@ -577,15 +577,24 @@ def test_after_a_late_start_or_restart_no_tick_is_skipped_for_the_late_run(
         print(f"first tick sent {c['late']:.2f} s late, its run in the next tick's way: "
               f"{c['overlapped']}; the next tick ran {c['next_after']} s after its time, "
               f"the one after {c['third_after']} s")
-    assert sum(c["overlapped"] for c in cycles) >= 2, cycles  # the case at hand came up
+    def history() -> str:
+        """Every run (tick, start, end) and what the beats said of the entry."""
+        done = {e["id"]: e["at"] for e in runs("end")}
+        lines = [f"run of {e['singleton_beat_tick']}: {e['at']:.3f}-{done.get(e['id'], 0):.3f}"
+                 f" ({e['id']})" for e in runs()]
+        lines += [line for beat in beats for line in beat.logs().splitlines()
+                  if "'late'" in line]
+        return "\n".join([repr(cycles), *lines])
+
+    assert sum(c["overlapped"] for c in cycles) >= 2, history()  # the case at hand came up
     for c in cycles:
-        assert set(c["wanted"]) <= set(c["ran"]), c
+        assert set(c["wanted"]) <= set(c["ran"]), history()
     starts = runs()
-    assert set(Counter(e["singleton_beat_tick"] for e in starts).values()) == {1}
-    assert all(e["concurrent"] == 1 for e in starts)
+    assert set(Counter(e["singleton_beat_tick"] for e in starts).values()) == {1}, history()
+    assert all(e["concurrent"] == 1 for e in starts), history()
     ends = {e["id"]: e["at"] for e in runs("end")}
     for before, after in zip(starts, starts[1:]):
-        assert ends[before["id"]] <= after["at"], (before, after)
+        assert ends[before["id"]] <= after["at"], history()
     counted = Counter[str]()
     for st in stats(events).values():
         counted.update({k: int(v) for k, v in st.items() if k != "beat_id"})
@@ -685,35 +694,59 @@ def virtual_look(beat: Any, t0: dt.datetime, seconds: float) -> list[dt.datetime
     return [tick for _, tick, _ in beat.sent]
 
 
+class LateTick:
+    """The late-run scene on a virtual clock (every 10 s): the first tick
+    ``t0`` sent 0.2 s late (its note left for the next tick); its run's lock
+    is granted (real, on the lock Redis) when :meth:`grant` says, as a slow
+    worker gives it, with the tick's run marker the worker writes then."""
+
+    def __init__(self, redis_server: RedisServer) -> None:
+        from tests.beatapp import make_beat_app
+
+        key, self.name = uuid.uuid4().hex, f"slow-{uuid.uuid4().hex[:8]}"
+        self.app = make_beat_app(redis_server.url(), "unused", schedule={
+            self.name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
+        self.beat = NotingScheduler(app=self.app)
+        self.beat.sent = []
+        self.t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
+        self.engine = engine_for(self.app)
+        self.keys = self.app.tasks["t.tick_hold"].singleton_keys(key=key)
+        assert self.look(0.2) == [self.t0]  # the first tick, sent 0.2 s late
+
+    def look(self, seconds: float) -> list[dt.datetime]:
+        """The beat's loop once, ``seconds`` after ``t0``: every tick sent so far."""
+        return virtual_look(self.beat, self.t0, seconds)
+
+    def grant(self, seconds: float) -> None:
+        """``t0``'s run takes the key ``seconds`` after ``t0`` (exec-0, run-0)."""
+        from tests.support import write_owner
+
+        assert self.engine.acquire(self.keys, Request(
+            task_id="run-0", exec_id="exec-0", lease=Lease.of_ms(60_000),
+            hostname="w1@slow", task_name="t.tick_hold")).token > 0
+        started = self.t0 + dt.timedelta(seconds=seconds)
+        write_owner(self.engine.client, self.keys.lock, at=int(started.timestamp() * 1_000_000))
+        assert claim_tick_run(self.engine, get_config(self.app).key_prefix, {
+            "singleton_beat_entry": self.name, "singleton_beat_tick": tick_name(self.t0),
+            "id": "run-0"})
+
+    def end(self) -> None:
+        assert self.engine.release(self.keys, "exec-0", "run-0") is True
+
+    @property
+    def stats(self) -> Counter[str]:
+        return self.beat.singleton_stats  # type: ignore[no-any-return]
+
+
 def a_run_started_late(redis_server: RedisServer) -> tuple[Any, Callable[[float], Any],
                                                            Any, Any, dt.datetime]:
-    """The late-run scene on a virtual clock (every 10 s): the first tick sent
-    0.2 s late, its run's lock granted (real, on the lock Redis) 3 s after the
-    tick, as a slow worker gives it; the beat has looked again at 5 s.
-    (beat, look(seconds) -> ticks sent, engine, the run's keys, t0)."""
-    from tests.beatapp import make_beat_app
-    from tests.support import write_owner
-
-    key, name = uuid.uuid4().hex, f"slow-{uuid.uuid4().hex[:8]}"
-    app = make_beat_app(redis_server.url(), "unused", schedule={
-        name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
-    beat = NotingScheduler(app=app)
-    beat.sent = []
-    t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
-
-    def look(seconds: float) -> list[dt.datetime]:
-        return virtual_look(beat, t0, seconds)
-
-    assert look(0.2) == [t0]  # the first tick, sent 0.2 s late
-    engine = engine_for(app)
-    keys = app.tasks["t.tick_hold"].singleton_keys(key=key)
-    assert engine.acquire(keys, Request(task_id="run-0", exec_id="exec-0",
-                                        lease=Lease.of_ms(60_000), hostname="w1@slow",
-                                        task_name="t.tick_hold")).token > 0
-    started = t0 + dt.timedelta(seconds=3)  # the grant, as a slow worker gave it
-    write_owner(engine.client, keys.lock, at=int(started.timestamp() * 1_000_000))
-    look(5.0)
-    return beat, look, engine, keys, t0
+    """The late-run scene, its run granted 3 s after the tick; the beat has
+    looked again at 5 s. (beat, look(seconds) -> ticks sent, engine, the run's
+    keys, t0)."""
+    scene = LateTick(redis_server)
+    scene.grant(3.0)
+    scene.look(5.0)
+    return scene.beat, scene.look, scene.engine, scene.keys, scene.t0
 
 
 def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_server):
@@ -750,6 +783,115 @@ def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(
     assert beat.singleton_stats["overlap_skipped"] == 1, beat.singleton_stats
     assert engine.release(keys, "exec-0", "run-0") is True
     assert look(14.0) == [t0]
+
+
+def test_a_late_ticks_run_a_worker_had_not_started_by_the_next_tick_costs_that_tick_nothing(
+        redis_server):
+    """docs/beat.md (a late start or restart): the late tick's message still
+    waits for a worker at the next tick, so no run is in the way yet. Sent
+    then, the next tick would meet it at the workers and one of the two would
+    be refused as a duplicate. It waits instead: for the late run to start
+    (its run marker) and to end, and is sent then; none is skipped. (Before,
+    it was sent at once.) Virtual clock, every 10 s; the lock Redis real."""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    assert scene.look(10.05) == [t0]  # nothing in the way, but t0's run not started
+    assert scene.stats["waited_for_late_run"] == 1, scene.stats
+    assert scene.look(12.0) == [t0]
+    scene.grant(12.5)  # the worker takes t0 up at last
+    assert scene.look(13.0) == [t0]  # its run in the way now
+    scene.end()
+    assert scene.look(13.3) == [t0, t0 + step]  # sent once that run ended
+    assert scene.stats["overlap_skipped"] == 0, scene.stats
+
+
+def test_a_late_ticks_run_granted_while_the_next_tick_looks_is_waited_for(redis_server):
+    """The late run's grant lands between the next tick's look at the key
+    (free) and its look at the run marker (there now): the run was not taken
+    for one that started and ended; the tick waits for it and is sent once it
+    ended. (A run started that way was once read as over, the tick sent at
+    once and refused at the worker.)"""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    owner = scene.engine.owner
+    looks: list[dict[str, str]] = []
+
+    def owner_then_grant(keys: Any) -> dict[str, str]:
+        record = owner(keys)
+        looks.append(record)
+        if len(looks) == 1:
+            scene.grant(10.06)  # just after this look at the key
+        return record
+
+    scene.engine.owner = owner_then_grant
+    try:
+        assert scene.look(10.05) == [t0]
+    finally:
+        del scene.engine.owner
+    assert looks[0] == {}, looks
+    assert scene.stats["waited_for_late_run"] == 1, scene.stats
+    assert scene.look(11.0) == [t0]
+    scene.end()
+    assert scene.look(11.3) == [t0, t0 + step]
+    assert scene.stats["overlap_skipped"] == 0, scene.stats
+
+
+def test_a_late_ticks_run_granted_while_the_waiting_tick_looks_again_is_waited_for(
+        redis_server):
+    """The same race later: the next tick already waits for a late run that
+    had not started, and the grant lands within one of its looks, after the
+    look at the key. It goes on waiting (the marker is looked at before the
+    key), and is sent once that run ended."""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    assert scene.look(10.05) == [t0]  # waits: not started
+    owner = scene.engine.owner
+    looks: list[dict[str, str]] = []
+
+    def owner_then_grant(keys: Any) -> dict[str, str]:
+        record = owner(keys)
+        looks.append(record)
+        if len(looks) == 1:
+            scene.grant(11.0)
+        return record
+
+    scene.engine.owner = owner_then_grant
+    try:
+        assert scene.look(11.0) == [t0]
+    finally:
+        del scene.engine.owner
+    assert looks[0] == {}, looks
+    assert scene.look(11.5) == [t0]  # the run holds the key
+    scene.end()
+    assert scene.look(11.8) == [t0, t0 + step]
+    assert scene.stats["overlap_skipped"] == 0, scene.stats
+
+
+def test_a_late_ticks_run_that_never_starts_holds_the_next_tick_until_the_one_after(
+        redis_server):
+    """The wait for a late run that has not started is bounded by the tick
+    after the waiting one: then that tick is skipped (counted) and the one
+    after it is decided as usual (nothing in the way: sent)."""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    assert scene.look(10.05) == [t0]
+    assert scene.look(19.9) == [t0]
+    assert scene.stats["overlap_skipped"] == 0, scene.stats
+    assert scene.look(20.05) == [t0, t0 + 2 * step]
+    assert scene.stats["overlap_skipped"] == 1, scene.stats
+
+
+def test_a_late_ticks_run_that_ended_before_the_next_tick_costs_that_tick_no_wait(
+        redis_server):
+    """The common case after a late start: the late tick's run started and
+    ended before the next tick's time (its run marker there, the key free).
+    The next tick is sent at its time, without waiting."""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    scene.grant(1.0)
+    scene.end()
+    assert scene.look(10.05) == [t0, t0 + step]
+    assert scene.stats["waited_for_late_run"] == 0, scene.stats
 
 
 @pytest.mark.parametrize("deadline,late,cron_sent", [
