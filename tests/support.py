@@ -45,6 +45,17 @@ def missing(why: str, env: Optional[Mapping[str, str]] = None) -> NoReturn:
     pytest.skip(why)
 
 
+def installed(module: str, extra: str) -> Any:
+    """``module`` imported, or :func:`missing` naming it and the extra (or
+    package) that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        missing(f"{module} is not installed ({extra})")
+
+
 #: the sockets behind dead_port(), bound for as long as this process lives
 _HELD: list[socket.socket] = []
 

@@ -21,13 +21,16 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("django_celery_beat")
-
 import tests.beat.test_beat as beat_tests
 from tests.beat.test_beat import parse
-from tests.support import ROOT, wait_for
+from tests.support import ROOT, installed, wait_for
 
 UTC = dt.timezone.utc
+
+
+@pytest.fixture(autouse=True, scope="module")
+def needs_django_celery_beat() -> None:
+    installed("django_celery_beat", "the test extra")
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +163,9 @@ def test_two_real_beats_over_postgresql_keep_every_rule_of_django_celery_beat(
                  what="four runs of the row with a start_time, 14 s after the seeding")
         for beat in beats:
             beat.stop()
-        for entry in ("every", "later"):  # but a tick a kill or a stop lost after its claim
-            every_claimed_tick_ran(r, entry, lambda e=entry: [
-                x["singleton_beat_tick"] for x in ran(e)])
+        lost = {entry: every_claimed_tick_ran(r, entry, lambda e=entry: [
+            x["singleton_beat_tick"] for x in ran(e)])  # but a tick a kill or a stop
+            for entry in ("every", "later")}          # lost after its claim
         rows = {row["name"]: row for row in json.loads(_djangobeat(db, redis_server.url(),
                                                                     "rows"))}
         expiring_claims = claimed(r, "expiring")  # every tick a beat decided to send
@@ -187,9 +190,11 @@ def test_two_real_beats_over_postgresql_keep_every_rule_of_django_celery_beat(
     assert ran("expiring")
     assert max(parse(t).timestamp() for t in expiring_claims) < rows["expiring"]["expires"]
     assert rows["expiring"]["enabled"] is False
-    # run counts: one per send, whichever beat sent it
+    # run counts: one per send, whichever beat sent it; a send a stop cut short
+    # (a tick lost after its claim) is counted when the stop came inside it
     for entry in ("every", "later"):
-        assert rows[entry]["total_run_count"] == len(ran(entry)), (entry, rows[entry])
+        assert len(ran(entry)) <= rows[entry]["total_run_count"] <= len(ran(entry)) + len(
+            lost[entry]), (entry, rows[entry], lost[entry])
     senders = {e["singleton_beat_id"] for e in ran("every")}
     assert len(senders) >= 2, "more than one beat sent ticks of the row"
     # no traceback but Celery's own at a stop: its SIGTERM handler raises

@@ -31,12 +31,16 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.support import ROOT, RedisServer, wait_for
+from tests.support import ROOT, RedisServer, installed, missing, wait_for
 
 FAKETIME = shutil.which("faketime")
-pytestmark = [pytest.mark.worker,
-              pytest.mark.skipif(FAKETIME is None, reason="needs libfaketime's faketime "
-                                 "(apt-get install faketime)")]
+pytestmark = pytest.mark.worker
+
+
+@pytest.fixture(autouse=True)
+def needs_faketime() -> None:
+    if FAKETIME is None:
+        missing("libfaketime's faketime is not installed (apt-get install faketime)")
 
 UTC = dt.timezone.utc
 SPEED = 360
@@ -278,7 +282,7 @@ def test_a_schedule_read_back_from_the_file_keeps_the_beats_zone(dst_redis, tmp_
 def test_a_crontab_with_its_own_zone_keeps_it(dst_redis, tmp_path):
     """django-celery-beat's TzAwareCrontab carries the row's zone: giving a
     schedule the beat's app back never replaces a zone the schedule set itself."""
-    pytest.importorskip("django_celery_beat")
+    installed("django_celery_beat", "the test extra")
     from zoneinfo import ZoneInfo
 
     from django_celery_beat.tzcrontab import TzAwareCrontab

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-import time
 import uuid
 
 import pytest
@@ -22,6 +21,7 @@ from tests.beat.test_beat import (  # noqa: F401
     parse,
     tick_events,
 )
+from tests.beatapp import make_beat_app
 from tests.support import wait_for
 
 pytestmark = pytest.mark.worker
@@ -103,7 +103,11 @@ def test_a_buffer_all_backlog_is_capped_outlives_every_beat_and_drains_oldest_fi
     assert 3_500_000 < r.pttl(queue) <= 3_600_000, "an hour after its last tick was added"
     wait_for(lambda: len(tick_events(events, "backlog", "end")) == len(
         tick_events(events, "backlog", "start")), 10, what="the running tick to end")
-    time.sleep(2.0)  # every beat down: nothing takes from the backlog
+    # its lock freed: the worker is done with it (the beat, killed, waited for)
+    lock = make_beat_app(redis_server.url(), "unused").tasks["t.tick_hold"].singleton_keys(
+        key=key).lock
+    wait_for(lambda: not r.exists(lock), 10, what="the running tick's lock to be freed")
+    # every beat down: nothing took from the backlog when the run ended
     assert sorted(int(m) for m in r.zrange(queue, 0, -1)) == waiting
     beats.append(Beat(redis_server.url(), beat_worker.queue, sched, name="second",
                       conf=conf).start())

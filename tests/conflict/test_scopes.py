@@ -417,8 +417,9 @@ def test_lock_redis_down_at_send_sends_anyway_or_raises(redis_server, prefork_wo
                       conf={"singleton_on_backend_error": "raise"})
     with pytest.raises(LockBackendError):
         strict.tasks["t.queue_and_run"].delay(key, 0.0, "never")
-    time.sleep(0.5)
-    assert [e["tag"] for e in events.starts()] == ["sent"]
+    # a call sent after it ran: had "never" been sent, it would have come first
+    assert t.delay(f"{key}-after", 0.0, "after").get(timeout=10)["tag"] == "after"
+    assert [e["tag"] for e in events.starts()] == ["sent", "after"]
 
 
 def test_a_send_the_broker_refused_frees_the_key_it_took(redis_server, prefork_worker,

@@ -18,7 +18,7 @@ from celery_singleton_lock.fencing import dbapi_update, sqlalchemy_update
 from celery_singleton_lock.keys import LockKeys
 from celery_singleton_lock.lock import SingletonLock
 from tests.pg import own_database
-from tests.support import ROOT
+from tests.support import ROOT, installed
 
 SCHEMA = ("CREATE TABLE orders (id INTEGER PRIMARY KEY, state TEXT NOT NULL, "
           "fence BIGINT NOT NULL DEFAULT 0)")
@@ -101,7 +101,7 @@ def test_the_error_survives_a_result_backend_round_trip():
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_sqlalchemy_core_refuses_a_stale_token(backend, tmp_path):
-    sa = pytest.importorskip("sqlalchemy")
+    sa = installed("sqlalchemy", "the test extra")
     with contextlibs(backend, tmp_path) as url:
         engine = sa.create_engine(url)
         meta = sa.MetaData()
@@ -150,7 +150,7 @@ def contextlibs(backend: str, tmp_path: Any) -> Any:
 def test_django_orm_refuses_a_stale_token():
     """A model with a fence field, on SQLite through Django's ORM (in a process of its
     own: Django's settings are configured once per process)."""
-    pytest.importorskip("django")
+    installed("django", "the test extra")
     out = subprocess.run([sys.executable, "-m", "tests.djangofencing"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

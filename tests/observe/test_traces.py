@@ -17,15 +17,18 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from celery_singleton_lock.keys import digest, encode_value
-from tests.support import ROOT, RedisServer, Worker, discard, wait_for
+from tests.support import ROOT, RedisServer, Worker, discard, installed, wait_for
 from tests.workerapp import make_app
 
 pytestmark = pytest.mark.worker
 
-otel = pytest.mark.skipif(
-    any(__import__("importlib.util").util.find_spec(m) is None for m in (
-        "opentelemetry", "opentelemetry.sdk", "opentelemetry.instrumentation.celery")),
-    reason="OpenTelemetry is not installed (extra 'otel')")
+otel = pytest.mark.usefixtures("otel_installed")
+
+
+@pytest.fixture
+def otel_installed() -> None:
+    for module in ("opentelemetry", "opentelemetry.sdk", "opentelemetry.instrumentation.celery"):
+        installed(module, "extra 'otel'")
 
 
 def traced_worker(redis_server: RedisServer, concurrency: int = 3,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support import ROOT, missing
+from tests.support import ROOT, installed, missing
 
 pytestmark = pytest.mark.worker
 
@@ -30,7 +30,7 @@ def test_a_report_requested_five_times_is_written_once_and_a_pending_rebuild_is_
 
 
 def test_django_settings_in_the_celery_namespace_configure_the_lock():
-    pytest.importorskip("django")
+    installed("django", "the test extra")
     out = run_demo("django_project")
     assert "singleton_ttl=20 (CELERY_SINGLETON_TTL)" in out
     assert "singleton_key_prefix='shop-locks:' (CELERY_SINGLETON_KEY_PREFIX)" in out

@@ -77,7 +77,8 @@ def test_a_test_that_needs_a_service_or_version_skips_only_through_missing():
     """Every skip for a missing service, program or version goes through
     tests.support.missing, which the CI switch turns into a failure."""
     needs = re.compile(r"RabbitMQ|PostgreSQL|psycopg|chromium|redis-server|Redis before|"
-                       r"redis-py|REDIS_PY", re.IGNORECASE)
+                       r"redis-py|REDIS_PY|faketime|opentelemetry|otel|gevent|eventlet|"
+                       r"green|django|sqlalchemy", re.IGNORECASE)
     bare = re.compile(r"pytest\.skip\(|skipif\(|importorskip\(")
     found = []
     for path in sorted((ROOT / "tests").rglob("*.py")):

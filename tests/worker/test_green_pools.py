@@ -11,7 +11,6 @@ pool: a task longer than its lease renewed by a thread of the worker.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import uuid
 from typing import Any, Iterator
@@ -20,17 +19,16 @@ import pytest
 
 from celery_singleton_lock import is_skipped
 from tests.greenapp import BLOCK_TTL, make_green_app
-from tests.support import RedisServer, Worker, discard, owner_field, wait_for
+from tests.support import RedisServer, Worker, discard, installed, owner_field, wait_for
 from tests.workerapp import make_app
 
-POOLS = [pytest.param(pool, marks=pytest.mark.skipif(
-    importlib.util.find_spec(pool) is None, reason=f"{pool} is not installed (extra 'green')"))
-    for pool in ("gevent", "eventlet")]
+POOLS = ["gevent", "eventlet"]
 
 pytestmark = pytest.mark.worker
 
 
 def green_worker(redis_url: str, pool: str, lock_url: str | None = None) -> Worker:
+    installed(pool, "extra 'green'")
     worker = Worker(redis_url, f"{pool}-{uuid.uuid4().hex[:6]}", pool=pool, concurrency=50,
                     lock_url=lock_url)
     worker.cmd[worker.cmd.index("tests.workerapp:app")] = "tests.greenapp:app"
