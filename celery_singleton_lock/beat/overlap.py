@@ -431,9 +431,11 @@ class Overlap:
             last = self.scheduler.last_decided(name)
             if running or (last is not None and last > wait.tick):
                 self.scheduler.singleton_stats["overlap_skipped"] += 1
-                logger.info("Beat entry %r tick %s skipped: the previous run still runs "
-                            "(waited for it until %s)", name, tick_name(wait.tick),
-                            tick_name(from_ms(wait.deadline)))
+                why = ("a later tick was decided meanwhile" if not running else
+                       "the previous run still runs" if wait.started or decided else
+                       "the previous run has not started")
+                logger.info("Beat entry %r tick %s skipped: %s (waited for it until %s)",
+                            name, tick_name(wait.tick), why, tick_name(from_ms(wait.deadline)))
                 continue
             logger.info("Beat entry %r tick %s sent: the late run before it ended", name,
                         tick_name(wait.tick))
