@@ -121,7 +121,7 @@ class _LateWait:
     beat's clock."""
 
     def __init__(self, entry: Any, tick: dt.datetime, deadline: int, cap: int,
-                 late_tick: Optional[int]) -> None:
+                 late_tick: int) -> None:
         self.entry = entry
         self.tick = tick
         #: skipped if the late run still runs (or has not started) then
@@ -129,7 +129,7 @@ class _LateWait:
         #: the tick after this one: waiting past it cannot send this one
         #: (that tick is decided then, and stands for this one)
         self.cap = cap
-        #: the late tick's nominal time (absent from a note an older beat wrote)
+        #: the late tick's nominal time
         self.late_tick = late_tick
         #: the late run was seen holding the key
         self.started = False
@@ -139,7 +139,7 @@ class _LateWait:
         that run started late, by its grant's time (a worker slow to pick the
         late tick up counts too), up to the cap."""
         at = str(record.get("at", ""))
-        if self.late_tick is not None and at.isdigit():
+        if at.isdigit():
             late = to_ms(self.tick) + int(at) - self.late_tick
             self.deadline = min(max(self.deadline, late), self.cap)
         self.started = True
@@ -358,18 +358,16 @@ class Overlap:
         except redis.RedisError:
             return False
         try:
-            parts = [int(part) for part in _text(raw or "").split()]
-            following, deadline = parts[0], parts[1]
-        except (ValueError, IndexError):
+            following, deadline, late_tick = (int(part) for part in _text(raw or "").split())
+        except ValueError:  # none, or not three numbers
             return False
         if following != to_ms(tick):
             return False
-        late_tick = parts[2] if len(parts) > 2 else None
         after = tick_after(entry.schedule, tick)
         if after is None:
             return False
         wait = _LateWait(entry, tick, deadline, to_ms(after), late_tick)
-        if not record and late_tick is not None and self._tick_decided(entry, late_tick):
+        if not record and self._tick_decided(entry, late_tick):
             # started since the look at the key (or started and ended, or was
             # decided against): the key once more, now the marker was seen
             record = self._holder(entry) or {}
@@ -377,8 +375,6 @@ class Overlap:
                 return False
         if record:
             wait.running(record)
-        elif late_tick is None:
-            return False  # a note without the late tick's time: nothing to wait for
         else:
             # it will have started later than this tick's time, so later than a
             # period after its own: its wait reaches the cap once it starts
@@ -418,8 +414,7 @@ class Overlap:
         if the run still runs (or has not started) at its deadline."""
         for name, wait in list(self._late_waits.items()):
             # the marker before the key: a run granted in between is seen holding it
-            decided = wait.started or wait.late_tick is None or self._tick_decided(
-                wait.entry, wait.late_tick)
+            decided = wait.started or self._tick_decided(wait.entry, wait.late_tick)
             record = self._holder(wait.entry)  # None: unseen, looked at again
             if record:
                 wait.running(record)

@@ -145,6 +145,7 @@ def last_sent_key(prefix: str, entry_name: str) -> str:
 
 
 def late_key(prefix: str, entry_name: str) -> str:
-    """String key: the tick after one sent late, and until when it waits for
-    that one's run (overlap "skip"; ``<next tick ms> <deadline ms>``)."""
+    """String key: the tick after one sent late, until when it waits for that
+    one's run, and the late tick (overlap "skip"; ``<next tick ms> <deadline
+    ms> <late tick ms>``)."""
     return f"{entry_base(prefix, entry_name)}:late"

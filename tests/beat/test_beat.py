@@ -26,12 +26,18 @@ from celery.schedules import crontab, schedule
 
 from celery_singleton_lock import SingletonConfig
 from celery_singleton_lock.beat.scheduler import BeatConfig, beat_config
-from celery_singleton_lock.beat.ticks import buffer_key, claim_key, interval_ticks, ticks_around
+from celery_singleton_lock.beat.ticks import (
+    buffer_key,
+    claim_key,
+    interval_ticks,
+    late_key,
+    ticks_around,
+)
 from celery_singleton_lock.config import get_config
 from celery_singleton_lock.engine.registry import connect, engine_for
 from celery_singleton_lock.engine.request import Lease, Request
 from celery_singleton_lock.exceptions import ConfigurationError
-from celery_singleton_lock.worker.ticks import claim_tick_run, entry_base, from_ms, tick_name
+from celery_singleton_lock.worker.ticks import claim_tick_run, entry_base, from_ms, tick_name, to_ms
 from tests.contract import promises
 from tests.support import ROOT, RedisServer, Worker, discard, wait_for
 
@@ -717,8 +723,9 @@ class LateTick:
         """The beat's loop once, ``seconds`` after ``t0``: every tick sent so far."""
         return virtual_look(self.beat, self.t0, seconds)
 
-    def grant(self, seconds: float) -> None:
-        """``t0``'s run takes the key ``seconds`` after ``t0`` (exec-0, run-0)."""
+    def grant(self, seconds: float, marker: bool = True) -> None:
+        """``t0``'s run takes the key ``seconds`` after ``t0`` (exec-0, run-0);
+        ``marker``: and writes the tick's run marker, as a worker does."""
         from tests.support import write_owner
 
         assert self.engine.acquire(self.keys, Request(
@@ -726,7 +733,7 @@ class LateTick:
             hostname="w1@slow", task_name="t.tick_hold")).token > 0
         started = self.t0 + dt.timedelta(seconds=seconds)
         write_owner(self.engine.client, self.keys.lock, at=int(started.timestamp() * 1_000_000))
-        assert claim_tick_run(self.engine, get_config(self.app).key_prefix, {
+        assert not marker or claim_tick_run(self.engine, get_config(self.app).key_prefix, {
             "singleton_beat_entry": self.name, "singleton_beat_tick": tick_name(self.t0),
             "id": "run-0"})
 
@@ -867,6 +874,22 @@ def test_a_late_ticks_run_granted_while_the_waiting_tick_looks_again_is_waited_f
     assert scene.stats["overlap_skipped"] == 0, scene.stats
 
 
+def test_a_run_in_the_way_without_a_run_marker_is_waited_for_until_it_ends(redis_server):
+    """docs/beat.md: the run in the way is taken for the late tick's, whatever
+    sent it; one that leaves no run marker (a call of the task with the
+    entry's arguments, not sent by the beat) is waited for as well, and the
+    tick is sent once it ended (it was seen holding the key: over, not yet to
+    start)."""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    scene.grant(3.0, marker=False)
+    assert scene.look(10.05) == [t0]
+    assert scene.stats["waited_for_late_run"] == 1, scene.stats
+    scene.end()
+    assert scene.look(10.4) == [t0, t0 + step]
+    assert scene.stats["overlap_skipped"] == 0, scene.stats
+
+
 def test_a_late_ticks_run_that_never_starts_holds_the_next_tick_until_the_one_after(
         redis_server):
     """The wait for a late run that has not started is bounded by the tick
@@ -892,6 +915,9 @@ def test_a_late_ticks_run_that_ended_before_the_next_tick_costs_that_tick_no_wai
     scene.end()
     assert scene.look(10.05) == [t0, t0 + step]
     assert scene.stats["waited_for_late_run"] == 0, scene.stats
+    # sent 50 ms after its time, that tick left no note of its own (t0's stays)
+    note = scene.engine.read(late_key(get_config(scene.app).key_prefix, scene.name))
+    assert str(note).split()[0] == str(to_ms(t0 + step)), note
 
 
 @pytest.mark.parametrize("deadline,late,cron_sent", [
