@@ -581,8 +581,8 @@ def test_after_a_late_start_or_restart_no_tick_is_skipped_for_the_late_run(
 
     for c in cycles:  # the figures docs/beat.md quotes (pytest -s)
         print(f"first tick sent {c['late']:.2f} s late, its run in the next tick's way: "
-              f"{c['overlapped']}; the next tick ran {c['next_after']} s after its time, "
-              f"the one after {c['third_after']} s")
+              f"{c['overlapped']} (not started yet: {c['unstarted']}); the next tick ran "
+              f"{c['next_after']} s after its time, the one after {c['third_after']} s")
     def history() -> str:
         """Every run (tick, start, end) and what the beats said of the entry."""
         done = {e["id"]: e["at"] for e in runs("end")}
