@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import pytest
+import redis
 from celery.schedules import crontab, schedule
 
 from celery_singleton_lock import SingletonConfig
@@ -888,6 +889,37 @@ def test_a_run_in_the_way_without_a_run_marker_is_waited_for_until_it_ends(redis
     scene.end()
     assert scene.look(10.4) == [t0, t0 + step]
     assert scene.stats["overlap_skipped"] == 0, scene.stats
+
+
+def test_a_tick_decided_past_its_late_runs_wait_is_skipped_and_counted(redis_server):
+    """A beat that decides the next tick only after the late run's wait is
+    over (it stalled), the run still in the way: the tick is skipped at once,
+    counted and logged as any skip, not left waiting."""
+    scene = LateTick(redis_server)
+    scene.grant(0.3)  # the wait: until 10.3 s
+    assert scene.look(10.5) == [scene.t0]
+    assert scene.stats["overlap_skipped"] == 1, scene.stats
+    assert scene.stats["waited_for_late_run"] == 0, scene.stats
+
+
+def test_a_late_note_redis_cannot_read_leaves_the_tick_decided_as_without_one(redis_server):
+    """The late note's GET fails (Redis errs): nothing in the way, the tick is
+    sent at its time, not held back by a note nobody could read."""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    read = scene.engine.read
+
+    def failing(key: str) -> Any:
+        if key.endswith(":late"):
+            raise redis.ConnectionError("the late note's read failed")
+        return read(key)
+
+    scene.engine.read = failing
+    try:
+        assert scene.look(10.05) == [t0, t0 + step]
+    finally:
+        del scene.engine.read
+    assert scene.stats["waited_for_late_run"] == 0, scene.stats
 
 
 def test_a_late_ticks_run_that_never_starts_holds_the_next_tick_until_the_one_after(
