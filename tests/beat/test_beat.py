@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -777,18 +778,23 @@ def test_a_run_a_slow_worker_started_late_costs_the_next_tick_nothing(redis_serv
     assert beat.singleton_stats["overlap_skipped"] == 0, beat.singleton_stats
 
 
-def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(redis_server):
+def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(
+        redis_server, caplog):
     """docs/beat.md: the wait for a late run is bounded by how late it started;
-    a run still running at the bound costs the tick (skipped, counted), and
-    the tick is not sent when the run ends after. Same virtual clock and lock
-    as the test above, the run never ending inside the wait."""
+    a run still running at the bound costs the tick (skipped, counted, and
+    logged saying so), and the tick is not sent when the run ends after. Same
+    virtual clock and lock as the test above, the run never ending inside
+    the wait."""
     beat, look, engine, keys, t0 = a_run_started_late(redis_server)
     assert look(10.05) == [t0]
     assert beat.singleton_stats["waited_for_late_run"] == 1, beat.singleton_stats
     assert look(12.5) == [t0]  # within the wait (the run started 3 s late)
     assert beat.singleton_stats["overlap_skipped"] == 0, beat.singleton_stats
-    assert look(13.5) == [t0]  # past it, the run still running: skipped
+    with caplog.at_level(logging.INFO, logger="celery_singleton_lock"):
+        assert look(13.5) == [t0]  # past it, the run still running: skipped
     assert beat.singleton_stats["overlap_skipped"] == 1, beat.singleton_stats
+    assert f"tick {tick_name(t0 + dt.timedelta(seconds=10))} skipped: the previous run still " \
+        "runs (waited for it until" in caplog.text, caplog.text
     assert engine.release(keys, "exec-0", "run-0") is True
     assert look(14.0) == [t0]
 
