@@ -324,17 +324,22 @@ class Overlap:
         following = tick_after(entry.schedule, tick)
         if following is None:
             return
-        deadline = to_ms(following) + late_ms
         try:
-            engine_for(self.scheduler.app).write(
-                late_key(get_config(self.scheduler.app).key_prefix, entry.name),
-                f"{to_ms(following)} {deadline} {to_ms(tick)}",
-                max(deadline - to_ms(now), 0) + _LATE_NOTE_MARGIN_MS)
+            self._write_note(entry, to_ms(following), to_ms(following) + late_ms, tick)
         except redis.RedisError as exc:
             logger.warning("Beat entry %r tick %s was sent %.2f s late and that could not be "
                            "noted (%s, %r): if its run still runs at the next tick, that one "
                            "is skipped", entry.name, tick_name(tick), late_ms / 1000,
                            redis_failure(exc), exc)
+
+    def _write_note(self, entry: Any, following: int, deadline: int, tick: dt.datetime) -> None:
+        """``<entry>:late`` = ``following deadline tick``: the tick at
+        ``following`` (ms) waits for ``tick``'s run, until ``deadline`` (ms)
+        at least; kept until then and a margin."""
+        engine_for(self.scheduler.app).write(
+            late_key(get_config(self.scheduler.app).key_prefix, entry.name),
+            f"{following} {deadline} {to_ms(tick)}",
+            max(deadline - to_ms(self.singleton_now()), 0) + _LATE_NOTE_MARGIN_MS)
 
     def _wait_for_late_run(self, entry: Any, tick: dt.datetime,
                            record: Mapping[str, str]) -> bool:
@@ -382,6 +387,15 @@ class Overlap:
         if to_ms(self.singleton_now()) >= wait.deadline:
             return False
         self._late_waits[entry.name] = wait
+        try:
+            # this tick goes late in turn, maybe after the next one's time: whichever
+            # beat decides that one waits for this one's run (until its own lateness
+            # is noted, at the send, it waits at most until the tick after it)
+            self._write_note(entry, wait.cap, wait.cap, tick)
+        except redis.RedisError as exc:
+            logger.warning("Beat entry %r tick %s waits for a late run and that could not "
+                           "be noted (%s, %r): the next tick may be sent into its run",
+                           entry.name, tick_name(tick), redis_failure(exc), exc)
         self.scheduler.singleton_stats["waited_for_late_run"] += 1
         logger.info("Beat entry %r tick %s waits: the run of the tick before it, sent %.2f s "
                     "late, %s; this tick is sent when that run ends, skipped if it still "
@@ -389,6 +403,17 @@ class Overlap:
                     "still runs" if wait.started else "has not started yet",
                     tick_name(from_ms(wait.deadline)))
         return True
+
+    def _decided_against(self, wait: _LateWait) -> None:
+        """A waiting tick skipped: its run marker says so, so the tick after it
+        (noted to wait for its run) does not wait for a run that never comes."""
+        key = run_key(get_config(self.scheduler.app).key_prefix, wait.entry.name, wait.tick)
+        try:
+            engine_for(self.scheduler.app).write(key, "skipped by the beat", RUN_MARKER_TTL_MS)
+        except redis.RedisError as exc:
+            logger.warning("Beat entry %r tick %s: its skip could not be noted (%s, %r): the "
+                           "next tick waits for its run until the tick after", wait.entry.name,
+                           tick_name(wait.tick), redis_failure(exc), exc)
 
     def _holder(self, entry: Any) -> Optional[Mapping[str, str]]:
         """The owner record of the entry's run's key; {} when free; None when
@@ -431,6 +456,7 @@ class Overlap:
                        "the previous run has not started")
                 logger.info("Beat entry %r tick %s skipped: %s (waited for it until %s)",
                             name, tick_name(wait.tick), why, tick_name(from_ms(wait.deadline)))
+                self._decided_against(wait)
                 continue
             logger.info("Beat entry %r tick %s sent: the late run before it ended", name,
                         tick_name(wait.tick))

@@ -725,22 +725,24 @@ class LateTick:
         """The beat's loop once, ``seconds`` after ``t0``: every tick sent so far."""
         return virtual_look(self.beat, self.t0, seconds)
 
-    def grant(self, seconds: float, marker: bool = True) -> None:
-        """``t0``'s run takes the key ``seconds`` after ``t0`` (exec-0, run-0);
-        ``marker``: and writes the tick's run marker, as a worker does."""
+    def grant(self, seconds: float, marker: bool = True, n: int = 0) -> None:
+        """The run of tick ``n`` (``t0`` + n periods) takes the key ``seconds``
+        after ``t0`` (exec-n, run-n); ``marker``: and writes the tick's run
+        marker, as a worker does."""
         from tests.support import write_owner
 
         assert self.engine.acquire(self.keys, Request(
-            task_id="run-0", exec_id="exec-0", lease=Lease.of_ms(60_000),
+            task_id=f"run-{n}", exec_id=f"exec-{n}", lease=Lease.of_ms(60_000),
             hostname="w1@slow", task_name="t.tick_hold")).token > 0
         started = self.t0 + dt.timedelta(seconds=seconds)
         write_owner(self.engine.client, self.keys.lock, at=int(started.timestamp() * 1_000_000))
+        tick = self.t0 + n * dt.timedelta(seconds=10)
         assert not marker or claim_tick_run(self.engine, get_config(self.app).key_prefix, {
-            "singleton_beat_entry": self.name, "singleton_beat_tick": tick_name(self.t0),
-            "id": "run-0"})
+            "singleton_beat_entry": self.name, "singleton_beat_tick": tick_name(tick),
+            "id": f"run-{n}"})
 
-    def end(self) -> None:
-        assert self.engine.release(self.keys, "exec-0", "run-0") is True
+    def end(self, n: int = 0) -> None:
+        assert self.engine.release(self.keys, f"exec-{n}", f"run-{n}") is True
 
     @property
     def stats(self) -> Counter[str]:
@@ -797,6 +799,10 @@ def test_a_tick_waiting_for_a_late_run_is_skipped_if_that_run_outlasts_the_wait(
         "runs (waited for it until" in caplog.text, caplog.text
     assert engine.release(keys, "exec-0", "run-0") is True
     assert look(14.0) == [t0]
+    # the tick after the skipped one, noted to wait for its run, does not: the
+    # skip left the skipped tick's run marker
+    assert look(20.05) == [t0, t0 + dt.timedelta(seconds=20)]
+    assert beat.singleton_stats["waited_for_late_run"] == 1, beat.singleton_stats
 
 
 def test_a_late_ticks_run_a_worker_had_not_started_by_the_next_tick_costs_that_tick_nothing(
@@ -926,6 +932,35 @@ def test_a_late_note_redis_cannot_read_leaves_the_tick_decided_as_without_one(re
     finally:
         del scene.engine.read
     assert scene.stats["waited_for_late_run"] == 0, scene.stats
+
+
+def test_a_waiting_tick_sent_after_the_next_ticks_time_is_waited_for_by_that_tick(
+        redis_server):
+    """The tick after a late one waits for the late run and goes late in turn,
+    here past the next tick's time (its beat looked again only then), while
+    another beat decided that next tick first: that one waits for the
+    waiting tick's run (noted when the waiting began), and is sent once that
+    run ended. (Sent at once, it met the waiting tick's run at the workers.)"""
+    scene = LateTick(redis_server)
+    t0, step = scene.t0, dt.timedelta(seconds=10)
+    other = NotingScheduler(app=scene.app)
+    other.sent = []
+
+    def other_looks(seconds: float) -> list[dt.datetime]:
+        return virtual_look(other, t0, seconds)
+
+    scene.grant(3.0)
+    assert scene.look(10.05) == [t0]  # t0 + 10 waits for t0's run (until 13 s)
+    scene.end()  # at 12 s, say; this beat looks again only at 20.3 s
+    assert other_looks(20.05) == []  # t0 + 20: claimed, waits for t0 + 10's run
+    assert other.singleton_stats["waited_for_late_run"] == 1, other.singleton_stats
+    assert scene.look(20.3) == [t0, t0 + step]  # sent late, past t0 + 20's time
+    scene.grant(20.4, n=1)
+    assert other_looks(20.8) == []
+    scene.end(n=1)
+    assert other_looks(21.4) == [t0 + 2 * step]
+    skipped = scene.stats["overlap_skipped"] + other.singleton_stats["overlap_skipped"]
+    assert skipped == 0, (scene.stats, other.singleton_stats)
 
 
 def test_a_late_ticks_run_that_never_starts_holds_the_next_tick_until_the_one_after(
