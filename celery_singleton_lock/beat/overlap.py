@@ -304,11 +304,11 @@ class Overlap:
 
     # -- skip: a tick after a late one ----------------------------------------------
 
-    def note_if_late(self, entry: Any, tick: dt.datetime) -> None:
-        """After sending ``tick`` more than :data:`LATE_SEND` late, under
-        ``skip``: note for the tick after it how late this one went, in
+    def note_if_late(self, entry: Any, tick: dt.datetime) -> bool:
+        """Before sending ``tick`` more than :data:`LATE_SEND` late, under
+        ``skip``: note for the tick after it how late this one goes, in
         ``<entry>:late`` = ``<next tick ms> <next tick ms + lateness ms> <this
-        tick ms>``.
+        tick ms>``. True when noted (:meth:`unnote` if the send fails).
 
         The first tick after a start or a restart is sent when the beat comes
         up, anywhere in its period; its run may then still run at the next
@@ -316,21 +316,35 @@ class Overlap:
         have ended by then. Each beat decides the next tick from this note,
         whichever beat sent the late one (one ``SET`` per late send)."""
         if self.mode_of(entry) != "skip":
-            return
+            return False
         now = self.singleton_now()
         late_ms = to_ms(now) - to_ms(tick)
         if late_ms <= LATE_SEND * 1000 or self._task_keys(entry) is None:
-            return
+            return False
         following = tick_after(entry.schedule, tick)
         if following is None:
-            return
+            return False
         try:
             self._write_note(entry, to_ms(following), to_ms(following) + late_ms, tick)
+            return True
         except redis.RedisError as exc:
-            logger.warning("Beat entry %r tick %s was sent %.2f s late and that could not be "
+            logger.warning("Beat entry %r tick %s goes %.2f s late and that could not be "
                            "noted (%s, %r): if its run still runs at the next tick, that one "
                            "is skipped", entry.name, tick_name(tick), late_ms / 1000,
                            redis_failure(exc), exc)
+            return False
+
+    def unnote(self, entry: Any, tick: dt.datetime) -> None:
+        """``tick`` was noted late but not sent after all (the send failed, or a
+        queue-scoped task refused it): the tick after it waits for nothing."""
+        try:
+            engine_for(self.scheduler.app).take(
+                late_key(get_config(self.scheduler.app).key_prefix, entry.name))
+        except redis.RedisError as exc:
+            logger.warning("Beat entry %r tick %s was not sent and its late note could not "
+                           "be taken back (%s, %r): the next tick waits for its run until "
+                           "the tick after", entry.name, tick_name(tick), redis_failure(exc),
+                           exc)
 
     def _write_note(self, entry: Any, following: int, deadline: int, tick: dt.datetime) -> None:
         """``<entry>:late`` = ``following deadline tick``: the tick at

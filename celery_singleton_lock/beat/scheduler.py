@@ -158,6 +158,7 @@ class SingletonSchedulerMixin:
         self._done: dict[str, dt.datetime] = {}  # last tick decided here, per entry
         self._due: dict[str, dt.datetime] = {}  # tick is_due found, for apply_entry
         self._sending: dict[str, dt.datetime] = {}  # tick being sent, for apply_async
+        self._went: set[str] = set()  # entries whose tick being sent went out
         self.overlap = Overlap(self)
         super().__init__(*args, **kwargs)
 
@@ -354,15 +355,20 @@ class SingletonSchedulerMixin:
                         entry.name, tick_name(tick), getattr(result, "reason", ""))
         else:
             self.singleton_stats["sent"] += 1
+            self._went.add(entry.name)
         return result
 
     def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
+        # noted before the send: a beat deciding the next tick meanwhile sees it
+        noted = self.overlap.note_if_late(entry, tick)
         self._sending[entry.name] = tick
+        self._went.discard(entry.name)
         try:
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         finally:
             self._sending.pop(entry.name, None)
-        self.overlap.note_if_late(entry, tick)
+            if noted and entry.name not in self._went:
+                self.overlap.unnote(entry, tick)  # not sent after all: nothing to wait for
 
     def _still_due(self, entry: Any, tick: dt.datetime) -> bool:
         """The entry's own rules once more, after the claim, on its stored state

@@ -24,10 +24,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import pytest
 import redis
+from celery.beat import Scheduler
 from celery.schedules import crontab, schedule
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.beat.scheduler import BeatConfig, beat_config
+from celery_singleton_lock.beat.scheduler import BeatConfig, SingletonSchedulerMixin, beat_config
 from celery_singleton_lock.beat.ticks import (
     buffer_key,
     claim_key,
@@ -684,11 +685,33 @@ def test_a_buffered_tick_older_than_a_tick_decided_since_is_dropped_not_sent(red
 
 
 class NotingScheduler(promises.VirtualScheduler):  # type: ignore[misc]
-    """The virtual-clock beat, noting a late send as a real send does."""
+    """The virtual-clock beat, noting a late send (before it) as a real send does."""
 
     def _send(self, entry: Any, tick: dt.datetime, producer: Any) -> None:
-        super()._send(entry, tick, producer)
         self.overlap.note_if_late(entry, tick)
+        super()._send(entry, tick, producer)
+
+
+class SendingScheduler(SingletonSchedulerMixin, Scheduler):  # type: ignore[misc]
+    """The mixin over Celery's in-memory scheduler on a virtual clock, sending
+    for real (through the app's broker, the test Redis); ``during_send`` runs
+    inside each send, before the message goes."""
+
+    clock: dt.datetime
+    sent: list[tuple[str, dt.datetime, str]]
+
+    def singleton_now(self) -> dt.datetime:
+        return self.clock
+
+    def during_send(self) -> None:
+        pass
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True,
+                    **kwargs: Any) -> Any:
+        self.during_send()
+        result = super().apply_async(entry, producer, advance, **kwargs)
+        self.sent.append((entry.name, self._sending[entry.name], self.beat_id))
+        return result
 
 
 def virtual_look(beat: Any, t0: dt.datetime, seconds: float) -> list[dt.datetime]:
@@ -961,6 +984,52 @@ def test_a_waiting_tick_sent_after_the_next_ticks_time_is_waited_for_by_that_tic
     assert other_looks(21.4) == [t0 + 2 * step]
     skipped = scene.stats["overlap_skipped"] + other.singleton_stats["overlap_skipped"]
     assert skipped == 0, (scene.stats, other.singleton_stats)
+
+
+def test_a_beat_deciding_the_next_tick_while_the_late_one_is_sent_finds_its_note(
+        redis_server):
+    """The late note is written before the late tick's message goes: a beat
+    that decides the next tick while that send is under way (right at the
+    next tick's time) finds it, and waits for the late run instead of
+    sending into it. (Written after the send, the note came too late for
+    it.) The late beat sends for real, through the app's broker."""
+    from tests.beatapp import make_beat_app
+
+    key, name = uuid.uuid4().hex, f"edge-{uuid.uuid4().hex[:8]}"
+    app = make_beat_app(redis_server.url(), f"unused-{key[:8]}", schedule={
+        name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
+    t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
+    late, other = SendingScheduler(app=app), NotingScheduler(app=app)
+    late.sent, other.sent = [], []
+    seen: list[list[dt.datetime]] = []
+    late.during_send = lambda: seen.append(virtual_look(other, t0, 10.01))  # type: ignore[method-assign]
+    assert virtual_look(late, t0, 9.98) == [t0]  # the beat came up 9.98 s late
+    assert seen == [[]], seen  # the next tick, decided meanwhile, was not sent
+    assert other.singleton_stats["waited_for_late_run"] == 1, other.singleton_stats
+
+
+def test_a_late_tick_whose_send_failed_leaves_the_next_tick_nothing_to_wait_for(
+        redis_server):
+    """The late note goes before the send; when the send then fails (the
+    broker refused it, logged by Celery), the note is taken back: the next
+    tick is sent at its time, not held for a run that never comes."""
+    from tests.beatapp import make_beat_app
+
+    key, name = uuid.uuid4().hex, f"edge-{uuid.uuid4().hex[:8]}"
+    app = make_beat_app(redis_server.url(), f"unused-{key[:8]}", schedule={
+        name: {"task": "t.tick_hold", "every": 10, "kwargs": {"key": key}}})
+    t0 = dt.datetime(2030, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
+    late, other = SendingScheduler(app=app), NotingScheduler(app=app)
+    late.sent, other.sent = [], []
+
+    def refused() -> None:
+        raise OSError("the broker refused the message")
+
+    late.during_send = refused  # type: ignore[method-assign]
+    assert virtual_look(late, t0, 3.0) == []  # the late tick: noted, its send failed
+    assert engine_for(app).read(late_key(get_config(app).key_prefix, name)) is None
+    assert virtual_look(other, t0, 10.05) == [t0 + dt.timedelta(seconds=10)]
+    assert other.singleton_stats["waited_for_late_run"] == 0, other.singleton_stats
 
 
 def test_a_late_ticks_run_that_never_starts_holds_the_next_tick_until_the_one_after(
