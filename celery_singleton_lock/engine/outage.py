@@ -298,17 +298,25 @@ class Outage:
                 if not self._owed:
                     return True
                 owed = self._owed[0]
+            error: Optional[Exception] = None
             try:
                 reply, _ = self._call(owed.script, owed.keys, owed.args)
                 if owed.twice:
                     reply, _ = self._call(owed.script, owed.keys, owed.args)
             except redis.RedisError as exc:
-                logger.debug("An owed lock call failed again: %r", exc)
-                return False
+                if owed_on(exc):
+                    logger.debug("An owed lock call failed again: %r", exc)
+                    return False
+                # the server answers and refuses this call for good (no failover's
+                # answer: a full Redis, a denied command): told, not sent again,
+                # so the outage ends (its key frees when its TTL runs out)
+                logger.warning("A lock call owed to %s was refused: %s", self._name(),
+                               describe(exc))
+                reply, error = None, exc
             with self._mutex:
                 self._owed.remove(owed)
             if owed.answered is not None:
                 try:
-                    owed.answered(reply, None, True)
+                    owed.answered(reply, error, True)
                 except Exception:
                     logger.exception("Handling a lock reply failed")

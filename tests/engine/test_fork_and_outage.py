@@ -25,6 +25,7 @@ from celery import Celery
 
 from celery_singleton_lock import SingletonConfig, SingletonTask
 from celery_singleton_lock.engine.outage import (
+    Owed,
     RedisUnanswered,
     failing_over,
     owed_on,
@@ -380,6 +381,47 @@ def test_an_outage_with_calls_owed_is_given_up_five_times_later_and_they_are_tol
         assert not isinstance(again.value, RedisUnanswered), "not tried for real"
     finally:
         engine.close()
+
+
+def test_an_owed_call_the_server_refuses_for_good_is_told_and_ends_the_outage(
+        own_redis: RedisServer):
+    """An owed call that the server, answering again, refuses with an error no
+    failover gives (a full Redis, a denied command, a script's error: here
+    WRONGTYPE) is told that error and not sent again: the outage ends, and
+    calls go through. (It was kept, and the outage with it, for as long as
+    the process lived: every lock call failed at once against a live server.)"""
+    import hashlib
+
+    from celery_singleton_lock.engine.scripts import Script
+    from celery_singleton_lock.engine.wire import Wire
+
+    def script(name: str, src: str) -> Script:
+        return Script(name, src, hashlib.sha1(src.encode()).hexdigest())
+
+    refused = script("refused", "return redis.error_reply('WRONGTYPE Operation against a "
+                                "key holding the wrong kind of value')")
+    echo = script("echo", "return ARGV[1]")
+    wire = Wire(redis.Redis(port=own_redis.port, decode_responses=True, socket_timeout=2),
+                (refused, echo))
+    try:
+        assert wire.call(echo, [], ["before"]) == ("before", False)
+        told: list[tuple[Any, Any]] = []
+        answered = threading.Event()
+
+        def tell(reply: Any, error: Any, repeated: bool) -> None:
+            told.append((reply, error))
+            answered.set()
+
+        wire.outage.begin(redis.TimeoutError("no reply"), Owed(refused, [uuid.uuid4().hex], [],
+                                                               tell))
+        assert answered.wait(30), "the refused call was never told"
+        ((reply, error),) = told
+        assert reply is None and "WRONGTYPE" in str(error), told
+        wait_for(lambda: not wire.outage.down, 10, what="the outage to end")
+        assert wire.outage.owed == 0
+        assert wire.call(echo, [], ["after"]) == ("after", False)
+    finally:
+        wire.close()
 
 
 @pytest.mark.parametrize("error,unanswered,over", [
