@@ -13,10 +13,12 @@ After those, each way of calling (a call, one with a command before and
 after, several at once, one whose reply is read later) when something goes
 wrong between the write and its reply: a server that lost its scripts, a
 reply lost with its connection, a connection the server closed, a server
-that refuses, freezes or was demoted, a call interrupted. Whether each call
-is sent again, kept for when the server answers, or told, and whether it is
-told it was repeated. A script that counts its runs in its key shows what
-the server ran.
+that refuses, freezes or was demoted, a call interrupted (between its
+reads, or as its connection connects), an outage begun by another thread,
+a Sentinel primary frozen and replaced. Whether each call is sent again,
+kept for when the server answers, or told, and whether it is told it was
+repeated. A script that counts its runs in its key shows what the server
+ran.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_singleton_lock import SingletonConfig
-from celery_singleton_lock.engine.commands import COMMANDS
+from celery_singleton_lock.engine.commands import COMMANDS, GRANT
 from celery_singleton_lock.engine.outage import RedisUnanswered
 from celery_singleton_lock.engine.registry import connect
 from celery_singleton_lock.engine.replies import Acquire
@@ -43,6 +45,7 @@ from celery_singleton_lock.engine.scripts import Script
 from celery_singleton_lock.engine.server import LockEngine
 from celery_singleton_lock.engine.wire import Wire
 from celery_singleton_lock.keys import LockKeys
+from tests.deployments import SentinelGroup
 from tests.support import RedisServer, ReplyDroppingProxy, free_port, wait_for
 
 
@@ -720,3 +723,332 @@ def test_a_call_whose_connection_breaks_twice_is_not_sent_a_third_time(
     finally:
         wire.close()
         proxy.close()
+
+
+class InterruptedConnect(redis.connection.Connection):
+    """A connection interrupted as it connects (``interrupt``): after the
+    wire's connect callback wrote its ``SCRIPT LOAD`` commands and ``TIME``,
+    before it read their replies. redis-py leaves such a connection open (it
+    closes one only on an error of its own, and runs the callbacks outside
+    that), with those replies unread."""
+
+    interrupt = False
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        super().send_command(*args, **kwargs)
+        if InterruptedConnect.interrupt and str(args[0]).upper() == "TIME":
+            InterruptedConnect.interrupt = False
+            raise Interrupt()
+
+
+def test_a_call_interrupted_while_its_connection_connects_leaves_no_reply_to_the_next(
+        own_redis: RedisServer) -> None:
+    """A call (several at once, one, one sent without waiting) interrupted
+    while its connection connects, its replies of the connect still unread:
+    the connection is closed, never reused as it is, so the next call
+    connects anew and gets its own reply, not the connect's. Nothing was
+    owed on it: nothing is told, nothing counted as discarded."""
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        connection_class=InterruptedConnect, port=own_redis.port, decode_responses=True,
+        socket_timeout=5))
+    wire = Wire(client, (ECHO, COUNT))
+    told = Told()
+    calls = (lambda: wire.call_many(ECHO, [([], ["a"]), ([], ["b"])]),
+             lambda: wire.call(ECHO, [], ["c"]),
+             lambda: wire.call_later(ECHO, [], ["d"], told))
+    try:
+        for call in calls:
+            InterruptedConnect.interrupt = True
+            with pytest.raises(Interrupt):
+                call()
+            assert not InterruptedConnect.interrupt
+        assert wire.call_many(ECHO, [([], ["e"]), ([], ["f"])]) == (["e", "f"], None)
+        assert wire.call(ECHO, [], ["g"]) == ("g", False)
+        assert told.got == [] and wire.unsettled == 0
+        assert wire.connections == 1 and wire.discarded == 0 and not wire.down
+        _in_step(wire)
+    finally:
+        InterruptedConnect.interrupt = False
+        wire.close()
+
+
+def test_settling_with_a_frozen_server_begins_the_outage(own_redis: RedisServer) -> None:
+    """``settle`` reads the reply of a call sent without waiting (not a
+    release) from a frozen server (SIGSTOP): none comes within the socket
+    timeout. The call is told so (it may yet run), and the outage begins
+    there, though no call of the wire's own was waiting: the next call fails
+    at once, not sent, instead of waiting out a timeout of its own."""
+    admin = own_redis.client()
+    key, other = (f"count:{uuid.uuid4().hex}" for _ in range(2))
+    wire = _counting_wire(own_redis.port, timeout=0.5)
+    try:
+        assert wire.call(ECHO, [], ["connect"]) == ("connect", False)
+        own_redis.pause()
+        try:
+            told = Told()
+            wire.call_later(COUNT, [key], [], told)
+            wire.settle()
+            ((reply, error, repeated),) = told.got
+            assert reply is None and isinstance(error, redis.TimeoutError) and repeated
+            assert wire.down and wire.outage.owed == 0 and wire.unsettled == 0
+            with pytest.raises(RedisUnanswered):
+                wire.call(COUNT, [other], [])
+        finally:
+            own_redis.resume()
+        wait_for(lambda: not wire.down, 10, what="the probe to hear the server")
+        assert admin.get(key) in (None, "1") and admin.get(other) is None  # never sent again
+        assert wire.call(COUNT, [other], []) == (1, False) and len(told.got) == 1
+        assert wire.discarded == 0
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def test_settle_reads_nothing_while_an_outage_is_on(own_redis: RedisServer) -> None:
+    """A call sent without waiting to a frozen server (SIGSTOP), then an
+    outage begun elsewhere on the wire: here the first deadline of a user
+    not allowed ``TIME``, which connects anew and gets no reply in time.
+    ``settle`` then reads nothing (it would wait out a timeout on a server
+    known not to answer): the call stays owed, untold, and is read once the
+    server answers again, told its reply then."""
+    admin = own_redis.client()
+    admin.execute_command("ACL", "SETUSER", "notime", "on", ">pw", "~*", "+@all", "-time")
+    key = f"count:{uuid.uuid4().hex}"
+    wire = Wire(redis.Redis(port=own_redis.port, username="notime", password="pw",
+                            decode_responses=True, socket_timeout=0.5), (COUNT,))
+    try:
+        assert wire.call(COUNT, [key], []) == (1, False) and not wire.clock.known
+        told = Told()
+        own_redis.pause()
+        try:
+            wire.call_later(COUNT, [key], [], told)
+            with pytest.raises(redis.TimeoutError):
+                wire.deadline_ms()
+            # a connection of its own: the first one still owes the reply
+            assert wire.down and wire.unsettled == 1 and wire.connections == 2
+            wire.settle()
+            assert told.got == [] and wire.unsettled == 1
+        finally:
+            own_redis.resume()
+        wait_for(lambda: not wire.down, 10, what="the probe to hear the server")
+        wire.settle()
+        assert told.got == [(2, None, False)] and admin.get(key) == "2"
+        assert wire.unsettled == 0 and wire.discarded == 0 and wire.connections == 2
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def test_commands_of_their_own_writer_are_written_from_their_keys(
+        own_redis: RedisServer) -> None:
+    """A call of plain commands that writes itself from its KEYS and ARGV (the
+    native grant: the lock, its fencing counter and its finish marker) gets
+    its keys: the lock is taken, the counter set, one reply read for each."""
+    admin = own_redis.client()
+    lock, fence, fin = (f"grant:{uuid.uuid4().hex}" for _ in range(3))
+    wire = _counting_wire(own_redis.port)
+    try:
+        (held, ttl, counter, finished, clock), repeated = wire.call(
+            GRANT, [lock, fence, fin], ["record", 30_000, 7, 60_000])
+        assert (held, counter, finished, repeated) == (None, None, None, False)
+        assert 0 < ttl <= 30_000 and len(clock) == 2
+        assert admin.get(lock) == "record" and admin.get(fence) == "7"
+        assert wire.call(ECHO, [], ["next"]) == ("next", False)
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def test_a_user_not_allowed_script_load_calls_the_scripts_loaded_for_it(
+        own_redis: RedisServer) -> None:
+    """An ACL user allowed ``EVALSHA`` but not ``SCRIPT`` (the scripts loaded
+    for it by another user, at deploy time): each connect's ``SCRIPT LOAD``
+    is refused, which the wire passes over, reading the server's clock all
+    the same; its calls run the scripts there, the ways of calling each get
+    their own reply. Once the server loses them, a call says it may not load
+    them (``NOPERM``), and the next call is still in step."""
+    admin = own_redis.client()
+    for script in (COUNT, ECHO):
+        admin.script_load(script.source)
+    admin.execute_command("ACL", "SETUSER", "noload", "on", ">pw", "~*", "+@all", "-script")
+    key = f"count:{uuid.uuid4().hex}"
+    wire = Wire(redis.Redis(port=own_redis.port, username="noload", password="pw",
+                            decode_responses=True, socket_timeout=5), (COUNT, ECHO))
+    try:
+        assert wire.call(COUNT, [key], []) == (1, False)
+        assert wire.clock.known and wire.connections == 1
+        assert wire.call_many(COUNT, [([key], []), ([key], [])]) == ([2, 3], None)
+        told = Told()
+        wire.call_later(COUNT, [key], [], told)
+        wire.settle()
+        assert told.got == [(4, None, False)] and admin.get(key) == "4"
+        admin.script_flush()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            wire.call(COUNT, [key], [])
+        assert admin.get(key) == "4"
+        admin.script_load(COUNT.source)
+        assert wire.call(COUNT, [key], []) == (5, False)
+        assert wire.discarded == 0 and not wire.down
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+def test_a_command_sent_before_a_call_that_fails_is_logged_and_the_call_answered(
+        own_redis: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The command sent before a script in the same write (``ASKING`` after
+    an ASK redirection) answers with an error, the script normally: the call
+    gets its reply, and the failed command is logged, naming it."""
+    wire = _counting_wire(own_redis.port)
+    try:
+        with caplog.at_level("WARNING", logger="celery_singleton_lock"):
+            assert wire.call_with(ECHO, [], ["x"], before=("EVAL", FAIL.source, 0, "ERR no")
+                                  ) == ("x", False, None)
+        (record,) = caplog.records
+        assert record.levelname == "WARNING" and "EVAL" in record.getMessage()
+        assert wire.call(ECHO, [], ["y"]) == ("y", False)
+        _in_step(wire)
+    finally:
+        wire.close()
+
+
+#: a script that counts its runs in its key, and where it may not write (a
+#: replica) says so with an error that is no failover's (``ERR closed``)
+COUNT_OR_CLOSED = _script("count_or_closed",
+                          "local n = redis.pcall('INCR', KEYS[1]) "
+                          "if type(n) == 'table' and n.err then "
+                          "return redis.error_reply('ERR closed') end return n")
+
+
+class Held(redis.connection.Connection):
+    """A connection whose reply to the next write holding ``armed`` is held:
+    ``reached`` is set as its read begins, and it is read once ``go`` is."""
+
+    armed: Optional[bytes] = None
+    reached = threading.Event()
+    go = threading.Event()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hold = False
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        armed = Held.armed
+        if armed is not None and any(armed in bytes(item) for item in command):
+            Held.armed = None
+            self.hold = True
+        super().send_packed_command(command, check_health)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if self.hold:
+            self.hold = False
+            Held.reached.set()
+            assert Held.go.wait(30), "the held reply was never let go"
+        return super().read_response(*args, **kwargs)
+
+
+def test_a_release_sent_again_that_fails_while_another_threads_outage_begins_is_owed(
+        own_redis: RedisServer) -> None:
+    """A release sent without waiting answers NOSCRIPT, and the primary is
+    demoted; ``settle`` (in a thread of its own) sends it again. While it
+    waits for that reply, another thread's call begins an outage (the
+    engine owes the undo of a grant that got no reply; the demoted server
+    refuses it, READONLY: the outage stays on). The release's reply is an
+    error that is no failover's: it is owed all the same, kept behind the
+    undo rather than told the error, since the outage is on. Once the
+    server takes writes again, both are sent, and the release is told its
+    reply as a repeat."""
+    admin = own_redis.client()
+    undo_key, release_key = (f"count:{uuid.uuid4().hex}" for _ in range(2))
+    Held.armed, Held.reached, Held.go = None, threading.Event(), threading.Event()
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        connection_class=Held, port=own_redis.port, decode_responses=True, socket_timeout=5))
+    wire = Wire(client, (ECHO, COUNT, COUNT_OR_CLOSED))
+    settling: Optional[threading.Thread] = None
+    try:
+        assert wire.call(ECHO, [], ["connect"]) == ("connect", False)
+        admin.script_flush()
+        told = Told()
+        wire.call_later(COUNT_OR_CLOSED, [release_key], [], told, owe=True)
+        admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        Held.armed = COUNT_OR_CLOSED.sha.encode()  # the release sent again, on a new connection
+        settling = threading.Thread(target=wire.settle, daemon=True)
+        settling.start()
+        assert Held.reached.wait(15), "the release was never sent again"
+        wire.owe(redis.ConnectionError("no reply"), COUNT, [undo_key], [])
+        assert wire.down
+        Held.go.set()
+        settling.join(15)
+        assert not settling.is_alive()
+        assert told.got == [] and wire.down and wire.outage.owed == 2
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+        assert told.told.wait(15), "the owed release was never sent"
+        assert told.got == [(1, None, True)] and admin.get(release_key) == "1"
+        assert admin.get(undo_key) == "2"  # the undo: sent twice
+        wait_for(lambda: not wire.down, 10, what="calls to go through again")
+        assert wire.call(ECHO, [], ["next"]) == ("next", False)
+        _in_step(wire)
+    finally:
+        Held.armed = None
+        Held.go.set()
+        if settling is not None:
+            settling.join(15)
+        wire.close()
+
+
+def test_a_sentinel_wire_reconnects_its_idle_connections_to_the_promoted_primary() -> None:
+    """A wire to a Sentinel-managed primary, holding two idle connections
+    (a call made while another's reply was being handled took one of its
+    own). The primary freezes (SIGSTOP): a call gets no reply, an outage
+    begins. The sentinels promote the replica; the probe, asking them where
+    the primary is on every try, hears it. Calls go through again, on
+    either connection: the one still open to the frozen old primary is
+    closed as the outage ends, and reconnects where the sentinels say. The
+    wire names the service and where it is."""
+    group = SentinelGroup().start()
+    frozen: Optional[RedisServer] = None
+    wire: Optional[Wire] = None
+    try:
+        sentinel = redis.Sentinel([("127.0.0.1", s.port) for s in group.sentinels],
+                                  socket_timeout=0.5)
+        wire = Wire(sentinel.master_for(group.master, socket_timeout=0.5,
+                                        decode_responses=True), (COUNT, ECHO))
+        assert wire.call(ECHO, [], ["connect"]) == ("connect", False)
+        assert wire.name.startswith(f"Sentinel primary {group.master!r} (127.0.0.1:")
+        inside: list[Any] = []
+        w = wire
+        wire.call_later(ECHO, [], ["first"],
+                        lambda *_: inside.append(w.call(ECHO, [], ["inside"])))
+        wire.settle()
+        assert inside == [("inside", False)] and wire.connections == 2
+        old_port = group.master_port()
+        assert old_port is not None
+        frozen = group.server_on(old_port)
+        frozen.pause()
+        key = f"count:{uuid.uuid4().hex}"
+        with pytest.raises(redis.TimeoutError):
+            wire.call(COUNT, [key], [])
+        assert wire.down
+        new_port = wait_for(lambda: (p := group.master_port()) not in (None, old_port) and p,
+                            30, interval=0.1, what="the sentinels to promote the replica")
+        promoted = group.server_on(int(new_port))
+        wait_for(lambda: promoted.client().info("replication")["role"] == "master", 30,
+                 what="the replica to take writes")
+        wait_for(lambda: not wire.down, 30, what="the probe to hear the promoted primary")
+        # the call whose reply is read takes the connection that timed out;
+        # the one made inside its handler, the other
+        inside.clear()
+        wire.call_later(ECHO, [], ["again"],
+                        lambda *_: inside.append(w.call(COUNT, [key], [])))
+        wire.settle()
+        assert inside == [(1, False)] and wire.connections == 2
+        assert wire.call_many(COUNT, [([key], []), ([key], [])]) == ([2, 3], None)
+        assert promoted.client().get(key) == "3"
+        assert wire.name == f"Sentinel primary {group.master!r} (127.0.0.1:{new_port})"
+        _in_step(wire)
+    finally:
+        if frozen is not None:
+            frozen.resume()
+        if wire is not None:
+            wire.close()
+        group.cleanup()
