@@ -20,8 +20,9 @@ docs/beat.md):
 Only the beat that won a tick's claim decides it. Waiting ticks are in Redis,
 so any beat sends them: every beat looks for the ones it does not hold.
 
-One idea: the overlap modes of an entry, each a few methods of one object
-that the scheduler owns and asks at every tick.
+Over 500 lines: one idea, the overlap modes of an entry, each a few methods
+of one object that the scheduler owns and asks at every tick; ``skip``'s
+waits for a late run (its notes, run markers and looks) are the largest.
 """
 
 from __future__ import annotations
