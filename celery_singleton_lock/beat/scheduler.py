@@ -23,7 +23,7 @@ Tick names, their keys and the worker's check that each tick runs once are in
 What a beat does with a tick whose previous run still runs (overlap modes,
 buffered ticks) is in :mod:`.overlap`.
 
-One idea: one idea, the scheduler mixin: the hooks of Celery's scheduler
+Over 500 lines: one idea, the scheduler mixin: the hooks of Celery's scheduler
 it takes over and the wrapped scheduler's entries whose rules and counts it
 keeps (django-celery-beat's rows among them); tick naming and the overlap modes
 are in their own modules.
