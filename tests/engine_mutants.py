@@ -47,7 +47,7 @@ MODULES: dict[str, list[str]] = {
                       "tests/engine/test_token_ties.py", "tests/engine/test_wait.py",
                       "tests/engine/test_restart_race.py", "tests/engine/test_native.py",
                       "tests/engine/test_fork_and_outage.py",
-                      "tests/engine/test_release_answer.py"],
+                      "tests/engine/test_release_answer.py", "tests/engine/test_kv_ops.py"],
     "engine/wire": ["tests/engine/test_wire_in_step.py", "tests/engine/test_reply_errors.py",
                     "tests/engine/test_link.py", "tests/engine/test_fork_and_outage.py",
                     "tests/engine/test_clock_drift.py", "tests/engine/test_sentinel.py"],

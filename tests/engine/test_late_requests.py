@@ -14,6 +14,7 @@ grant is set to expire at the deadline, so Redis drops it at once).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -221,14 +222,11 @@ def test_a_refusal_by_a_server_whose_clock_was_set_forward_is_sent_again(setup) 
     assert engine.release(keys, "e-again", "again") is True
 
 
-def test_a_grant_whose_reply_never_came_is_waited_for_not_skipped_against(setup) -> None:
-    """The request reaches the server and is granted, but its reply is held in
-    the path: its caller gives up. The grant lives only until the request's
-    deadline (its holder never confirms it), and another execution meeting
-    it waits for it to be decided instead of being skipped against a holder
-    that never runs: it gets the key once the grant has expired by itself
-    (before: the key was held for the whole lease, here a minute, and every
-    duplicate meanwhile was skipped)."""
+def _granted_unheard(setup: Any, task_id: str
+                     ) -> tuple[LockKeys, Any, threading.Thread, list[BaseException]]:
+    """A request for a new key, granted at the server while its reply is held
+    in the path (its caller, in a thread, still waiting for it). (The key,
+    another engine on the server, the asking thread, what it raised.)"""
     server, relay, engine = setup
     warm = LockKeys("singleton:", uuid.uuid4().hex)
     assert _take(engine, warm, "warm").status is Acquire.GRANTED
@@ -240,21 +238,49 @@ def test_a_grant_whose_reply_never_came_is_waited_for_not_skipped_against(setup)
 
     def ask() -> None:
         try:
-            _take(engine, keys, "unheard")
+            _take(engine, keys, task_id)
         except BaseException as exc:
             unheard.append(exc)
 
     asking = threading.Thread(target=ask)
     asking.start()
-    # granted at the server while its caller still waits for the reply
     wait_for(lambda: server.client().get(keys.lock) is not None, 10, interval=0.005,
              what="the grant at the server")
+    return keys, other, asking, unheard
+
+
+def test_a_grant_whose_reply_never_came_is_waited_for_not_skipped_against(setup) -> None:
+    """The request reaches the server and is granted, but its reply is held in
+    the path: its caller gives up. The grant lives only until the request's
+    deadline (its holder never confirms it), and another execution meeting
+    it waits for it to be decided instead of being skipped against a holder
+    that never runs: it gets the key once the grant has expired by itself
+    (before: the key was held for the whole lease, here a minute, and every
+    duplicate meanwhile was skipped)."""
+    keys, other, asking, unheard = _granted_unheard(setup, "unheard")
     got = _take(other, keys, "next")
     asking.join(10)
     assert [type(e) for e in unheard] == [redis.TimeoutError]  # its caller gave up
     assert got.status is Acquire.GRANTED, got
     assert other.release(keys, "e-next", "next") is True
     other.close()
+
+
+@contextlib.contextmanager
+def _confirmation_held(engine: LockEngine, relay: DelayRelay) -> Iterator[None]:
+    """From the engine's next call sent without waiting (a grant's
+    confirmation) on, the path holds everything sent to the server."""
+    send_later = engine.wire.call_later
+
+    def held_up(*args: Any, **kw: Any) -> Any:
+        relay.hold()
+        return send_later(*args, **kw)
+
+    engine.wire.call_later = held_up  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        engine.wire.call_later = send_later  # type: ignore[method-assign]
 
 
 def _holder(keys: LockKeys, task_id: str, answer: Any, started: float) -> SingletonLock:
@@ -301,18 +327,9 @@ def test_a_grant_whose_confirmation_is_held_up_is_in_doubt_before_redis_frees_it
     assert _take(engine, warm, "warm").status is Acquire.GRANTED
     assert engine.release(warm, "e-warm", "warm") is True
     keys = LockKeys("singleton:", uuid.uuid4().hex)
-    send_later = engine.wire.call_later
-
-    def held_up(*args: Any, **kw: Any) -> Any:
-        relay.hold()  # from the confirmation on, nothing reaches the server
-        return send_later(*args, **kw)
-
-    engine.wire.call_later = held_up  # type: ignore[method-assign]
-    try:
+    with _confirmation_held(engine, relay):
         started = time.monotonic()
         lock = _holder(keys, "first", _take(engine, keys, "first"), started)
-    finally:
-        engine.wire.call_later = send_later  # type: ignore[method-assign]
     assert relay.held and lock.confirming
     wait_for(lambda: not server.client().exists(keys.lock), 10, interval=0.01,
              what="the unconfirmed grant freed by Redis")
@@ -373,3 +390,81 @@ def _asleep(hb: Heartbeat) -> bool:
     to read, no read of replies planned."""
     return (hb._sleeping is not None and hb._settle_at is None
             and not hb.engine.wire.unsettled)
+
+
+def test_a_slot_whose_confirmation_is_held_up_is_freed_by_redis(setup) -> None:
+    """``singleton_limit`` (acquire_slots.lua, on every path): a slot granted
+    in time whose confirmation is held in the path lives, as a plain grant
+    does, until its request's deadline and one more wait, not its whole lease
+    (here a minute): Redis frees it, and another execution takes that slot."""
+    server, relay, engine = setup
+    warm = LockKeys("singleton:", uuid.uuid4().hex)  # the server's clock heard first
+    assert _take(engine, warm, "warm", slots=2).status is Acquire.GRANTED
+    engine.settle()
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    with _confirmation_held(engine, relay):
+        got = _take(engine, keys, "first", slots=2)
+    assert (got.status, got.slot) == (Acquire.GRANTED, 1), got
+    assert relay.held and got.confirmation is not None
+    assert server.client().pttl(keys.lock) <= 2 * BUDGET * 1000
+    wait_for(lambda: not server.client().exists(keys.lock), 10, interval=0.01,
+             what="the unconfirmed slot freed by Redis")
+    other = connect(dataclasses.replace(engine.config, redis_url=server.url(0)))
+    try:
+        again = _take(other, keys, "second", slots=2)
+        assert (again.status, again.slot) == (Acquire.GRANTED, 1), again
+        other.settle()
+        assert server.client().pttl(keys.lock) > 2 * BUDGET * 1000
+    finally:
+        relay.let_through()
+        other.close()
+
+
+def test_a_refusal_is_confirmed_nothing_and_carries_no_confirmation(setup) -> None:
+    """A grant asked for with a deadline is confirmed right after it (sent
+    without waiting, its reply owed to the process until read). A refusal is
+    no grant: nothing is sent after it, no reply is owed, and its answer
+    carries no confirmation for a holder to count on."""
+    _, _, engine = setup
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    held = _take(engine, keys, "held")
+    assert held.status is Acquire.GRANTED and held.confirmation is not None
+    assert engine.unsettled == 1  # the grant's confirmation, its reply not read yet
+    engine.settle()
+    assert engine.unsettled == 0
+    refused = _take(engine, keys, "refused")
+    assert refused.status is Acquire.HELD, refused
+    assert refused.confirmation is None
+    assert engine.unsettled == 0
+    assert engine.release(keys, "e-held", "held") is True
+
+
+@pytest.mark.parametrize("setup", ["redis-scripts", "valkey-scripts"], indirect=True)
+def test_a_grant_undone_after_its_reply_never_came_leaves_no_finish_for_a_copy(setup) -> None:
+    """The scripts' grant reaches the server but its reply is held in the
+    path: its caller gives up, and the engine owes its undo (release.lua),
+    sent once the server answers again. A redelivered copy of the task met
+    the grant meanwhile (SAME_TASK: it waits for the original, marked on the
+    record). The undo frees the key as a task that did not run, not one that
+    finished: no finish marker drops the copy, which takes the key when it
+    asks again. (The grant is kept past its window here, so the undo, not
+    Redis, is what frees it. The native path's undo deletes only the record
+    it wrote: one a copy marked is left to expire at its window.)"""
+    server, relay, _ = setup
+    admin = server.client()
+    keys, other, asking, unheard = _granted_unheard(setup, "t1")
+    try:
+        admin.pexpire(keys.lock, 60_000)
+        copy = Request("t1", "e-copy", Lease(60.0), "w@h", task_name="t.x", done=False)
+        assert other.acquire(keys, copy).status is Acquire.SAME_TASK
+        asking.join(10)
+        assert [type(e) for e in unheard] == [redis.TimeoutError]  # its caller gave up
+        relay.let_through()
+        wait_for(lambda: not admin.exists(keys.lock), 15, interval=0.01,
+                 what="the grant undone once the server answers")
+        assert not admin.exists(keys.fin)
+        assert other.acquire(keys, copy).status is Acquire.GRANTED
+        assert other.release(keys, "e-copy", "t1") is True
+    finally:
+        relay.let_through()
+        other.close()

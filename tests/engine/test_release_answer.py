@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -91,3 +91,39 @@ def test_a_release_after_the_lease_ran_out_is_false(setup: Setup) -> None:
     wait_for(lambda: server.client().get(keys.lock) is None, 10, interval=0.01,
              what="the lease to run out")
     assert engine.release(keys, "e-short", "t-short") is False
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["release", "release_later"])
+def test_a_release_recorded_always_leaves_a_finish_marker_though_no_copy_was_seen(
+        setup: Setup, later: bool) -> None:
+    """``always_record`` (a task acked late, whose redelivered copy may come
+    after its end): the finished task's release leaves the finish marker
+    though no copy of it was seen, on the path that granted it; without it
+    the release leaves none (no copy waited). ``done_ms``: the key stays done,
+    its marker naming the task and its id."""
+    server, _, engine = setup
+    got: list[tuple[object, object]] = []
+
+    def release(keys: LockKeys, exec_id: str, **kw: Any) -> None:
+        if later:
+            engine.release_later(keys, exec_id, f"t-{exec_id}",
+                                 lambda *answer: got.append(answer), **kw)
+            engine.settle()
+        else:
+            assert engine.release(keys, exec_id, f"t-{exec_id}", **kw) is True
+
+    plain, acked_late, done = (LockKeys("singleton:", uuid.uuid4().hex) for _ in range(3))
+    _take(engine, plain, "e-plain")
+    release(plain, "e-plain")
+    _take(engine, acked_late, "e-acked-late")
+    release(acked_late, "e-acked-late", always_record=True)
+    _take(engine, done, "e-done")
+    release(done, "e-done", done_ms=60_000, task_name="t.x")
+    client = server.client()
+    assert [client.get(k.lock) for k in (plain, acked_late, done)] == [None] * 3
+    assert client.get(plain.fin) is None
+    assert client.get(acked_late.fin) == "t-e-acked-late"
+    assert client.get(done.done) == "t.x\nt-e-done"
+    assert client.get(plain.done) is None and client.get(acked_late.done) is None
+    if later:
+        assert [error for _, error in got] == [None] * 3

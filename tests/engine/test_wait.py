@@ -386,3 +386,27 @@ def test_a_grant_wait_confirmed_is_confirmed_for_its_whole_lease(pair):
     engine.settle()
     assert primary.client(2).pttl(keys.lock) > 50_000
     assert owner_field(primary.client(2), keys.lock, "exec") == exec_id
+
+
+def test_a_doubtful_holder_left_waiting_on_wait_is_the_tasks_to_wait_for_once_waited_for(pair):
+    """A marked holder (its marker stays, as in the test above) whose lock was
+    not renewed in time either (it lives less than two thirds of its lease:
+    doubtful, a holder that may not be running) is looked at again for WAIT's
+    timeout and its margin; then the refusal is returned as it is, for the
+    task to wait for as for any doubtful holder (its policies), not
+    :class:`.UnconfirmedHolderError`."""
+    primary, _ = pair
+    keys = LockKeys("singleton:", uuid.uuid4().hex)
+    got = _plain(primary).acquire(keys, Request("t1", "e1", Lease.of_ms(60_000), "w1@host",
+                                                task_name="t.x"))
+    assert got.status is Acquire.GRANTED
+    admin = primary.client(2)
+    admin.pexpire(keys.lock, 30_000)  # not renewed when a third of its lease had passed
+    admin.set(keys.waiting("e1"), "e1", px=30_000)
+    waiting = _plain(primary, wait_replicas=1, wait_timeout=100)
+    refused = waiting.acquire(keys, Request("t9", "e9", Lease.of_ms(60_000), "w1@host",
+                                            task_name="t.x"))
+    assert refused.status is Acquire.HELD and refused.doubtful, refused
+    assert refused.holder is not None and refused.holder.exec_id == "e1"
+    assert admin.exists(keys.waiting("e1"))  # still marked: waited for, then left to the task
+    assert owner_field(admin, keys.lock, "exec") == "e1"
