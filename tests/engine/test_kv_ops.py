@@ -83,3 +83,25 @@ def test_a_script_runs_by_sha_even_where_it_was_never_loaded(engine: Engine) -> 
     assert engine.run_script(_TAKE, keys, ["", 30_000]) == -1  # nothing waits
     engine.write(keys[1], "1000", 30_000)
     assert engine.run_script(_TAKE, keys, ["", 30_000]) == 0  # another beat sent one
+
+
+def test_a_claim_is_won_once_kept_by_its_claimant_and_given_up_only_by_it(
+        engine: Engine) -> None:
+    """``claim`` (a beat's tick, a worker's run marker): the first claimant
+    wins, and wins again (its own retry); another is refused and told who
+    holds it; ``unclaim`` frees it for its holder only; a claim ends with its
+    TTL."""
+    key = f"singleton:kv:{uuid.uuid4().hex}"
+    assert engine.claim(key, "beat-a", 60_000) == (True, "beat-a")
+    assert engine.claim(key, "beat-a", 60_000) == (True, "beat-a")
+    assert engine.claim(key, "beat-b", 60_000) == (False, "beat-a")
+    assert engine.unclaim(key, "beat-b") is False and engine.read(key) == "beat-a"
+    assert engine.unclaim(key, "beat-a") is True and engine.read(key) is None
+    assert engine.claim(key, "beat-b", 60_000) == (True, "beat-b")
+    brief = f"singleton:kv:{uuid.uuid4().hex}"
+    assert engine.claim(brief, "beat-a", 1) == (True, "beat-a")
+    # a 1 ms TTL: gone on a read that comes after it (no sleep raced)
+    for _ in range(1000):
+        if engine.read(brief) is None:
+            break
+    assert engine.read(brief) is None
