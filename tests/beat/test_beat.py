@@ -767,6 +767,28 @@ class LateTick:
     def end(self, n: int = 0) -> None:
         assert self.engine.release(self.keys, f"exec-{n}", f"run-{n}") is True
 
+    @contextlib.contextmanager
+    def granted_after_the_next_look_at_the_key(self, seconds: float
+                                                ) -> Iterator[list[dict[str, str]]]:
+        """Within the block, ``t0``'s run takes the key (:meth:`grant`) right
+        after the beat's first look at it, which still finds it free; yields
+        what each look found."""
+        owner = self.engine.owner
+        looks: list[dict[str, str]] = []
+
+        def owner_then_grant(keys: Any) -> dict[str, str]:
+            record = owner(keys)
+            looks.append(record)
+            if len(looks) == 1:
+                self.grant(seconds)
+            return record
+
+        self.engine.owner = owner_then_grant
+        try:
+            yield looks
+        finally:
+            del self.engine.owner
+
     @property
     def stats(self) -> Counter[str]:
         return self.beat.singleton_stats  # type: ignore[no-any-return]
@@ -856,21 +878,8 @@ def test_a_late_ticks_run_granted_while_the_next_tick_looks_is_waited_for(redis_
     once and refused at the worker.)"""
     scene = LateTick(redis_server)
     t0, step = scene.t0, dt.timedelta(seconds=10)
-    owner = scene.engine.owner
-    looks: list[dict[str, str]] = []
-
-    def owner_then_grant(keys: Any) -> dict[str, str]:
-        record = owner(keys)
-        looks.append(record)
-        if len(looks) == 1:
-            scene.grant(10.06)  # just after this look at the key
-        return record
-
-    scene.engine.owner = owner_then_grant
-    try:
+    with scene.granted_after_the_next_look_at_the_key(10.06) as looks:
         assert scene.look(10.05) == [t0]
-    finally:
-        del scene.engine.owner
     assert looks[0] == {}, looks
     assert scene.stats["waited_for_late_run"] == 1, scene.stats
     assert scene.look(11.0) == [t0]
@@ -888,21 +897,8 @@ def test_a_late_ticks_run_granted_while_the_waiting_tick_looks_again_is_waited_f
     scene = LateTick(redis_server)
     t0, step = scene.t0, dt.timedelta(seconds=10)
     assert scene.look(10.05) == [t0]  # waits: not started
-    owner = scene.engine.owner
-    looks: list[dict[str, str]] = []
-
-    def owner_then_grant(keys: Any) -> dict[str, str]:
-        record = owner(keys)
-        looks.append(record)
-        if len(looks) == 1:
-            scene.grant(11.0)
-        return record
-
-    scene.engine.owner = owner_then_grant
-    try:
+    with scene.granted_after_the_next_look_at_the_key(11.0) as looks:
         assert scene.look(11.0) == [t0]
-    finally:
-        del scene.engine.owner
     assert looks[0] == {}, looks
     assert scene.look(11.5) == [t0]  # the run holds the key
     scene.end()
