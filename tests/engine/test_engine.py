@@ -1085,6 +1085,8 @@ def test_a_send_time_key_whose_reply_never_came_is_freed_once_redis_answers(redi
         assert marker_task(r.get(keys.queued))[1] == "q1"  # taken at the server
         wait_for(lambda: not r.exists(keys.queued), 10, interval=0.02,
                  what="the send-time key given back")
+        # the outage ends once every owed call went out: a moment after the undo ran
+        wait_for(lambda: not engine.wire.down, 10, interval=0.01, what="the outage to end")
         assert engine.enqueue(keys, "q2", "queue", 60_000).status is Enqueue.TAKEN
         engine.close()
     finally:
